@@ -1,0 +1,26 @@
+from setuptools import setup
+
+setup(
+    name="transformers-kimi3",
+    version="0.1.0",
+    description="Kimi K3 / Kimi Linear for Hugging Face Transformers: exact, fast, official checkpoints",
+    package_dir={"transformers_kimi3": "src/transformers_kimi3", "kimi3_kernels": "kernels/kimi3_kernels"},
+    packages=["transformers_kimi3", "kimi3_kernels", "kimi3_kernels.kda"],
+    package_data={"transformers_kimi3": ["*.jinja", "*.json"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=5.17,<6",
+        "accelerate>=1.10",
+        "safetensors>=0.5",
+        "huggingface_hub>=1.0",
+    ],
+    extras_require={
+        "triton": ["triton>=3.4"],
+        "fla": ["fla-core>=0.6"],
+        "vision": ["pillow>=10"],
+        "tokenizer": ["tiktoken>=0.9"],
+        "peft": ["peft>=0.17"],
+        "test": ["pytest>=8", "pytest-xdist>=3", "pillow>=10", "tiktoken>=0.9", "triton>=3.4", "peft>=0.17"],
+    },
+)
