@@ -1,1 +1,46 @@
-"""transformers-kimi3: Kimi K3 and Kimi Linear for Hugging Face Transformers."""
+"""transformers-kimi3: Kimi K3 and Kimi Linear for Hugging Face Transformers.
+
+Importing the package registers `kimi_k3` (and our text config type) with the Auto classes. If a Transformers
+release ships its own `kimi_k3`, theirs stays registered and ours is reachable through the explicit classes
+(`Kimi3ForCausalLM.from_pretrained(...)`) or through `trust_remote_code=True` on a folder we saved.
+"""
+
+import logging
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .cache import Kimi3Cache
+from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig, Kimi3VisionConfig, KimiK3Config
+from .kda import kernel_status as _kda_status
+from .modeling_kimi3 import Kimi3ForCausalLM, Kimi3Model, Kimi3PreTrainedModel
+
+logger = logging.getLogger("transformers_kimi3")
+
+__version__ = "0.1.0"
+
+
+def kernel_status(device=None):
+    """Which kernel backends are importable here and which ones the model uses (KDA; MoE experts)."""
+    return {"kda": _kda_status(device)}
+
+
+def _register(name, config_cls, pairs):
+    try:
+        AutoConfig.register(name, config_cls)
+    except ValueError:
+        logger.warning(f"Transformers already defines model type {name!r}: keeping its classes; use "
+                       "transformers_kimi3's classes explicitly or trust_remote_code=True to get ours")
+        return
+    for auto, model_cls in pairs:
+        auto.register(config_cls, model_cls)
+
+
+_register(Kimi3TextConfig.model_type, Kimi3TextConfig,
+          [(AutoModel, Kimi3Model), (AutoModelForCausalLM, Kimi3ForCausalLM)])
+
+# `save_pretrained` writes auto_map and copies the flat modules, so saved folders load without this package.
+Kimi3TextConfig.register_for_auto_class()
+Kimi3ForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = ["Kimi3Cache", "Kimi3Config", "Kimi3TextConfig", "Kimi3VisionConfig", "KimiK3Config", "Kimi3Model",
+           "Kimi3ForCausalLM", "Kimi3PreTrainedModel", "kernel_status"]

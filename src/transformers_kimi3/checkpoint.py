@@ -1,0 +1,291 @@
+"""The official checkpoint layout <-> our in-memory layout, with checks that name the tensor and the file.
+
+On disk (official K3 / Kimi Linear, also what Transformers' native Kimi Linear saves): per-expert
+`experts.{e}.w{1,2,3}.weight` (bf16) or `.weight_packed`/`.weight_scale` (MXFP4, compressed-tensors), separate
+q/k/v convs, `A_log` padded ([head_dim], K3) or [1,1,H,1] (Kimi Linear), a `language_model.` prefix in K3 folders.
+In memory: experts stacked per layer (`experts.w1` [E, I, D_in]), `A_log` [H].
+What is MXFP4-packed is decided per tensor from the checkpoint itself: the released `ignore` list is incomplete.
+"""
+
+import json
+import logging
+import os
+import re
+from collections import defaultdict
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .mxfp4 import dequantize_mxfp4
+
+logger = logging.getLogger("transformers_kimi3")
+
+TEXT_PREFIX = "language_model."
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|"
+                     r"weight_scale)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+# ----------------------------------------------------------------------------- reading
+def resolve_folder(name_or_path, **hub_kwargs):
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    from huggingface_hub import snapshot_download
+
+    keys = ("cache_dir", "force_download", "local_files_only", "token", "revision")
+    return snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors", "*.py", "*.model",
+                                                                "*.jinja", "*.txt", "*.md"],
+                             **{k: hub_kwargs[k] for k in keys if hub_kwargs.get(k) is not None})
+
+
+def weight_files(folder):
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            weight_map = json.load(open(index))["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from e
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.exists(os.path.join(folder, f))]
+        if missing:
+            raise CheckpointError(f"{index} lists shards that are not in {folder}: {missing}")
+        return [os.path.join(folder, f) for f in files]
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    pickles = [f for f in os.listdir(folder) if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+    raise CheckpointError(f"No safetensors weights in {folder}" + (
+        f" (found {pickles}: pickled weights are never loaded; convert them to safetensors)" if pickles else ""))
+
+
+def read_tensors(files):
+    """name -> (tensor, file). Truncated or corrupt files raise an error naming the file."""
+    out = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    if name in out:
+                        raise CheckpointError(f"tensor {name} appears in both {out[name][1]} and {path}")
+                    out[name] = (f.get_tensor(name), path)
+        except SafetensorError as e:
+            raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from e
+    return out
+
+
+# ----------------------------------------------------------------------------- official -> memory
+def to_memory_layout(tensors, config):
+    """Official text tensors (without the `language_model.` prefix) -> our text-model state dict."""
+    H, K = config.kda_num_heads, config.kda_head_dim
+    sparse = set(i for i, t in enumerate(config.mlp_layer_types) if t == "sparse")
+    out, experts = {}, defaultdict(dict)
+    for name, (t, path) in tensors.items():
+        m = _EXPERT.match(name)
+        if m:
+            experts[(m.group(1), m.group(3))][(int(m.group(2)), m.group(4))] = (t, path, name)
+            continue
+        layer = _LAYER.match(name)
+        if layer and int(layer.group(1)) >= config.num_hidden_layers:
+            continue  # multi-token-prediction layers (num_nextn_predict_layers) are not part of the model
+        if layer:
+            i, rest = int(layer.group(1)), layer.group(2)
+            for new, pats in _RENAMES:
+                for pat in pats:
+                    rest = re.sub(pat, new, rest)
+            if i in sparse:
+                rest = rest.replace("mlp.", "block_sparse_moe.", 1) if rest.startswith("mlp.") else rest
+            else:  # native Kimi Linear saves the dense layer under block_sparse_moe.*
+                rest = rest.replace("block_sparse_moe.", "mlp.", 1) if rest.startswith("block_sparse_moe.") else rest
+            name = f"model.layers.{i}.{rest}"
+            if rest.endswith("self_attn.A_log"):
+                t = _narrow_a_log(t, H, name, path)
+            elif rest.endswith("self_attn.conv1d.weight"):  # native in-memory layout: q|k|v stacked
+                for part, chunk in zip("qkv", t.chunk(3, dim=0)):
+                    out[name.replace("conv1d", f"{part}_conv1d")] = chunk.reshape(H * K, 1, -1)
+                continue
+            elif rest.endswith("experts.gate_up_proj"):  # native in-memory layout
+                g, u = t.chunk(2, dim=1)
+                out[name.replace("gate_up_proj", "w1")], out[name.replace("gate_up_proj", "w3")] = g, u
+                continue
+            elif rest.endswith("experts.down_proj"):
+                name = name.replace("down_proj", "w2")
+        out[name] = t
+    for (prefix, w), per_expert in experts.items():
+        out[f"{prefix}.{w}"] = _stack_experts(per_expert, config.num_experts, f"{prefix}.*.{w}")
+    return out
+
+
+# native in-memory names -> checkpoint names (module paths after `model.layers.N.`)
+_RENAMES = [
+    ("self_attn.", [r"^self_attn\.forget_gate\."]),
+]
+
+
+def _narrow_a_log(t, H, name, path):
+    flat = t.reshape(-1).float()
+    if flat.numel() == H:
+        return flat
+    if t.dim() == 1 and flat.numel() > H:
+        tail = flat[H:]
+        if bool((tail != 0).any()):
+            raise CheckpointError(f"{name} in {path}: stored [{flat.numel()}] with {H} heads, but the padded tail "
+                                  f"holds non-zero values {tail[tail != 0][:4].tolist()}; refusing to guess "
+                                  "which entries are live")
+        return flat[:H].clone()
+    raise CheckpointError(f"{name} in {path}: shape {tuple(t.shape)} does not hold one value per head ({H})")
+
+
+def _stack_experts(per_expert, num_experts, label):
+    packed = any(kind == "weight_packed" for (_, kind) in per_expert)
+    kinds = ("weight_packed", "weight_scale") if packed else ("weight",)
+    missing = [f"{e}.{kind}" for e in range(num_experts) for kind in kinds if (e, kind) not in per_expert]
+    extra = sorted(f"{e}.{kind}" for (e, kind) in per_expert if e >= num_experts or kind not in kinds)
+    if missing or extra:
+        raise CheckpointError(f"{label}: expected {num_experts} experts with {kinds}; missing {missing[:8]}"
+                              f"{' ...' if len(missing) > 8 else ''}; unexpected {extra[:8]}")
+    mats = []
+    for e in range(num_experts):
+        if packed:
+            (p, path, name), (s, _, _) = per_expert[(e, "weight_packed")], per_expert[(e, "weight_scale")]
+            try:
+                mats.append(dequantize_mxfp4(p, s, torch.bfloat16, name=name))
+            except ValueError as err:
+                raise CheckpointError(f"{err} (in {path})") from err
+        else:
+            mats.append(per_expert[(e, "weight")][0])
+    shapes = {tuple(m.shape) for m in mats}
+    if len(shapes) > 1:
+        raise CheckpointError(f"{label}: experts disagree on their shape: {sorted(shapes)}")
+    return torch.stack(mats)
+
+
+# ----------------------------------------------------------------------------- memory -> official
+def to_official_layout(state_dict, config):
+    """Our text-model state dict -> official tensor names and shapes (experts per expert, A_log as stored)."""
+    H, K = config.kda_num_heads, config.kda_head_dim
+    out = {}
+    for name, t in state_dict.items():
+        m = re.match(r"^(.*\.experts)\.(w[123])$", name)
+        if m:
+            for e in range(t.shape[0]):
+                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = t[e].contiguous()
+        elif name.endswith("self_attn.A_log"):
+            if config.gate_lower_bound is not None and K >= H:  # K3 stores A_log padded to head_dim
+                out[name] = torch.cat([t.float(), t.new_zeros(K - H, dtype=torch.float32)])
+            else:  # Kimi Linear stores [1, 1, H, 1]
+                out[name] = t.float().view(1, 1, H, 1)
+        else:
+            out[name] = t
+    return out
+
+
+# ----------------------------------------------------------------------------- model entry points
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "text_config") else config
+
+
+def load_pretrained(cls, name_or_path, base_from_pretrained, *model_args, **kwargs):
+    """`from_pretrained` for our classes: read any supported layout, convert, check names and shapes, then hand
+    the state dict to Transformers' own `from_pretrained` (dtype, device_map, offloading stay theirs)."""
+    hub_kwargs = {k: kwargs.get(k) for k in ("cache_dir", "force_download", "local_files_only", "token",
+                                             "revision")}
+    folder = resolve_folder(name_or_path, **hub_kwargs)
+    config = kwargs.pop("config", None)
+    if config is None or isinstance(config, (str, os.PathLike)):
+        config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ("kda_backend",)}
+        config = cls.config_class.from_pretrained(config if config is not None else folder, **config_kwargs)
+    tensors = read_tensors(weight_files(folder))
+    state_dict = build_state_dict(cls, config, tensors)
+    for k in ("cache_dir", "force_download", "local_files_only", "token", "revision", "use_safetensors",
+              "trust_remote_code"):
+        kwargs.pop(k, None)
+    model = base_from_pretrained(None, *model_args, config=config, state_dict=state_dict, **kwargs)
+    model.config._name_or_path = str(name_or_path)
+    return model
+
+
+def build_state_dict(cls, config, tensors):
+    text_config = _text_config(config)
+    text, vision = {}, {}
+    for name, value in tensors.items():
+        if name.startswith(VISION_PREFIXES):
+            vision[name] = value
+        else:
+            text[name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name] = value
+    state_dict = to_memory_layout(text, text_config)
+    expected = _expected_shapes(cls, config)
+    prefix = _text_prefix(expected)
+    state_dict = {_place(k, prefix): v for k, v in state_dict.items()}
+    state_dict = {k: v for k, v in state_dict.items() if k is not None}
+    if any(k.startswith(VISION_PREFIXES) for k in expected):
+        state_dict.update({k: v for k, (v, _) in vision.items()})
+    elif vision:
+        logger.warning(f"{cls.__name__} is text-only: skipped {len(vision)} vision tower / projector tensors")
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(f"Checkpoint does not match {cls.__name__}: {len(missing)} missing tensors "
+                              f"{_short(missing)}; {len(unexpected)} unexpected tensors {_short(unexpected)}")
+    for k, shape in expected.items():
+        if tuple(state_dict[k].shape) != shape:
+            raise CheckpointError(f"{k}: checkpoint shape {tuple(state_dict[k].shape)} != {shape} from the config")
+        if not state_dict[k].is_floating_point():
+            raise CheckpointError(f"{k}: stored as {state_dict[k].dtype}, expected a floating-point tensor")
+    return state_dict
+
+
+def _short(names, n=12):
+    return names[:n] + ([f"... {len(names) - n} more"] if len(names) > n else [])
+
+
+def _expected_shapes(cls, config):
+    with torch.device("meta"):
+        model = cls(config)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _text_prefix(expected):
+    """Where the text model's `model.*` / `lm_head.*` tensors live in this class."""
+    if any(k.startswith(TEXT_PREFIX) for k in expected):
+        return TEXT_PREFIX
+    if any(k.startswith("model.") for k in expected):
+        return ""
+    return None  # a bare Kimi3Model: no `model.` prefix and no head
+
+
+def _place(name, prefix):
+    if prefix is None:
+        return name[len("model."):] if name.startswith("model.") else None
+    return prefix + name
+
+
+def save_pretrained(model, save_directory, base_save_pretrained, *args, state_dict=None, **kwargs):
+    """Write the official layout: official tensor names, per-expert weights, official config keys."""
+    if state_dict is None:
+        state_dict = model.state_dict()
+    text_config = _text_config(model.config)
+    prefix = _text_prefix({k: None for k in state_dict})
+    text, other = {}, {}
+    for k, v in state_dict.items():
+        if prefix is None:
+            text["model." + k] = v
+        elif k.startswith(prefix):
+            text[k[len(prefix):]] = v
+        else:
+            other[k] = v
+    official = to_official_layout(text, text_config)
+    out = dict(other)
+    for k, v in official.items():
+        out[(prefix or "") + (k[len("model."):] if prefix is None else k)] = v
+    # experts are written unpacked, so the compressed-tensors description must not travel with them
+    saved_q = text_config.checkpoint_quantization_config
+    text_config.checkpoint_quantization_config = None
+    try:
+        return base_save_pretrained(save_directory, *args, state_dict=out, **kwargs)
+    finally:
+        text_config.checkpoint_quantization_config = saved_q

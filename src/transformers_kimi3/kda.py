@@ -1,0 +1,196 @@
+"""Kimi Delta Attention layer and the one place that picks its kernel backend.
+
+Backends, in order: our Triton kernels (`kimi3_kernels`, CUDA), flash-linear-attention (`fla`, only when asked
+for with `config.kda_backend="fla"` or KIMI3_KDA_BACKEND=fla), the PyTorch reference. The choice is logged once
+and reported by `kernel_status()`; asking for a backend that cannot run is an error, never a silent fallback.
+"""
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import kda_reference
+from .norms import Kimi3GatedRMSNorm
+
+logger = logging.getLogger("transformers_kimi3")
+
+_KERNEL_IMPORT_ERROR = None
+try:
+    from kimi3_kernels import kda as _triton_kda
+
+    _TRITON_OK = bool(getattr(_triton_kda, "TRITON_AVAILABLE", False))
+except Exception as e:  # noqa: BLE001 - absent or broken kernels must not stop the remote code from loading
+    _triton_kda, _TRITON_OK, _KERNEL_IMPORT_ERROR = None, False, f"{type(e).__name__}: {e}"
+
+try:
+    from fla.ops.kda import chunk_kda as _fla_chunk_kda
+    from fla.ops.kda import fused_recurrent_kda as _fla_recurrent_kda
+except Exception:  # noqa: BLE001 - fla raises more than ImportError when triton is missing or broken
+    _fla_chunk_kda = _fla_recurrent_kda = None
+
+BACKENDS = ("triton", "fla", "torch")
+_announced = set()
+
+
+def kernel_status(device=None, requested=None):
+    """What can run here and what a KDA layer on `device` would use."""
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    available = {
+        "triton": _TRITON_OK and device.type == "cuda",
+        "fla": _fla_chunk_kda is not None and device.type == "cuda",
+        "torch": True,
+    }
+    return {"device": str(device), "available": available,
+            "kda_backend": resolve_backend(device, requested, announce=False),
+            "triton_kernels_installed": _triton_kda is not None, "triton_kernels_error": _KERNEL_IMPORT_ERROR,
+            "fla_installed": _fla_chunk_kda is not None}
+
+
+def resolve_backend(device, requested=None, announce=True):
+    requested = requested or os.environ.get("KIMI3_KDA_BACKEND") or None
+    if requested is not None and requested not in BACKENDS:
+        raise ValueError(f"Unknown KDA backend {requested!r}; choose one of {BACKENDS}")
+    on_cuda = device.type == "cuda"
+    if requested == "fla":
+        if _fla_chunk_kda is None or not on_cuda:
+            raise RuntimeError("KDA backend 'fla' was requested but flash-linear-attention is not importable "
+                               f"or the device is {device.type}; install fla-core or choose another backend")
+        backend = "fla"
+    elif requested == "triton":
+        if not (_TRITON_OK and on_cuda):
+            raise RuntimeError(f"KDA backend 'triton' was requested but kimi3_kernels/triton cannot run on "
+                               f"{device.type}")
+        backend = "triton"
+    elif requested == "torch":
+        backend = "torch"
+    else:
+        backend = "triton" if (_TRITON_OK and on_cuda) else "torch"
+    if announce and (backend, device.type) not in _announced:
+        _announced.add((backend, device.type))
+        msg = f"Kimi3 KDA backend: {backend} on {device.type}"
+        if backend == "torch" and on_cuda:
+            logger.warning(msg + " (PyTorch reference: slow; install triton for the fast kernels)")
+        else:
+            logger.info(msg)
+    return backend
+
+
+def kda_chunk(q, k, v, g, beta, backend, **kw):
+    if backend == "triton":
+        return _triton_kda.chunk_kda(q, k, v, g, beta, **kw)
+    if backend == "fla":
+        return _fla_call(_fla_chunk_kda, q, k, v, g, beta, safe_gate=kw.get("lower_bound") is not None, **kw)
+    return kda_reference.naive_chunk_kda(q, k, v, g, beta, **kw)
+
+
+def kda_recurrent(q, k, v, g, beta, backend, **kw):
+    if backend == "triton":
+        return _triton_kda.fused_recurrent_kda(q, k, v, g, beta, **kw)
+    if backend == "fla":
+        return _fla_call(_fla_recurrent_kda, q, k, v, g, beta, **kw)
+    return kda_reference.naive_recurrent_kda(q, k, v, g, beta, **kw)
+
+
+def _fla_call(fn, q, k, v, g, beta, *, A_log, dt_bias, lower_bound=None, scale=None, initial_state=None,
+              output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=True, **extra):
+    extra.pop("inplace_final_state", None)
+    return fn(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+              initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, **extra)
+
+
+def causal_conv(x, weight, state=None):
+    """Depthwise causal conv + SiLU. x [B,T,D], weight [D,1,W], state [B,D,W] (last W inputs) or None.
+    Returns (y [B,T,D], new state [B,D,W])."""
+    B, T, D = x.shape
+    W = weight.shape[-1]
+    xt = x.transpose(1, 2)
+    prev = xt.new_zeros(B, D, W) if state is None else state.to(xt.dtype)
+    full = torch.cat([prev, xt], dim=-1)  # [B, D, W+T]
+    y = F.conv1d(full.to(weight.dtype), weight, groups=D)[..., -T:]
+    return F.silu(y).to(x.dtype).transpose(1, 2), full[..., -W:].contiguous()
+
+
+class Kimi3DeltaAttention(nn.Module):
+    """KDA: q/k/v projections -> short causal convs + SiLU -> gated delta rule -> per-head gated RMSNorm -> o_proj.
+    Tensor names are the checkpoint's (separate q/k/v convs, f_a/f_b gate, b_proj, g_proj or g_a/g_b)."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = H = config.kda_num_heads
+        self.head_dim = K = config.kda_head_dim
+        self.lower_bound = config.gate_lower_bound
+        self.requested_backend = config.kda_backend
+        D, W, d = H * K, config.conv_kernel_size, config.hidden_size
+        self.q_proj = nn.Linear(d, D, bias=False)
+        self.k_proj = nn.Linear(d, D, bias=False)
+        self.v_proj = nn.Linear(d, D, bias=False)
+        self.q_conv1d = nn.Conv1d(D, D, W, groups=D, padding=W - 1, bias=False)
+        self.k_conv1d = nn.Conv1d(D, D, W, groups=D, padding=W - 1, bias=False)
+        self.v_conv1d = nn.Conv1d(D, D, W, groups=D, padding=W - 1, bias=False)
+        self.f_a_proj = nn.Linear(d, K, bias=False)
+        self.f_b_proj = nn.Linear(K, D, bias=False)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))  # per head (SPEC 0.1)
+        self.dt_bias = nn.Parameter(torch.empty(D, dtype=torch.float32))
+        if config.use_full_rank_gate:
+            self.g_proj = nn.Linear(d, D, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, K, bias=False)
+            self.g_b_proj = nn.Linear(K, D, bias=False)
+        self.o_norm = Kimi3GatedRMSNorm(K, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(D, d, bias=False)
+
+    def forward(self, x, attention_mask=None, cache=None):
+        """x [B,T,d]; attention_mask [B,T] (1 = token) for this call's positions or None."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None
+        if attention_mask is not None:  # padding never enters the convs (zero input = the convs' own padding)
+            x = x * attention_mask[..., None].to(x.dtype)
+        states = cache.conv_states[self.layer_idx] if cache is not None else None
+        states = states or (None, None, None)
+        q, sq = causal_conv(self.q_proj(x), self.q_conv1d.weight, states[0])
+        k, sk = causal_conv(self.k_proj(x), self.k_conv1d.weight, states[1])
+        v, sv = causal_conv(self.v_proj(x), self.v_conv1d.weight, states[2])
+        q, k, v = (t.view(B, T, H, K) for t in (q, k, v))
+        g = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
+        beta = self.b_proj(x)
+
+        h0 = cache.recurrent_states[self.layer_idx] if cache is not None else None
+        backend = resolve_backend(x.device, self.requested_backend)
+        kw = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
+                  initial_state=h0, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
+        if attention_mask is not None:
+            o, ht = self._varlen(q, k, v, g, beta, attention_mask, backend, kw)
+        elif h0 is not None and T <= 4:  # decode / speculative verification
+            o, ht = kda_recurrent(q, k, v, g, beta, backend, **kw)
+        else:
+            o, ht = kda_chunk(q, k, v, g, beta, backend, **kw)
+        if cache is not None:
+            cache.conv_states[self.layer_idx] = (sq, sk, sv)
+            cache.recurrent_states[self.layer_idx] = ht.float()
+
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        o = self.o_norm(o, gate.view(B, T, H, K)).reshape(B, T, H * K)
+        return self.o_proj(o)
+
+    @staticmethod
+    def _varlen(q, k, v, g, beta, mask, backend, kw):
+        """Padded rows -> one packed row with cu_seqlens, so pads never touch the recurrent state."""
+        B, T = mask.shape
+        flat = mask.reshape(-1).bool()
+        lengths = mask.sum(-1)
+        cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        pack = lambda t: t.reshape(B * T, *t.shape[2:])[flat][None]  # noqa: E731
+        o, ht = kda_chunk(pack(q), pack(k), pack(v), pack(g), pack(beta), backend, cu_seqlens=cu, **kw)
+        out = o.new_zeros(B * T, *o.shape[2:])
+        out[flat] = o[0]
+        return out.view(B, T, *o.shape[2:]), ht

@@ -1,0 +1,77 @@
+"""Gated Multi-head Latent Attention with NoPE (K3) / plain MLA (Kimi Linear).
+
+No rotary anywhere: the `qk_rope_head_dim` slice of `kv_a_proj_with_mqa` is a key part shared by all heads.
+The cache keeps only the latent [normalised c_kv | k_pe]; keys and values are expanded from it when attending.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norms import Kimi3RMSNorm
+
+# Moonshot's MLA builds q_a_layernorm / kv_a_layernorm without an eps argument (SPEC 0.3)
+MLA_LATENT_NORM_EPS = 1e-6
+
+
+class Kimi3MLAAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = H = config.num_attention_heads
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.scaling = (self.nope + self.rope) ** -0.5
+        d = config.hidden_size
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, H * (self.nope + self.rope), bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = Kimi3RMSNorm(config.q_lora_rank, eps=MLA_LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = Kimi3RMSNorm(self.kv_lora_rank, eps=MLA_LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
+        if config.mla_use_output_gate:
+            self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
+
+    def forward(self, x, mask=None, cache=None):
+        """x [B,T,d]; mask: bool [B,1,T,T_total] (True = attend) or None for full attention over the cache."""
+        B, T, _ = x.shape
+        H = self.num_heads
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, H, self.nope + self.rope).transpose(1, 2)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+        if cache is not None:
+            latent = cache.update_latent(latent, self.layer_idx)
+        Tk = latent.shape[1]
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(B, Tk, H, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None].expand(B, H, Tk, self.rope)], dim=-1)
+        is_causal = mask is None and T > 1 and Tk == T
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scaling)
+        o = o.transpose(1, 2).reshape(B, T, H * self.v_dim)
+        if hasattr(self, "g_proj"):
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+
+def mla_mask(attention_mask, query_length, past_length, device):
+    """Causal + padding mask [B,1,T,past+T] as booleans, or None when plain causal attention suffices.
+    Every query may attend itself, so padded query rows never turn into NaN (their outputs are unused)."""
+    total = past_length + query_length
+    if attention_mask is None or bool(attention_mask.all()):
+        if query_length == 1 or past_length == 0:
+            return None
+        attention_mask = torch.ones(1, total, dtype=torch.bool, device=device)
+    if attention_mask.shape[-1] != total:
+        raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} positions, but the cache holds "
+                         f"{past_length} and this call adds {query_length}")
+    qpos = torch.arange(past_length, total, device=device)[:, None]
+    kpos = torch.arange(total, device=device)[None, :]
+    allowed = (kpos <= qpos)[None] & attention_mask.bool()[:, None, :]
+    allowed = allowed | (kpos == qpos)[None]
+    return allowed[:, None]

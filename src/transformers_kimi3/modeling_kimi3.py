@@ -1,0 +1,274 @@
+"""Kimi K3 / Kimi Linear text models for Transformers.
+
+Data flow: ids -> embed -> [AttnRes mix -> norm -> KDA|MLA -> AttnRes mix -> norm -> dense|MoE] x L
+-> final mix -> norm -> lm_head. Without AttnRes (Kimi Linear) the mixes are the usual residual additions.
+State lives in `Kimi3Cache` only. Module names follow the official checkpoint, so the tensors on disk map onto
+the modules one to one except the routed experts, which are stacked per layer (see checkpoint.py).
+"""
+
+import math
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+
+from . import checkpoint
+from .attn_res import attn_res_mix
+from .cache import Kimi3Cache
+from .configuration_kimi3 import Kimi3TextConfig
+from .kda import Kimi3DeltaAttention
+from .mla import Kimi3MLAAttention, mla_mask
+from .moe import Kimi3Experts, Kimi3MLP, Kimi3SparseMoeBlock, Kimi3TopkRouter
+from .norms import Kimi3GatedRMSNorm, Kimi3RMSNorm
+
+
+class Kimi3DecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.is_kda = config.layer_types[layer_idx] == "linear_attention"
+        self.self_attn = Kimi3DeltaAttention(config, layer_idx) if self.is_kda else Kimi3MLAAttention(config, layer_idx)
+        if config.mlp_layer_types[layer_idx] == "sparse":
+            self.block_sparse_moe = Kimi3SparseMoeBlock(config)
+        else:
+            self.mlp = Kimi3MLP(config, config.intermediate_size)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = Kimi3RMSNorm(d, eps=eps)
+        self.post_attention_layernorm = Kimi3RMSNorm(d, eps=eps)
+        self.attn_res_block_size = config.attn_res_block_size
+        if config.use_attn_res:
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.self_attention_res_norm = Kimi3RMSNorm(d, eps=eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = Kimi3RMSNorm(d, eps=eps)
+
+    def _attn(self, x, kda_mask, attn_mask, past_key_values):
+        if self.is_kda:
+            return self.self_attn(x, attention_mask=kda_mask, cache=past_key_values)
+        return self.self_attn(x, mask=attn_mask, cache=past_key_values)
+
+    def _ffn(self, x):
+        if hasattr(self, "block_sparse_moe"):
+            return self.block_sparse_moe(x)
+        return self.mlp(x), None
+
+    def forward(self, hidden_states, bank=None, kda_mask=None, attn_mask=None, past_key_values=None):
+        """Kimi Linear: hidden_states is the residual stream. K3 (AttnRes): hidden_states is the partial sum of the
+        current block and `bank` [B,T,n,d] the completed blocks (embedding first). Returns (hidden, bank, router)."""
+        if self.attn_res_block_size is None:
+            h = hidden_states
+            h = h + self._attn(self.input_layernorm(h), kda_mask, attn_mask, past_key_values)
+            m, router_logits = self._ffn(self.post_attention_layernorm(h))
+            return h + m, bank, router_logits
+        p = hidden_states
+        x = p if bank is None else attn_res_mix(bank, p, self.self_attention_res_proj, self.self_attention_res_norm)
+        if self.layer_idx % self.attn_res_block_size == 0:  # block boundary: the finished block joins the bank
+            bank = p[:, :, None] if bank is None else torch.cat([bank, p[:, :, None]], dim=2)
+            p = None
+        a = self._attn(self.input_layernorm(x), kda_mask, attn_mask, past_key_values)
+        p = a if p is None else p + a
+        x = attn_res_mix(bank, p, self.mlp_res_proj, self.mlp_res_norm)
+        m, router_logits = self._ffn(self.post_attention_layernorm(x))
+        return p + m, bank, router_logits
+
+
+class Kimi3PreTrainedModel(PreTrainedModel):
+    config_class = Kimi3TextConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["Kimi3DecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _keep_in_fp32_modules = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm",
+                             "e_score_correction_bias"]
+    _supports_sdpa = True
+    _is_stateful = True
+    _can_compile_fullgraph = False
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.get_text_config().initializer_range
+        if isinstance(module, nn.Linear):
+            if module.out_features == 1:  # AttnRes pseudo-queries: zero = uniform averaging at the start
+                module.weight.zero_()
+            else:
+                module.weight.normal_(0.0, std)
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, nn.Conv1d):
+            nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+        elif isinstance(module, (Kimi3RMSNorm, Kimi3GatedRMSNorm)):
+            module.weight.fill_(1.0)
+        elif isinstance(module, Kimi3TopkRouter):
+            module.weight.normal_(0.0, std)
+            module.e_score_correction_bias.zero_()
+        elif isinstance(module, Kimi3Experts):
+            for w in (module.w1, module.w2, module.w3):
+                w.normal_(0.0, std)
+        elif isinstance(module, Kimi3DeltaAttention):
+            # fla conventions: A_log = 0 with the bounded (safe) gate, else log U(1, 16);
+            # dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1]
+            if module.lower_bound is not None:
+                module.A_log.zero_()
+            else:
+                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(1, 16).log())
+            dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    # ---- one on-disk format: the official layout, whatever the layout in memory
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        if kwargs.get("state_dict") is not None or pretrained_model_name_or_path is None:
+            return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        return checkpoint.load_pretrained(cls, pretrained_model_name_or_path, super().from_pretrained,
+                                          *model_args, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
+        return checkpoint.save_pretrained(self, save_directory, super().save_pretrained, *args,
+                                          state_dict=state_dict, **kwargs)
+
+
+class Kimi3Model(Kimi3PreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Kimi3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Kimi3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.use_attn_res:
+            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+            self.output_attn_res_norm = Kimi3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, output_hidden_states=None, output_router_logits=None,
+                return_dict=None, **kwargs):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            check_token_ids(input_ids, self.vocab_size)
+            inputs_embeds = self.embed_tokens(input_ids)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        output_hidden_states = (self.config.output_hidden_states if output_hidden_states is None
+                                else output_hidden_states)
+        output_router_logits = (self.config.output_router_logits if output_router_logits is None
+                                else output_router_logits)
+        cache = self._resolve_cache(past_key_values, use_cache)
+        B, T = inputs_embeds.shape[:2]
+        past = cache.seen_tokens if cache is not None else 0
+        full_mask = self._full_mask(attention_mask, cache, B, T, past, inputs_embeds.device)
+        kda_mask = None if full_mask is None else full_mask[:, -T:]
+        attn_mask = mla_mask(full_mask, T, past, inputs_embeds.device)
+
+        h, bank = inputs_embeds, None
+        all_hidden = (h,) if output_hidden_states else None
+        routers = () if output_router_logits else None
+        for layer in self.layers:
+            h, bank, router_logits = layer(h, bank, kda_mask, attn_mask, past_key_values=cache)
+            if output_hidden_states:
+                all_hidden += (h,)
+            if output_router_logits and router_logits is not None:
+                routers += (router_logits,)
+        if cache is not None:
+            cache.seen_tokens += T
+            cache.attention_mask = full_mask
+        if self.config.use_attn_res:
+            h = attn_res_mix(bank, h, self.output_attn_res_proj, self.output_attn_res_norm)
+        h = self.norm(h)
+        return MoeModelOutputWithPast(last_hidden_state=h, past_key_values=cache, hidden_states=all_hidden,
+                                      router_logits=routers)
+
+    def _resolve_cache(self, past_key_values, use_cache):
+        if isinstance(past_key_values, Kimi3Cache):
+            return past_key_values
+        if past_key_values is not None and past_key_values.get_seq_length() > 0:
+            raise TypeError(f"Kimi3 models keep their state in a Kimi3Cache, got a filled "
+                            f"{type(past_key_values).__name__}")
+        # generate() hands an empty DynamicCache to every model; ours replaces it (and is returned in the output)
+        return Kimi3Cache(self.config) if use_cache or past_key_values is not None else None
+
+    @staticmethod
+    def _full_mask(attention_mask, cache, B, T, past, device):
+        """The 2-D padding mask over every position seen so far (cached ones included), or None if no padding."""
+        history = getattr(cache, "attention_mask", None) if cache is not None else None
+        if attention_mask is None:
+            if history is None:
+                return None
+            attention_mask = torch.ones(B, T, dtype=history.dtype, device=device)
+        if attention_mask.dim() != 2:
+            raise ValueError(f"attention_mask must be 2-D [batch, length], got shape {tuple(attention_mask.shape)}")
+        if attention_mask.shape[1] == T and past > 0:  # only this call's positions: prepend the history
+            prev = history if history is not None else torch.ones(B, past, dtype=attention_mask.dtype,
+                                                                   device=device)
+            attention_mask = torch.cat([prev.to(attention_mask.device), attention_mask], dim=1)
+        if attention_mask.shape[1] != past + T:
+            raise ValueError(f"attention_mask has {attention_mask.shape[1]} positions; expected {T} (this call) or "
+                             f"{past + T} (cache + this call)")
+        if history is None and bool(attention_mask.all()):
+            return None
+        return attention_mask.to(device)
+
+
+def check_token_ids(input_ids, vocab_size):
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
+        raise ValueError(f"input_ids hold {bad.unique()[:8].tolist()} outside the vocabulary 0..{vocab_size - 1}")
+
+
+class Kimi3ForCausalLM(Kimi3PreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {}
+    _tp_plan = {"lm_head": "colwise_rep"}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = Kimi3Model(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
+                output_router_logits=None, logits_to_keep=0, return_dict=None, **kwargs):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
+                         output_router_logits=output_router_logits)
+        h = out.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            h = h[:, -logits_to_keep:] if logits_to_keep else h
+        else:
+            h = h[:, logits_to_keep]
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return MoeCausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                         hidden_states=out.hidden_states, router_logits=out.router_logits)
+
+
+# Official class names.
+KimiLinearForCausalLM = Kimi3ForCausalLM
+
+__all__ = ["Kimi3PreTrainedModel", "Kimi3Model", "Kimi3ForCausalLM", "Kimi3DecoderLayer"]

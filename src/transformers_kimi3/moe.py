@@ -1,0 +1,173 @@
+"""Feed-forward blocks: SiTU-GLU, the dense MLP, the sigmoid router and the (latent) mixture of experts."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norms import Kimi3RMSNorm
+
+
+def situ(x, beta):
+    """SiTU_beta(x) = beta tanh(x / beta) sigmoid(x): SiLU for small x, bounded by beta."""
+    return beta * torch.tanh(x / beta) * torch.sigmoid(x)
+
+
+class GLUActivation(nn.Module):
+    """act(gate) * up in fp32, cast back. SiTU-GLU (K3): SiTU_b1(gate) * b2 tanh(up / b2), |h| <= b1 b2;
+    SiLU-GLU (Kimi Linear)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.kind = config.hidden_act
+        self.beta = config.activation_situ_beta
+        self.linear_beta = config.activation_situ_linear_beta
+        if self.kind == "situ" and self.beta is None:
+            raise ValueError("Kimi3 config: `activation_situ_beta` is required when hidden_act is 'situ'")
+
+    def forward(self, gate, up):
+        dtype = gate.dtype
+        gate, up = gate.float(), up.float()
+        if self.kind == "situ":
+            if self.linear_beta is not None:
+                up = self.linear_beta * torch.tanh(up / self.linear_beta)
+            return (situ(gate, self.beta) * up).to(dtype)
+        return (F.silu(gate) * up).to(dtype)
+
+
+class Kimi3MLP(nn.Module):
+    def __init__(self, config, intermediate_size):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = GLUActivation(config)
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
+
+
+class Kimi3TopkRouter(nn.Module):
+    """fp32 sigmoid scores; top-k on scores + correction bias (selection only); weights are the unbiased scores,
+    renormalised when top_k > 1, times routed_scaling_factor."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_token
+        self.num_experts = config.num_experts
+        self.num_group = config.num_expert_group
+        self.topk_group = config.topk_group
+        self.renormalize = config.moe_renormalize
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+
+    def forward(self, x):
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if self.num_group > 1:
+            grouped = choice.view(-1, self.num_group, self.num_experts // self.num_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, 1)
+            choice = choice.masked_fill(~keep.bool().repeat_interleave(self.num_experts // self.num_group, 1),
+                                        float("-inf"))
+        idx = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, idx)
+        if self.renormalize and self.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return logits, weights * self.routed_scaling_factor, idx
+
+
+class Kimi3Experts(nn.Module):
+    """Routed experts as 3-D weights (checkpoint names w1 = gate, w3 = up, w2 = down, stacked over experts).
+
+    Computed as index-sorted segments: assignments are sorted by expert and each expert's tokens go through one
+    matmul; `torch._grouped_mm` does all experts in one launch on CUDA. Small batches (decode) gather the chosen
+    experts' weights instead, which needs no host synchronisation.
+    """
+
+    GATHER_MAX_ASSIGNMENTS = 32  # copying the chosen experts' weights only pays for a handful of tokens
+
+    def __init__(self, config, input_size):
+        super().__init__()
+        E, inter = config.num_experts, config.moe_intermediate_size
+        self.num_experts = E
+        self.w1 = nn.Parameter(torch.empty(E, inter, input_size))
+        self.w3 = nn.Parameter(torch.empty(E, inter, input_size))
+        self.w2 = nn.Parameter(torch.empty(E, input_size, inter))
+        self.act_fn = GLUActivation(config)
+
+    def forward(self, x, topk_idx, topk_weights):
+        T, k = topk_idx.shape
+        if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16:
+            y = self._grouped_mm(x, topk_idx)
+        elif T * k <= self.GATHER_MAX_ASSIGNMENTS:
+            y = self._gathered(x, topk_idx)
+        else:
+            y = self._segments(x, topk_idx)
+        return (y.float().view(T, k, -1) * topk_weights.float()[..., None]).sum(1)
+
+    def _gathered(self, x, topk_idx):
+        flat = topk_idx.reshape(-1)
+        xs = x.repeat_interleave(topk_idx.shape[1], dim=0)[:, :, None]
+        h = self.act_fn(torch.bmm(self.w1[flat], xs)[..., 0], torch.bmm(self.w3[flat], xs)[..., 0])
+        return torch.bmm(self.w2[flat], h[:, :, None])[..., 0]
+
+    def _sorted(self, x, topk_idx):
+        flat = topk_idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        return order, counts, x[order // topk_idx.shape[1]]
+
+    def _segments(self, x, topk_idx):
+        order, counts, xs = self._sorted(x, topk_idx)
+        out = torch.empty(xs.shape[0], self.w2.shape[1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(counts.tolist()):  # one host sync; experts with no token are skipped
+            if n:
+                seg = xs[start:start + n]
+                h = self.act_fn(seg @ self.w1[e].T, seg @ self.w3[e].T)
+                out[start:start + n] = h @ self.w2[e].T
+                start += n
+        return out.new_empty(out.shape).index_copy_(0, order, out)
+
+    def _grouped_mm(self, x, topk_idx):
+        order, counts, xs = self._sorted(x, topk_idx)
+        offs = counts.cumsum(0).to(torch.int32)
+        g = torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)
+        u = torch._grouped_mm(xs, self.w3.transpose(1, 2), offs=offs)
+        out = torch._grouped_mm(self.act_fn(g, u), self.w2.transpose(1, 2), offs=offs)
+        return out.new_empty(out.shape).index_copy_(0, order, out)
+
+
+class Kimi3SparseMoeBlock(nn.Module):
+    """Stable LatentMoE (K3): router and shared experts on the full width; routed experts in the latent width
+    between `routed_expert_down_proj` and `routed_expert_norm` -> `routed_expert_up_proj`. Without a latent width
+    (Kimi Linear) the experts work on x directly."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate = Kimi3TopkRouter(config)
+        latent = config.routed_expert_hidden_size
+        if latent is not None:
+            self.routed_expert_down_proj = nn.Linear(config.hidden_size, latent, bias=False)
+            self.routed_expert_up_proj = nn.Linear(latent, config.hidden_size, bias=False)
+        if config.latent_moe_use_norm:
+            self.routed_expert_norm = Kimi3RMSNorm(config.expert_input_size, eps=config.rms_norm_eps)
+        self.experts = Kimi3Experts(config, config.expert_input_size)
+        if config.num_shared_experts:
+            self.shared_experts = Kimi3MLP(config, config.moe_intermediate_size * config.num_shared_experts)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        router_logits, weights, idx = self.gate(x)
+        z = self.routed_expert_down_proj(x) if hasattr(self, "routed_expert_down_proj") else x
+        y = self.experts(z, idx, weights).to(x.dtype)
+        if hasattr(self, "routed_expert_norm"):
+            y = self.routed_expert_norm(y)
+        if hasattr(self, "routed_expert_up_proj"):
+            y = self.routed_expert_up_proj(y)
+        if hasattr(self, "shared_experts"):
+            y = y + self.shared_experts(x)
+        return y.view(shape), router_logits
