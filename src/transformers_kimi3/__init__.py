@@ -7,12 +7,19 @@ release ships its own `kimi_k3`, theirs stays registered and ours is reachable t
 
 import logging
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from .cache import Kimi3Cache
 from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig, Kimi3VisionConfig, KimiK3Config
 from .kda import kernel_status as _kda_status
-from .modeling_kimi3 import Kimi3ForCausalLM, Kimi3Model, Kimi3PreTrainedModel
+from .modeling_kimi3 import (
+    Kimi3ForCausalLM,
+    Kimi3ForConditionalGeneration,
+    Kimi3Model,
+    Kimi3PreTrainedModel,
+    KimiK3ForConditionalGeneration,
+    KimiLinearForCausalLM,
+)
 
 logger = logging.getLogger("transformers_kimi3")
 
@@ -38,9 +45,17 @@ def _register(name, config_cls, pairs):
 _register(Kimi3TextConfig.model_type, Kimi3TextConfig,
           [(AutoModel, Kimi3Model), (AutoModelForCausalLM, Kimi3ForCausalLM)])
 
+# As Transformers does for Gemma 3: every Auto class gives the one class that serves text and images.
+_register(Kimi3Config.model_type, Kimi3Config,
+          [(AutoModel, Kimi3ForConditionalGeneration), (AutoModelForCausalLM, Kimi3ForConditionalGeneration),
+           (AutoModelForImageTextToText, Kimi3ForConditionalGeneration)])
+
 # `save_pretrained` writes auto_map and copies the flat modules, so saved folders load without this package.
 Kimi3TextConfig.register_for_auto_class()
+Kimi3Config.register_for_auto_class()
 Kimi3ForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+Kimi3ForConditionalGeneration.register_for_auto_class("AutoModelForImageTextToText")
 
 __all__ = ["Kimi3Cache", "Kimi3Config", "Kimi3TextConfig", "Kimi3VisionConfig", "KimiK3Config", "Kimi3Model",
-           "Kimi3ForCausalLM", "Kimi3PreTrainedModel", "kernel_status"]
+           "Kimi3ForCausalLM", "Kimi3ForConditionalGeneration", "KimiK3ForConditionalGeneration", "KimiLinearForCausalLM",
+           "Kimi3PreTrainedModel", "kernel_status"]

@@ -24,6 +24,8 @@ class Kimi3Cache(Cache):
         self.recurrent_states = [None] * n
         self.latents = [None] * n
         self.seen_tokens = 0
+        self.source_tokens = 0  # input ids consumed (an image placeholder counts once)
+        self.attention_mask = None  # 2-D padding mask over the seen positions, None while there is no padding
 
     def __len__(self):
         return len(self.layer_types)
@@ -63,15 +65,6 @@ class Kimi3Cache(Cache):
     def is_dummy(self):
         return [False] * len(self.layer_types)
 
-    def _tensors(self):
-        for i in range(len(self.layer_types)):
-            if self.conv_states[i] is not None:
-                yield ("conv", i)
-            if self.recurrent_states[i] is not None:
-                yield ("rec", i)
-            if self.latents[i] is not None:
-                yield ("lat", i)
-
     def _map(self, fn):
         for i in range(len(self.layer_types)):
             if self.conv_states[i] is not None:
@@ -80,6 +73,8 @@ class Kimi3Cache(Cache):
                 self.recurrent_states[i] = fn(self.recurrent_states[i])
             if self.latents[i] is not None:
                 self.latents[i] = fn(self.latents[i])
+        if self.attention_mask is not None:
+            self.attention_mask = fn(self.attention_mask)
 
     def reorder_cache(self, beam_idx):
         self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -93,7 +88,8 @@ class Kimi3Cache(Cache):
     def reset(self):
         n = len(self.layer_types)
         self.conv_states, self.recurrent_states, self.latents = [None] * n, [None] * n, [None] * n
-        self.seen_tokens = 0
+        self.seen_tokens = self.source_tokens = 0
+        self.attention_mask = None
 
     @property
     def is_croppable(self):

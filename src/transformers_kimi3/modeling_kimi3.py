@@ -17,11 +17,12 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from . import checkpoint
 from .attn_res import attn_res_mix
 from .cache import Kimi3Cache
-from .configuration_kimi3 import Kimi3TextConfig
+from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig
 from .kda import Kimi3DeltaAttention
 from .mla import Kimi3MLAAttention, mla_mask
 from .moe import Kimi3Experts, Kimi3MLP, Kimi3SparseMoeBlock, Kimi3TopkRouter
 from .norms import Kimi3GatedRMSNorm, Kimi3RMSNorm
+from .vision import Kimi3MultiModalProjector, Kimi3VisionModel
 
 
 class Kimi3DecoderLayer(GradientCheckpointingLayer):
@@ -226,7 +227,34 @@ def check_token_ids(input_ids, vocab_size):
         raise ValueError(f"input_ids hold {bad.unique()[:8].tolist()} outside the vocabulary 0..{vocab_size - 1}")
 
 
-class Kimi3ForCausalLM(Kimi3PreTrainedModel, GenerationMixin):
+class Kimi3GenerationMixin(GenerationMixin):
+    """Generation inputs from our cache's own bookkeeping (`source_tokens` = ids consumed so far), so the same
+    code serves text-only and multimodal models, whose cache holds more positions than input_ids (each image
+    placeholder becomes h*w/4 positions)."""
+
+    _mm_keys = ("pixel_values", "grid_thws")
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
+                                      inputs_embeds=None, **kwargs):
+        for k in ("cache_position", "position_ids"):
+            kwargs.pop(k, None)
+        started = isinstance(past_key_values, Kimi3Cache) and past_key_values.seen_tokens > 0
+        if started:
+            new = input_ids.shape[1] - past_key_values.source_tokens
+            inputs = {"input_ids": input_ids[:, -new:],
+                      "attention_mask": None if attention_mask is None else attention_mask[:, -new:]}
+            for k in self._mm_keys:  # media is encoded once, at prefill
+                kwargs.pop(k, None)
+        elif inputs_embeds is not None:
+            inputs = {"inputs_embeds": inputs_embeds, "attention_mask": attention_mask}
+        else:
+            inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        inputs["past_key_values"] = past_key_values
+        inputs.update(kwargs)
+        return inputs
+
+
+class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
     _tied_weights_keys = {}
     _tp_plan = {"lm_head": "colwise_rep"}
 
@@ -255,6 +283,11 @@ class Kimi3ForCausalLM(Kimi3PreTrainedModel, GenerationMixin):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
                          inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
                          output_router_logits=output_router_logits)
+        if out.past_key_values is not None:
+            out.past_key_values.source_tokens += (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        return self._head(out, labels, logits_to_keep, **kwargs)
+
+    def _head(self, out, labels, logits_to_keep, **kwargs):
         h = out.last_hidden_state
         if isinstance(logits_to_keep, int):
             h = h[:, -logits_to_keep:] if logits_to_keep else h
@@ -268,7 +301,105 @@ class Kimi3ForCausalLM(Kimi3PreTrainedModel, GenerationMixin):
                                          hidden_states=out.hidden_states, router_logits=out.router_logits)
 
 
+class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
+    """Kimi K3: MoonViT-V2 + projector + the text model. Names match the official checkpoint (`language_model.*`,
+    `vision_tower.*`, `mm_projector.*`). `input_ids` carry ONE media placeholder per image; the model expands it to
+    the image's h*w/4 projector rows. Text-only inputs need no pixels."""
+
+    config_class = Kimi3Config
+    base_model_prefix = ""
+    _no_split_modules = ["Kimi3DecoderLayer", "Kimi3VisionBlock"]
+    _tied_weights_keys = {}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.language_model = Kimi3ForCausalLM(config.text_config)
+        self.vision_tower = Kimi3VisionModel(config.vision_config)
+        self.mm_projector = Kimi3MultiModalProjector(config.vision_config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.language_model.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.language_model.set_input_embeddings(value)
+
+    def get_output_embeddings(self):
+        return self.language_model.lm_head
+
+    def get_image_features(self, pixel_values, grid_thws):
+        """[sum_i h_i*w_i/4, text hidden] projector rows for the packed images / videos."""
+        dtype = self.mm_projector.proj[0].weight.dtype
+        return self.mm_projector(self.vision_tower(pixel_values.to(dtype), grid_thws))
+
+    def forward(self, input_ids=None, attention_mask=None, pixel_values=None, grid_thws=None, position_ids=None,
+                past_key_values=None, inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
+                output_router_logits=None, logits_to_keep=0, return_dict=None, image_grid_thw=None, **kwargs):
+        grid_thws = grid_thws if grid_thws is not None else image_grid_thw
+        n_source = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        cache_started = isinstance(past_key_values, Kimi3Cache) and past_key_values.seen_tokens > 0
+        if pixel_values is not None and not cache_started:
+            if input_ids is None:
+                raise ValueError("Images need input_ids with media placeholders, not inputs_embeds")
+            if grid_thws is None:
+                raise ValueError("pixel_values were given without grid_thws")
+            check_token_ids(input_ids, self.config.text_config.vocab_size)
+            features = self.get_image_features(pixel_values, grid_thws)
+            inputs_embeds, attention_mask, labels = self._merge_image_features(
+                input_ids, features, grid_thws, attention_mask, labels)
+            input_ids = None
+        lm = self.language_model
+        out = lm.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+                       inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
+                       output_router_logits=output_router_logits)
+        if out.past_key_values is not None:
+            out.past_key_values.source_tokens += n_source
+        return lm._head(out, labels, logits_to_keep, **kwargs)
+
+    def _merge_image_features(self, input_ids, features, grid_thws, attention_mask, labels):
+        """Replace each placeholder by its image's rows; rows that grow by different amounts are left-padded."""
+        token = self.config.media_placeholder_token_id
+        kh, kw = self.config.vision_config.merge_kernel_size
+        counts = [int(h * w // (kh * kw)) for _, h, w in grid_thws.tolist()]
+        n_placeholders = int((input_ids == token).sum())
+        if n_placeholders != len(counts):
+            raise ValueError(f"input_ids hold {n_placeholders} media placeholders (id {token}) but {len(counts)} "
+                             "images/videos were given; put exactly one placeholder per image")
+        per_image = features.split(counts)
+        embed = self.get_input_embeddings()
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        rows, masks, labs, image = [], [], [], 0
+        for b in range(input_ids.shape[0]):
+            pieces, mask_pieces, label_pieces = [], [], []
+            ids = input_ids[b]
+            text_embeds = embed(ids.masked_fill(ids == token, 0))
+            start = 0
+            for pos in (ids == token).nonzero().flatten().tolist():
+                pieces += [text_embeds[start:pos], per_image[image].to(text_embeds.dtype)]
+                mask_pieces += [attention_mask[b, start:pos], attention_mask[b, pos].repeat(counts[image])]
+                if labels is not None:
+                    label_pieces += [labels[b, start:pos], labels.new_full((counts[image],), -100)]
+                image, start = image + 1, pos + 1
+            pieces.append(text_embeds[start:])
+            mask_pieces.append(attention_mask[b, start:])
+            if labels is not None:
+                label_pieces.append(labels[b, start:])
+            rows.append(torch.cat(pieces))
+            masks.append(torch.cat(mask_pieces))
+            labs.append(torch.cat(label_pieces) if labels is not None else None)
+        width = max(r.shape[0] for r in rows)
+        left = [width - r.shape[0] for r in rows]
+        embeds = torch.stack([torch.nn.functional.pad(r, (0, 0, n, 0)) for r, n in zip(rows, left)])
+        mask = torch.stack([torch.nn.functional.pad(m, (n, 0)) for m, n in zip(masks, left)])
+        if labels is not None:
+            labels = torch.stack([torch.nn.functional.pad(lab, (n, 0), value=-100) for lab, n in zip(labs, left)])
+        return embeds, mask, labels
+
+
 # Official class names.
 KimiLinearForCausalLM = Kimi3ForCausalLM
+KimiK3ForConditionalGeneration = Kimi3ForConditionalGeneration
 
-__all__ = ["Kimi3PreTrainedModel", "Kimi3Model", "Kimi3ForCausalLM", "Kimi3DecoderLayer"]
+__all__ = ["Kimi3PreTrainedModel", "Kimi3Model", "Kimi3ForCausalLM", "Kimi3ForConditionalGeneration",
+           "Kimi3DecoderLayer", "KimiK3ForConditionalGeneration", "KimiLinearForCausalLM"]
