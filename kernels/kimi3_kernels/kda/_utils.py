@@ -1,0 +1,76 @@
+"""Shared helpers: the optional Triton import, chunk tables for (variable-length) packing."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # Triton is optional: the package must import without it
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+    TRITON_AVAILABLE = True
+    TRITON_IMPORT_ERROR = None
+except Exception as ex:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+    TRITON_AVAILABLE = False
+    TRITON_IMPORT_ERROR = ex
+
+CHUNK_SIZE = 64
+RCP_LN2 = 1.4426950408889634  # gates are kept in log2 units inside the kernels (exp2 is cheaper)
+
+
+def require_triton():
+    if not TRITON_AVAILABLE:
+        raise RuntimeError(
+            "kimi3_kernels.kda: Triton is not importable "
+            f"({TRITON_IMPORT_ERROR!r}); install triton>=3.4 or use the PyTorch references "
+            "kimi3_kernels.kda.naive_chunk_kda / naive_recurrent_kda")
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+def interpret_mode() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class SeqInfo:
+    """Flattened packing of a batch: sequences along one token axis.
+
+    cu: int32 [N+1] token offsets (device); chunk_tab: int32 [NC, 2] (sequence id, first token) for
+    every 64-token chunk of every sequence, in order; chunk_off: int32 [N+1] first chunk of each
+    sequence. Fixed-length batches are built without a device-to-host copy; varlen ones read
+    cu_seqlens on the host once (chunked prefill/training only, never the decode path).
+    """
+
+    def __init__(self, B: int, T: int, cu_seqlens: torch.Tensor | None, device, chunk: int = CHUNK_SIZE):
+        if cu_seqlens is None:
+            N = B
+            lens = [T] * B
+            cu_host = [i * T for i in range(B + 1)]
+        else:
+            if B != 1:
+                raise ValueError(f"cu_seqlens requires B == 1 (packed sequences), got B={B}")
+            cu_host = [int(x) for x in cu_seqlens.tolist()]
+            N = len(cu_host) - 1
+            lens = [cu_host[i + 1] - cu_host[i] for i in range(N)]
+            if any(L < 0 for L in lens) or cu_host[0] != 0 or cu_host[-1] > T:
+                raise ValueError(f"bad cu_seqlens {cu_host} for T={T}")
+        nch = [(L + chunk - 1) // chunk for L in lens]
+        tab = []
+        for n in range(N):
+            for c in range(nch[n]):
+                tab.append((n, cu_host[n] + c * chunk))
+        off = [0]
+        for c in nch:
+            off.append(off[-1] + c)
+        self.N = N
+        self.NC = off[-1]
+        self.lens = lens
+        self.cu = torch.tensor(cu_host, dtype=torch.int32, device=device)
+        self.chunk_tab = (torch.tensor(tab, dtype=torch.int32, device=device).view(-1, 2)
+                          if tab else torch.zeros(0, 2, dtype=torch.int32, device=device))
+        self.chunk_off = torch.tensor(off, dtype=torch.int32, device=device)

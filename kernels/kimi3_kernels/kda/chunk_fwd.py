@@ -1,0 +1,427 @@
+"""Chunked KDA forward kernels (Triton).
+
+Per 64-token chunk (rows i, j), with Gam = chunk-local cumsum of the log decay, and incoming state S:
+  P[i,j]   = sum_d k_id k_jd exp(Gam_id - Gam_jd)        j < i    (key-key, unscaled)
+  Aqk[i,j] = scale * sum_d q_id k_jd exp(Gam_id - Gam_jd) j <= i
+  M = (I + Diag(beta) P)^-1,  T = M Diag(beta)
+  W = T (k * exp(Gam)),  U = T v,  Qg = scale q * exp(Gam),  Kd = k * exp(Gam_last - Gam)
+  Vn = U - W S;  O = Qg S + Aqk Vn;  S <- Diag(exp(Gam_last)) S + Kd^T Vn
+
+`intra_fwd` computes the per-chunk quantities (fully parallel over chunks and heads); the pairwise
+products are formed on 16-row sub-tiles, each relative to its sub-tile's first row, so no
+exponential ever exceeds 1 off the diagonal. Diagonal 16x16 tiles use one dense matmul when the
+gate is bounded (lower_bound >= SAFE_LOWER_BOUND: |Gam| span < 80 nats inside a sub-tile, inside
+fp32 range) and a per-column loop otherwise. `state_fwd` runs the sequential scan over chunks
+(parallel over sequences, heads and value tiles) and fuses the output.
+The PyTorch reference is `reference.naive_chunk_kda`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, next_pow2
+
+# K3's bound (-5): 15 steps inside a 16-row sub-tile stay above -75 nats, so exp(+span) < 4e32.
+SAFE_LOWER_BOUND = -5.5
+
+if TRITON_AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _ld(ptr, rows, eos, H: tl.constexpr, i_h, D: tl.constexpr, cols, mc):
+        m = (rows < eos)[:, None] & mc[None, :]
+        return tl.load(ptr + (rows[:, None] * H + i_h) * D + cols[None, :], mask=m, other=0.).to(tl.float32)
+
+    @triton.jit
+    def _ld_row(ptr, row, eos, H: tl.constexpr, i_h, D: tl.constexpr, cols, mc):
+        return tl.load(ptr + (row * H + i_h) * D + cols, mask=mc & ((cols * 0 + row) < eos), other=0.).to(tl.float32)
+
+    @triton.jit
+    def _diag_loop(aI, kI, gI, k_ptr, g_ptr, row0, eos, H: tl.constexpr, i_h, K: tl.constexpr, cols, mc,
+                   BC: tl.constexpr):
+        """Diagonal 16x16 tile, any gate: column by column with per-pair exponents (all <= 1)."""
+        o_i = tl.arange(0, BC)
+        acc_a = tl.zeros([BC, BC], dtype=tl.float32)
+        acc_k = tl.zeros([BC, BC], dtype=tl.float32)
+        for j in range(0, BC):
+            kj = _ld_row(k_ptr, row0 + j, eos, H, i_h, K, cols, mc)
+            gj = _ld_row(g_ptr, row0 + j, eos, H, i_h, K, cols, mc)
+            ok = (o_i[:, None] >= j) & ((row0 + o_i) < eos)[:, None]
+            e = tl.exp2(tl.where(ok, gI - gj[None, :], -float("inf"))) * kj[None, :]
+            ca = tl.sum(aI * e, 1)
+            ck = tl.sum(kI * e, 1)
+            acc_a += tl.where(o_i[None, :] == j, ca[:, None], 0.)
+            acc_k += tl.where(o_i[None, :] == j, ck[:, None], 0.)
+        return acc_a, acc_k
+
+    @triton.jit
+    def _inv_unit_lower(L, BC: tl.constexpr):
+        """(I + L)^-1 for strictly lower-triangular L [BC, BC], by forward substitution in fp32."""
+        o = tl.arange(0, BC)
+        M = tl.where(o[:, None] == o[None, :], 1., 0.)
+        for i in range(1, BC):
+            li = tl.sum(tl.where(o[:, None] == i, L, 0.), 0)
+            new = -tl.sum(li[:, None] * M, 0)
+            M = tl.where(o[:, None] == i, M + new[None, :], M)
+        return M
+
+    @triton.jit
+    def _mm(a, b):
+        return tl.dot(a, b, input_precision="ieee")
+
+    @triton.jit
+    def _st_blk(ptr, X, rows, eos, H: tl.constexpr, i_h, D: tl.constexpr, col0, BC: tl.constexpr):
+        c = col0 + tl.arange(0, BC)
+        tl.store(ptr + (rows[:, None] * H + i_h) * D + c[None, :], X, mask=(rows < eos)[:, None])
+
+    @triton.jit
+    def _intra_fwd_kernel(qn, kn, v, gc, bs, Aqk, W, U, Qg, Kd, Mo, Po, tab, cu, scale,
+                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                          SAFE: tl.constexpr, STORE_BWD: tl.constexpr, PREC: tl.constexpr):
+        i_c = tl.program_id(0)
+        i_h = tl.program_id(1)
+        n = tl.load(tab + 2 * i_c)
+        t0 = tl.load(tab + 2 * i_c + 1).to(tl.int64)
+        eos = tl.load(cu + n + 1).to(tl.int64)
+        o_c = tl.arange(0, BC)
+        r0 = t0 + o_c
+        r1 = r0 + BC
+        r2 = r1 + BC
+        r3 = r2 + BC
+        DT = W.dtype.element_ty
+
+        a00 = tl.zeros([BC, BC], dtype=tl.float32)
+        a10 = tl.zeros([BC, BC], dtype=tl.float32)
+        a11 = tl.zeros([BC, BC], dtype=tl.float32)
+        a20 = tl.zeros([BC, BC], dtype=tl.float32)
+        a21 = tl.zeros([BC, BC], dtype=tl.float32)
+        a22 = tl.zeros([BC, BC], dtype=tl.float32)
+        a30 = tl.zeros([BC, BC], dtype=tl.float32)
+        a31 = tl.zeros([BC, BC], dtype=tl.float32)
+        a32 = tl.zeros([BC, BC], dtype=tl.float32)
+        a33 = tl.zeros([BC, BC], dtype=tl.float32)
+        p00 = tl.zeros([BC, BC], dtype=tl.float32)
+        p10 = tl.zeros([BC, BC], dtype=tl.float32)
+        p11 = tl.zeros([BC, BC], dtype=tl.float32)
+        p20 = tl.zeros([BC, BC], dtype=tl.float32)
+        p21 = tl.zeros([BC, BC], dtype=tl.float32)
+        p22 = tl.zeros([BC, BC], dtype=tl.float32)
+        p30 = tl.zeros([BC, BC], dtype=tl.float32)
+        p31 = tl.zeros([BC, BC], dtype=tl.float32)
+        p32 = tl.zeros([BC, BC], dtype=tl.float32)
+        p33 = tl.zeros([BC, BC], dtype=tl.float32)
+
+        last = tl.minimum(eos, t0 + BT) - 1
+        for i_k in range(0, tl.cdiv(K, BK)):
+            cols = i_k * BK + tl.arange(0, BK)
+            mc = cols < K
+            k0 = _ld(kn, r0, eos, H, i_h, K, cols, mc)
+            k1 = _ld(kn, r1, eos, H, i_h, K, cols, mc)
+            k2 = _ld(kn, r2, eos, H, i_h, K, cols, mc)
+            k3 = _ld(kn, r3, eos, H, i_h, K, cols, mc)
+            q0 = _ld(qn, r0, eos, H, i_h, K, cols, mc)
+            q1 = _ld(qn, r1, eos, H, i_h, K, cols, mc)
+            q2 = _ld(qn, r2, eos, H, i_h, K, cols, mc)
+            q3 = _ld(qn, r3, eos, H, i_h, K, cols, mc)
+            g0 = _ld(gc, r0, eos, H, i_h, K, cols, mc)
+            g1 = _ld(gc, r1, eos, H, i_h, K, cols, mc)
+            g2 = _ld(gc, r2, eos, H, i_h, K, cols, mc)
+            g3 = _ld(gc, r3, eos, H, i_h, K, cols, mc)
+            # reference rows: the first row of each sub-tile
+            n0 = _ld_row(gc, t0, eos, H, i_h, K, cols, mc)
+            n1 = _ld_row(gc, tl.minimum(t0 + BC, last), eos, H, i_h, K, cols, mc)
+            n2 = _ld_row(gc, tl.minimum(t0 + 2 * BC, last), eos, H, i_h, K, cols, mc)
+            n3 = _ld_row(gc, tl.minimum(t0 + 3 * BC, last), eos, H, i_h, K, cols, mc)
+            # row sides, exp(Gam_i - Gam_ref) <= 1 on valid rows (0 elsewhere)
+            e0 = tl.exp2(tl.where((r0 < eos)[:, None], g0 - n0[None, :], 0.))
+            e1 = tl.exp2(tl.where((r1 < eos)[:, None], g1 - n1[None, :], 0.))
+            e2 = tl.exp2(tl.where((r2 < eos)[:, None], g2 - n2[None, :], 0.))
+            e3 = tl.exp2(tl.where((r3 < eos)[:, None], g3 - n3[None, :], 0.))
+            qe1 = q1 * e1
+            ke1 = k1 * e1
+            qe2 = q2 * e2
+            ke2 = k2 * e2
+            qe3 = q3 * e3
+            ke3 = k3 * e3
+            # off-diagonal tiles: column sides exp(Gam_ref - Gam_j) <= 1
+            kt = tl.trans(k0 * tl.exp2(n1[None, :] - g0))
+            a10 += tl.dot(qe1, kt, input_precision=PREC)
+            p10 += tl.dot(ke1, kt, input_precision=PREC)
+            kt = tl.trans(k0 * tl.exp2(n2[None, :] - g0))
+            a20 += tl.dot(qe2, kt, input_precision=PREC)
+            p20 += tl.dot(ke2, kt, input_precision=PREC)
+            kt = tl.trans(k1 * tl.exp2(n2[None, :] - g1))
+            a21 += tl.dot(qe2, kt, input_precision=PREC)
+            p21 += tl.dot(ke2, kt, input_precision=PREC)
+            kt = tl.trans(k0 * tl.exp2(n3[None, :] - g0))
+            a30 += tl.dot(qe3, kt, input_precision=PREC)
+            p30 += tl.dot(ke3, kt, input_precision=PREC)
+            kt = tl.trans(k1 * tl.exp2(n3[None, :] - g1))
+            a31 += tl.dot(qe3, kt, input_precision=PREC)
+            p31 += tl.dot(ke3, kt, input_precision=PREC)
+            kt = tl.trans(k2 * tl.exp2(n3[None, :] - g2))
+            a32 += tl.dot(qe3, kt, input_precision=PREC)
+            p32 += tl.dot(ke3, kt, input_precision=PREC)
+            if SAFE:
+                # bounded gate: exp(Gam_ref - Gam_j) inside one sub-tile stays < 2^116
+                kt = tl.trans(k0 * tl.exp2(n0[None, :] - g0))
+                a00 += tl.dot(q0 * e0, kt, input_precision=PREC)
+                p00 += tl.dot(k0 * e0, kt, input_precision=PREC)
+                kt = tl.trans(k1 * tl.exp2(n1[None, :] - g1))
+                a11 += tl.dot(qe1, kt, input_precision=PREC)
+                p11 += tl.dot(ke1, kt, input_precision=PREC)
+                kt = tl.trans(k2 * tl.exp2(n2[None, :] - g2))
+                a22 += tl.dot(qe2, kt, input_precision=PREC)
+                p22 += tl.dot(ke2, kt, input_precision=PREC)
+                kt = tl.trans(k3 * tl.exp2(n3[None, :] - g3))
+                a33 += tl.dot(qe3, kt, input_precision=PREC)
+                p33 += tl.dot(ke3, kt, input_precision=PREC)
+            else:
+                x, y = _diag_loop(q0, k0, g0, kn, gc, t0, eos, H, i_h, K, cols, mc, BC)
+                a00 += x
+                p00 += y
+                x, y = _diag_loop(q1, k1, g1, kn, gc, t0 + BC, eos, H, i_h, K, cols, mc, BC)
+                a11 += x
+                p11 += y
+                x, y = _diag_loop(q2, k2, g2, kn, gc, t0 + 2 * BC, eos, H, i_h, K, cols, mc, BC)
+                a22 += x
+                p22 += y
+                x, y = _diag_loop(q3, k3, g3, kn, gc, t0 + 3 * BC, eos, H, i_h, K, cols, mc, BC)
+                a33 += x
+                p33 += y
+
+        incl = o_c[:, None] >= o_c[None, :]
+        strict = o_c[:, None] > o_c[None, :]
+        a00 = tl.where(incl, a00, 0.)
+        a11 = tl.where(incl, a11, 0.)
+        a22 = tl.where(incl, a22, 0.)
+        a33 = tl.where(incl, a33, 0.)
+        p00 = tl.where(strict, p00, 0.)
+        p11 = tl.where(strict, p11, 0.)
+        p22 = tl.where(strict, p22, 0.)
+        p33 = tl.where(strict, p33, 0.)
+        _st_blk(Aqk, a00 * scale, r0, eos, H, i_h, BT, 0, BC)
+        _st_blk(Aqk, a10 * scale, r1, eos, H, i_h, BT, 0, BC)
+        _st_blk(Aqk, a11 * scale, r1, eos, H, i_h, BT, BC, BC)
+        _st_blk(Aqk, a20 * scale, r2, eos, H, i_h, BT, 0, BC)
+        _st_blk(Aqk, a21 * scale, r2, eos, H, i_h, BT, BC, BC)
+        _st_blk(Aqk, a22 * scale, r2, eos, H, i_h, BT, 2 * BC, BC)
+        _st_blk(Aqk, a30 * scale, r3, eos, H, i_h, BT, 0, BC)
+        _st_blk(Aqk, a31 * scale, r3, eos, H, i_h, BT, BC, BC)
+        _st_blk(Aqk, a32 * scale, r3, eos, H, i_h, BT, 2 * BC, BC)
+        _st_blk(Aqk, a33 * scale, r3, eos, H, i_h, BT, 3 * BC, BC)
+
+        b0 = tl.load(bs + r0 * H + i_h, mask=r0 < eos, other=0.)
+        b1 = tl.load(bs + r1 * H + i_h, mask=r1 < eos, other=0.)
+        b2 = tl.load(bs + r2 * H + i_h, mask=r2 < eos, other=0.)
+        b3 = tl.load(bs + r3 * H + i_h, mask=r3 < eos, other=0.)
+        # M = (I + Diag(beta) P)^-1, blockwise
+        m00 = _inv_unit_lower(b0[:, None] * p00, BC)
+        m11 = _inv_unit_lower(b1[:, None] * p11, BC)
+        m22 = _inv_unit_lower(b2[:, None] * p22, BC)
+        m33 = _inv_unit_lower(b3[:, None] * p33, BC)
+        l10 = b1[:, None] * p10
+        l20 = b2[:, None] * p20
+        l21 = b2[:, None] * p21
+        l30 = b3[:, None] * p30
+        l31 = b3[:, None] * p31
+        l32 = b3[:, None] * p32
+        m10 = -_mm(m11, _mm(l10, m00))
+        m21 = -_mm(m22, _mm(l21, m11))
+        m20 = -_mm(m22, _mm(l20, m00) + _mm(l21, m10))
+        m32 = -_mm(m33, _mm(l32, m22))
+        m31 = -_mm(m33, _mm(l31, m11) + _mm(l32, m21))
+        m30 = -_mm(m33, _mm(l30, m00) + _mm(l31, m10) + _mm(l32, m20))
+        if STORE_BWD:
+            _st_blk(Mo, m00, r0, eos, H, i_h, BT, 0, BC)
+            _st_blk(Mo, m10, r1, eos, H, i_h, BT, 0, BC)
+            _st_blk(Mo, m11, r1, eos, H, i_h, BT, BC, BC)
+            _st_blk(Mo, m20, r2, eos, H, i_h, BT, 0, BC)
+            _st_blk(Mo, m21, r2, eos, H, i_h, BT, BC, BC)
+            _st_blk(Mo, m22, r2, eos, H, i_h, BT, 2 * BC, BC)
+            _st_blk(Mo, m30, r3, eos, H, i_h, BT, 0, BC)
+            _st_blk(Mo, m31, r3, eos, H, i_h, BT, BC, BC)
+            _st_blk(Mo, m32, r3, eos, H, i_h, BT, 2 * BC, BC)
+            _st_blk(Mo, m33, r3, eos, H, i_h, BT, 3 * BC, BC)
+            _st_blk(Po, p00, r0, eos, H, i_h, BT, 0, BC)
+            _st_blk(Po, p10, r1, eos, H, i_h, BT, 0, BC)
+            _st_blk(Po, p11, r1, eos, H, i_h, BT, BC, BC)
+            _st_blk(Po, p20, r2, eos, H, i_h, BT, 0, BC)
+            _st_blk(Po, p21, r2, eos, H, i_h, BT, BC, BC)
+            _st_blk(Po, p22, r2, eos, H, i_h, BT, 2 * BC, BC)
+            _st_blk(Po, p30, r3, eos, H, i_h, BT, 0, BC)
+            _st_blk(Po, p31, r3, eos, H, i_h, BT, BC, BC)
+            _st_blk(Po, p32, r3, eos, H, i_h, BT, 2 * BC, BC)
+            _st_blk(Po, p33, r3, eos, H, i_h, BT, 3 * BC, BC)
+        # T = M Diag(beta), in the matmul dtype
+        t00 = (m00 * b0[None, :]).to(DT)
+        t10 = (m10 * b0[None, :]).to(DT)
+        t11 = (m11 * b1[None, :]).to(DT)
+        t20 = (m20 * b0[None, :]).to(DT)
+        t21 = (m21 * b1[None, :]).to(DT)
+        t22 = (m22 * b2[None, :]).to(DT)
+        t30 = (m30 * b0[None, :]).to(DT)
+        t31 = (m31 * b1[None, :]).to(DT)
+        t32 = (m32 * b2[None, :]).to(DT)
+        t33 = (m33 * b3[None, :]).to(DT)
+
+        for i_k in range(0, tl.cdiv(K, BK)):
+            cols = i_k * BK + tl.arange(0, BK)
+            mc = cols < K
+            gl = _ld_row(gc, last, eos, H, i_h, K, cols, mc)
+            k0 = _ld(kn, r0, eos, H, i_h, K, cols, mc)
+            k1 = _ld(kn, r1, eos, H, i_h, K, cols, mc)
+            k2 = _ld(kn, r2, eos, H, i_h, K, cols, mc)
+            k3 = _ld(kn, r3, eos, H, i_h, K, cols, mc)
+            g0 = _ld(gc, r0, eos, H, i_h, K, cols, mc)
+            g1 = _ld(gc, r1, eos, H, i_h, K, cols, mc)
+            g2 = _ld(gc, r2, eos, H, i_h, K, cols, mc)
+            g3 = _ld(gc, r3, eos, H, i_h, K, cols, mc)
+            kg0 = (k0 * tl.exp2(g0)).to(DT)
+            kg1 = (k1 * tl.exp2(g1)).to(DT)
+            kg2 = (k2 * tl.exp2(g2)).to(DT)
+            kg3 = (k3 * tl.exp2(g3)).to(DT)
+            _st_blk(W, tl.dot(t00, kg0, input_precision=PREC).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
+            _st_blk(W, (tl.dot(t10, kg0, input_precision=PREC) + tl.dot(t11, kg1, input_precision=PREC)).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
+            _st_blk(W, (tl.dot(t20, kg0, input_precision=PREC) + tl.dot(t21, kg1, input_precision=PREC) + tl.dot(t22, kg2, input_precision=PREC)).to(DT),
+                    r2, eos, H, i_h, K, i_k * BK, BK)
+            _st_blk(W, (tl.dot(t30, kg0, input_precision=PREC) + tl.dot(t31, kg1, input_precision=PREC) + tl.dot(t32, kg2, input_precision=PREC) + tl.dot(t33, kg3, input_precision=PREC)).to(DT),
+                    r3, eos, H, i_h, K, i_k * BK, BK)
+            _st_blk(Kd, (k0 * tl.exp2(gl[None, :] - g0)).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
+            _st_blk(Kd, (k1 * tl.exp2(gl[None, :] - g1)).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
+            _st_blk(Kd, (k2 * tl.exp2(gl[None, :] - g2)).to(DT), r2, eos, H, i_h, K, i_k * BK, BK)
+            _st_blk(Kd, (k3 * tl.exp2(gl[None, :] - g3)).to(DT), r3, eos, H, i_h, K, i_k * BK, BK)
+            q0 = _ld(qn, r0, eos, H, i_h, K, cols, mc)
+            q1 = _ld(qn, r1, eos, H, i_h, K, cols, mc)
+            q2 = _ld(qn, r2, eos, H, i_h, K, cols, mc)
+            q3 = _ld(qn, r3, eos, H, i_h, K, cols, mc)
+            _st_blk(Qg, (q0 * tl.exp2(g0) * scale).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
+            _st_blk(Qg, (q1 * tl.exp2(g1) * scale).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
+            _st_blk(Qg, (q2 * tl.exp2(g2) * scale).to(DT), r2, eos, H, i_h, K, i_k * BK, BK)
+            _st_blk(Qg, (q3 * tl.exp2(g3) * scale).to(DT), r3, eos, H, i_h, K, i_k * BK, BK)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            cols = i_v * BV + tl.arange(0, BV)
+            mc = cols < V
+            v0 = _ld(v, r0, eos, H, i_h, V, cols, mc).to(DT)
+            v1 = _ld(v, r1, eos, H, i_h, V, cols, mc).to(DT)
+            v2 = _ld(v, r2, eos, H, i_h, V, cols, mc).to(DT)
+            v3 = _ld(v, r3, eos, H, i_h, V, cols, mc).to(DT)
+            _st_blk(U, tl.dot(t00, v0, input_precision=PREC).to(DT), r0, eos, H, i_h, V, i_v * BV, BV)
+            _st_blk(U, (tl.dot(t10, v0, input_precision=PREC) + tl.dot(t11, v1, input_precision=PREC)).to(DT), r1, eos, H, i_h, V, i_v * BV, BV)
+            _st_blk(U, (tl.dot(t20, v0, input_precision=PREC) + tl.dot(t21, v1, input_precision=PREC) + tl.dot(t22, v2, input_precision=PREC)).to(DT), r2, eos, H, i_h, V, i_v * BV, BV)
+            _st_blk(U, (tl.dot(t30, v0, input_precision=PREC) + tl.dot(t31, v1, input_precision=PREC) + tl.dot(t32, v2, input_precision=PREC) + tl.dot(t33, v3, input_precision=PREC)).to(DT),
+                    r3, eos, H, i_h, V, i_v * BV, BV)
+
+    @triton.jit
+    def _state_fwd_kernel(W, U, Qg, Kd, Aqk, gc, o, h0, ht, hs, vn, cu, chunk_off,
+                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
+                          STORE_STATES: tl.constexpr, STORE_VN: tl.constexpr, COMPUTE_O: tl.constexpr, PREC: tl.constexpr):
+        i_v = tl.program_id(0)
+        i_nh = tl.program_id(1)
+        n = i_nh // H
+        i_h = i_nh % H
+        bos = tl.load(cu + n).to(tl.int64)
+        eos = tl.load(cu + n + 1).to(tl.int64)
+        c0 = tl.load(chunk_off + n).to(tl.int64)
+        NTn = tl.cdiv(eos - bos, BT)
+        o_k = tl.arange(0, BK)
+        mk = o_k < K
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = o_v < V
+        o_t = tl.arange(0, BT)
+        DT = W.dtype.element_ty
+        s_off = (i_nh.to(tl.int64) * K + o_k[:, None]) * V + o_v[None, :]
+        m_s = mk[:, None] & mv[None, :]
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+        if HAS_H0:
+            S += tl.load(h0 + s_off, mask=m_s, other=0.)
+        for c in range(0, NTn):
+            t0 = bos + c * BT
+            rows = t0 + o_t
+            mr = rows < eos
+            if STORE_STATES:
+                tl.store(hs + ((c0 + c) * H * K + i_h * K + o_k[:, None]) * V + o_v[None, :], S, mask=m_s)
+            mrk = mr[:, None] & mk[None, :]
+            mrv = mr[:, None] & mv[None, :]
+            offk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+            offv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+            w = tl.load(W + offk, mask=mrk, other=0.)
+            u = tl.load(U + offv, mask=mrv, other=0.).to(tl.float32)
+            Sd = S.to(DT)
+            vnew = u - tl.dot(w, Sd, input_precision=PREC)
+            if STORE_VN:
+                tl.store(vn + offv, vnew.to(vn.dtype.element_ty), mask=mrv)
+            vd = vnew.to(DT)
+            if COMPUTE_O:
+                qg = tl.load(Qg + offk, mask=mrk, other=0.)
+                a = tl.load(Aqk + (rows[:, None] * H + i_h) * BT + o_t[None, :],
+                            mask=mr[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.)
+                ob = tl.dot(qg, Sd, input_precision=PREC) + tl.dot(a.to(DT), vd, input_precision=PREC)
+                tl.store(o + offv, ob.to(o.dtype.element_ty), mask=mrv)
+            kd = tl.load(Kd + offk, mask=mrk, other=0.)
+            last = tl.minimum(eos, t0 + BT) - 1
+            gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=mk, other=0.)
+            S = S * tl.exp2(gl)[:, None] + tl.dot(tl.trans(kd), vd, input_precision=PREC)
+        if STORE_FINAL:
+            tl.store(ht + s_off, S, mask=m_s)
+
+
+def _prec(dtype):
+    # fp32 inputs: 3xTF32 matmuls (about fp32 accuracy); bf16/fp16: one pass
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
+    TT, H, K = qn.shape
+    V = v.shape[-1]
+    dev = qn.device
+    DT = qn.dtype
+    BT = CHUNK_SIZE
+    Aqk = torch.empty(TT, H, BT, device=dev, dtype=torch.float32)
+    W = torch.empty(TT, H, K, device=dev, dtype=DT)
+    Qg = torch.empty_like(W)
+    Kd = torch.empty_like(W)
+    U = torch.empty(TT, H, V, device=dev, dtype=DT)
+    Mo = torch.empty(TT, H, BT, device=dev, dtype=torch.float32) if store_bwd else Aqk
+    Po = torch.empty(TT, H, BT, device=dev, dtype=torch.float32) if store_bwd else Aqk
+    safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
+    if info.NC > 0:
+        BK = min(64, next_pow2(K))
+        BV = min(64, next_pow2(V))
+        _intra_fwd_kernel[(info.NC, H)](
+            qn, kn, v, gc, bs, Aqk, W, U, Qg, Kd, Mo, Po, info.chunk_tab, info.cu, scale,
+            H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, BC=16, SAFE=safe, STORE_BWD=store_bwd, PREC=_prec(DT),
+            num_warps=4, num_stages=1)
+    out = dict(Aqk=Aqk, W=W, U=U, Qg=Qg, Kd=Kd)
+    if store_bwd:
+        out.update(M=Mo, P=Po)
+    return out
+
+
+def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, store_states, store_vn, compute_o, o=None):
+    W = I["W"]
+    TT, H, K = W.shape
+    dev = W.device
+    N = info.N
+    if compute_o and o is None:
+        o = torch.zeros(TT, H, V, device=dev, dtype=out_dtype)
+    ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    hs = torch.empty(max(info.NC, 1), H, K, V, device=dev, dtype=torch.float32) if store_states else None
+    vn = torch.empty(TT, H, V, device=dev, dtype=W.dtype) if store_vn else None
+    if N > 0:
+        BK = next_pow2(K)
+        BV = min(32, next_pow2(V)) if BK >= 128 else min(64, next_pow2(V))
+        dummy = W
+        _state_fwd_kernel[(triton.cdiv(V, BV), N * H)](
+            W, I["U"], I["Qg"], I["Kd"], I["Aqk"], gc, o if compute_o else dummy,
+            h0 if h0 is not None else dummy, ht if ht is not None else dummy,
+            hs if hs is not None else dummy, vn if vn is not None else dummy, info.cu, info.chunk_off,
+            H=H, K=K, V=V, BK=BK, BV=BV, BT=CHUNK_SIZE, HAS_H0=h0 is not None,
+            STORE_FINAL=output_final_state, STORE_STATES=store_states, STORE_VN=store_vn, COMPUTE_O=compute_o, PREC=_prec(W.dtype),
+            num_warps=4, num_stages=2)
+    if hs is not None:
+        hs = hs[:info.NC]
+    return o, ht, hs, vn

@@ -1,0 +1,313 @@
+"""Grouped GEMM over expert-sorted row segments with MXFP4 weights dequantised in registers (Triton).
+
+One launch computes, for every expert e of a layer and every sorted row m of its segment
+`expert_offsets[e] <= m < expert_offsets[e + 1]`:
+
+    C[c_row(m)] = A[a_row(m)] @ W_e^T                     (dual=None)
+    C[c_row(m)] = A[a_row(m)] @ W_e^T + A2[a_row(m)] @ B_e^T   (dual="in": backward of gate+up)
+    C[c_row(m)] = [A W_e^T | A B_e^T]  or  act(A W_e^T, A B_e^T)   (dual="out": gate+up, optional fused GLU)
+
+where W_e / B_e are MXFP4 matrices kept exactly as compressed-tensors stores them: `packed` uint8 [E, rows, cols/2]
+(low nibble = even column) and `scale` uint8 [E, rows, cols/32] (E8M0). With trans_w=False the stored matrix is
+[N, K] (a forward projection, groups along K); with trans_w=True it is [K, N] and used untransposed (the backward
+of a projection, groups along N). Operands are bf16 (A is rounded to bf16 in registers), accumulation is fp32.
+
+The kernel computes the transposed tile (C^T = W A^T) so that the dequantised weight tile is the left MMA operand
+(kept in registers on Hopper) and the token dimension can be as small as 16 (decode). Tiles map to (expert,
+m-block) without a host synchronisation: a per-expert block count prefix sum is searched inside the kernel.
+Programs of one m-block and all n-tiles are adjacent in launch order, so an expert's weights are read from HBM
+about once per wave and activations are reused from L2.
+
+`mxfp4_grouped_gemm_ref` in `mxfp4_gemm_ref.py` has the same signature and semantics in PyTorch (one expert
+dequantised at a time). Runs under TRITON_INTERPRET=1 on CPU tensors (small shapes, for CI).
+"""
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+ACTS = {None: 0, "silu": 1, "situ": 2}
+DUALS = {None: 0, "out": 1, "in": 2}
+
+
+def interpreter_enabled():
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def available(device):
+    """True when the Triton kernel can run on tensors of `device` (CUDA, or any device under TRITON_INTERPRET=1)."""
+    if not HAS_TRITON:
+        return False
+    device = torch.device(device)
+    return device.type == "cuda" or (interpreter_enabled() and device.type == "cpu")
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _e8m0_to_f32(s):
+        # 2^(s-127) exactly; s == 0 is the fp32 subnormal 2^-127. (0xFF is refused before launch.)
+        si = s.to(tl.int32)
+        bits = tl.where(si == 0, 0x00400000, si << 23)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _e2m1_to_f32(c):
+        # code sEEM -> fp32 with exponent bits EE and mantissa bit M placed low, then * 2^126 (exact for all 16 codes:
+        # EE == 0 lands on the subnormal M * 2^-127).
+        bits = ((c & 7) << 22) | ((c & 8) << 28)
+        return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37
+
+    @triton.jit
+    def _dequant(p, s, R: tl.constexpr, C: tl.constexpr):
+        """p uint8 [R, C/2] (low nibble = even column), s uint8 [R, C/32] -> bf16 [R, C]."""
+        sf = _e8m0_to_f32(s)
+        sf = tl.reshape(tl.broadcast_to(sf[:, :, None], (R, C // 32, 16)), (R, C // 2))
+        pi = p.to(tl.int32)
+        lo = (_e2m1_to_f32(pi & 15) * sf).to(tl.bfloat16)
+        hi = (_e2m1_to_f32(pi >> 4) * sf).to(tl.bfloat16)
+        return tl.reshape(tl.join(lo, hi), (R, C))
+
+    @triton.jit
+    def _load_w(w_ptr, s_ptr, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, stride_se, stride_sr,
+                pid_n, BN: tl.constexpr, BK: tl.constexpr, TRANS_W: tl.constexpr):
+        """Dequantised weight tile [BN, BK]: element (n, k) of W_e^T's transpose, i.e. W_e[n, k] (or W_e[k, n])."""
+        if TRANS_W:
+            # stored [K, N/2]: rows k, packed along n
+            offs_k = k0 + tl.arange(0, BK)
+            k_mask = offs_k < K
+            pc = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+            sc = pid_n * (BN // 32) + tl.arange(0, BN // 32)
+            p = tl.load(w_ptr + e64 * stride_we + offs_k[:, None] * stride_wr + pc[None, :],
+                        mask=k_mask[:, None] & (pc[None, :] < N // 2), other=0)
+            s = tl.load(s_ptr + e64 * stride_se + offs_k[:, None] * stride_sr + sc[None, :],
+                        mask=k_mask[:, None] & (sc[None, :] < N // 32), other=127)
+            return tl.trans(_dequant(p, s, BK, BN))
+        else:
+            pc = k0 // 2 + tl.arange(0, BK // 2)
+            sc = k0 // 32 + tl.arange(0, BK // 32)
+            p = tl.load(w_ptr + e64 * stride_we + offs_n[:, None] * stride_wr + pc[None, :],
+                        mask=n_mask[:, None] & (pc[None, :] < K // 2), other=0)
+            s = tl.load(s_ptr + e64 * stride_se + offs_n[:, None] * stride_sr + sc[None, :],
+                        mask=n_mask[:, None] & (sc[None, :] < K // 32), other=127)
+            return _dequant(p, s, BN, BK)
+
+    @triton.jit
+    def _load_w_scaled_dot(w_ptr, s_ptr, e64, offs_n, n_mask, k0, K, stride_we, stride_wr, stride_se, stride_sr,
+                           at, acc, BK: tl.constexpr):
+        """acc + W_e[n, k-tile] @ at through tl.dot_scaled (e2m1 lhs, bf16 rhs); forward layout only."""
+        pc = k0 // 2 + tl.arange(0, BK // 2)
+        sc = k0 // 32 + tl.arange(0, BK // 32)
+        p = tl.load(w_ptr + e64 * stride_we + offs_n[:, None] * stride_wr + pc[None, :],
+                    mask=n_mask[:, None] & (pc[None, :] < K // 2), other=0)
+        s = tl.load(s_ptr + e64 * stride_se + offs_n[:, None] * stride_sr + sc[None, :],
+                    mask=n_mask[:, None] & (sc[None, :] < K // 32), other=127)
+        return tl.dot_scaled(p, s, "e2m1", at, None, "bf16", acc)
+
+    @triton.jit
+    def _tanh(x):
+        x = tl.minimum(tl.maximum(x, -20.0), 20.0)  # tanh(20) == 1 in fp32; keeps exp finite
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+    @triton.jit
+    def _mxfp4_grouped_gemm_kernel(
+        a_ptr, a2_ptr, a_rows_ptr, stride_am,
+        w_ptr, ws_ptr, b_ptr, bs_ptr, stride_we, stride_wr, stride_se, stride_sr,
+        offs_ptr, bcum_ptr, c_ptr, c_rows_ptr, stride_cm,
+        N, K, E, beta1, beta2,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        E_CHUNK: tl.constexpr, NUM_E_CHUNKS: tl.constexpr,
+        TRANS_W: tl.constexpr, DUAL: tl.constexpr, ACT: tl.constexpr, LINEAR_UP: tl.constexpr,
+        GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, DEQ: tl.constexpr, OP_F32: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(N, BN)
+        pid_m = pid // num_n
+        pid_n = pid % num_n
+        total_blocks = tl.load(bcum_ptr + E)
+        if pid_m >= total_blocks:
+            return
+        # expert = number of experts whose block range ends at or before pid_m
+        e = pid_m * 0
+        for i in range(NUM_E_CHUNKS):
+            idx = 1 + i * E_CHUNK + tl.arange(0, E_CHUNK)
+            ends = tl.load(bcum_ptr + idx, mask=idx <= E, other=2147483647)
+            e += tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+        blk0 = tl.load(bcum_ptr + e)
+        seg_end = tl.load(offs_ptr + e + 1)
+        m_start = tl.load(offs_ptr + e) + (pid_m - blk0) * BM
+        offs_m = m_start + tl.arange(0, BM)
+        m_mask = offs_m < seg_end
+        if GATHER_A:
+            rows = tl.load(a_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        else:
+            rows = offs_m.to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_mask = offs_n < N
+        e64 = e.to(tl.int64)
+
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        acc2 = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            a_mask = (offs_k[:, None] < K) & m_mask[None, :]
+            at = tl.load(a_ptr + rows[None, :] * stride_am + offs_k[:, None], mask=a_mask, other=0.0)
+            at = at.to(tl.bfloat16)  # [BK, BM]
+            if DEQ == 1:
+                acc = _load_w_scaled_dot(w_ptr, ws_ptr, e64, offs_n, n_mask, k0, K, stride_we, stride_wr,
+                                         stride_se, stride_sr, at, acc, BK)
+                if DUAL == 1:
+                    acc2 = _load_w_scaled_dot(b_ptr, bs_ptr, e64, offs_n, n_mask, k0, K, stride_we, stride_wr,
+                                              stride_se, stride_sr, at, acc2, BK)
+            else:
+                wt = _load_w(w_ptr, ws_ptr, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, stride_se,
+                             stride_sr, pid_n, BN, BK, TRANS_W)
+                if OP_F32:  # the interpreter's dot mishandles bf16; bf16 values are exact in fp32
+                    wt = wt.to(tl.float32)
+                    at = at.to(tl.float32)
+                acc = tl.dot(wt, at, acc)
+                if DUAL == 1:
+                    bt = _load_w(b_ptr, bs_ptr, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, stride_se,
+                                 stride_sr, pid_n, BN, BK, TRANS_W)
+                    if OP_F32:
+                        bt = bt.to(tl.float32)
+                    acc2 = tl.dot(bt, at, acc2)
+                if DUAL == 2:
+                    at2 = tl.load(a2_ptr + rows[None, :] * stride_am + offs_k[:, None], mask=a_mask, other=0.0)
+                    at2 = at2.to(tl.bfloat16)
+                    bt = _load_w(b_ptr, bs_ptr, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, stride_se,
+                                 stride_sr, pid_n, BN, BK, TRANS_W)
+                    if OP_F32:
+                        at2 = at2.to(tl.float32)
+                        bt = bt.to(tl.float32)
+                    acc = tl.dot(bt, at2, acc)
+
+        if SCATTER_C:
+            crow = tl.load(c_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        else:
+            crow = offs_m.to(tl.int64)
+        c_mask = m_mask[:, None] & n_mask[None, :]
+        c_ptrs = c_ptr + crow[:, None] * stride_cm + offs_n[None, :]
+        if DUAL == 1:
+            if ACT == 0:
+                tl.store(c_ptrs, tl.trans(acc).to(c_ptr.dtype.element_ty), mask=c_mask)
+                tl.store(c_ptrs + N, tl.trans(acc2).to(c_ptr.dtype.element_ty), mask=c_mask)
+            else:
+                g = acc
+                u = acc2
+                if ACT == 1:
+                    h = g * tl.sigmoid(g) * u
+                else:
+                    if not LINEAR_UP:
+                        u = beta2 * _tanh(u / beta2)
+                    h = beta1 * _tanh(g / beta1) * tl.sigmoid(g) * u
+                tl.store(c_ptrs, tl.trans(h).to(c_ptr.dtype.element_ty), mask=c_mask)
+        else:
+            tl.store(c_ptrs, tl.trans(acc).to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def _next_pow2(n):
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def default_config(M, E, N, K, dual=None, trans_w=False):
+    """Tile shape by the mean number of rows per active expert (BM: tokens, BN: weight rows, BK: reduction)."""
+    avg = M / max(1, min(E, M))
+    if avg <= 16:
+        cfg = dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)
+    elif avg <= 32:
+        cfg = dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=4)
+    elif avg <= 64:
+        cfg = dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=3)
+    else:
+        cfg = dict(BM=128, BN=64 if dual == "out" else 128, BK=64, num_warps=8, num_stages=3)
+    cfg["DEQ"] = 0
+    return cfg
+
+
+def block_prefix(expert_offsets, BM):
+    """[E+1] int32: cumulative number of BM-row blocks per expert (what the kernel searches)."""
+    counts = (expert_offsets[1:] - expert_offsets[:-1]).to(torch.int32)
+    bcum = torch.zeros(expert_offsets.numel(), dtype=torch.int32, device=expert_offsets.device)
+    torch.cumsum((counts + BM - 1) // BM, 0, out=bcum[1:])
+    return bcum
+
+
+def _shapes(a, w_packed, w_scale, trans_w):
+    if w_packed.dim() != 3 or w_scale.dim() != 3:
+        raise ValueError("stacked MXFP4 weights must be [E, rows, cols/2] and [E, rows, cols/32]")
+    E, R, Cp = w_packed.shape
+    if w_scale.shape != (E, R, Cp * 2 // 32):
+        raise ValueError(f"weight_scale {tuple(w_scale.shape)} does not match weight_packed {tuple(w_packed.shape)}")
+    N, K = (2 * Cp, R) if trans_w else (R, 2 * Cp)
+    if a.shape[-1] != K:
+        raise ValueError(f"activations have {a.shape[-1]} columns, the weights need K={K}")
+    return E, N, K
+
+
+def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a_rows=None, c_rows=None,
+                       num_c_rows=None, a2=None, b_packed=None, b_scale=None, dual=None, act=None,
+                       act_params=(4.0, 25.0), out_dtype=torch.float32, config=None):
+    """Grouped MXFP4 GEMM (see the module docstring).
+
+    a [Ra, K] float (bf16 preferred); w_packed/w_scale stacked MXFP4 [E, N, K/2]/[E, N, K/32] (or [E, K, N/2]/
+    [E, K, N/32] with trans_w); expert_offsets int32 [E+1] (sorted segment starts, last = M); a_rows int32 [M]
+    (row of `a` for sorted row m, default m); c_rows int32 [M] (row of C written by sorted row m, default m; C has
+    num_c_rows rows, default M, and must be covered); dual None | "out" | "in" with b_packed/b_scale (and a2 for
+    "in"); act None | "silu" | "situ" (dual="out" only; act_params = (beta1, beta2 or None = linear up));
+    returns C [num_c_rows, N] (dual="out" without act: [num_c_rows, 2N] = [A W^T | A B^T]) in out_dtype.
+    """
+    E, N, K = _shapes(a, w_packed, w_scale, trans_w)
+    if K % 32 or N % 32:
+        raise ValueError("MXFP4 grouped GEMM needs N and K to be multiples of 32")
+    M = a_rows.numel() if a_rows is not None else a.shape[0]
+    if act is not None and dual != "out":
+        raise ValueError("a fused activation needs dual='out'")
+    ncols = 2 * N if (dual == "out" and act is None) else N
+    c = torch.empty(num_c_rows if num_c_rows is not None else M, ncols, dtype=out_dtype, device=a.device)
+    if M == 0:
+        return c
+    cfg = dict(default_config(M, E, N, K, dual, trans_w))
+    if config:
+        cfg.update(config)
+    if cfg.get("DEQ", 0) == 1 and (trans_w or dual == "in"):
+        cfg["DEQ"] = 0
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    bcum = block_prefix(expert_offsets, BM)
+    max_blocks = min(E, M) + triton.cdiv(M, BM)
+    grid = (max_blocks * triton.cdiv(N, BN),)
+    a = a.contiguous()
+    if a2 is not None:
+        a2 = a2.contiguous()
+        if a2.shape != a.shape:
+            raise ValueError("a2 must have the shape of a")
+    b_packed = w_packed if b_packed is None else b_packed
+    b_scale = w_scale if b_scale is None else b_scale
+    if dual is not None and (b_packed.shape != w_packed.shape or b_packed.stride() != w_packed.stride()
+                             or b_scale.stride() != w_scale.stride()):
+        raise ValueError("the two weights of a dual GEMM must have the same shape and strides")
+    e_chunk = min(1024, _next_pow2(E))
+    beta1, beta2 = act_params if act == "situ" else (1.0, 1.0)
+    _mxfp4_grouped_gemm_kernel[grid](
+        a, a2 if a2 is not None else a, a_rows if a_rows is not None else expert_offsets, a.stride(0),
+        w_packed, w_scale, b_packed, b_scale, w_packed.stride(0), w_packed.stride(1), w_scale.stride(0),
+        w_scale.stride(1),
+        expert_offsets, bcum, c, c_rows if c_rows is not None else expert_offsets, c.stride(0),
+        N, K, E, float(beta1), float(beta2 if beta2 is not None else 1.0),
+        BM=BM, BN=BN, BK=BK, E_CHUNK=e_chunk, NUM_E_CHUNKS=triton.cdiv(E, e_chunk),
+        TRANS_W=bool(trans_w), DUAL=DUALS[dual], ACT=ACTS[act], LINEAR_UP=(act == "situ" and beta2 is None),
+        GATHER_A=a_rows is not None, SCATTER_C=c_rows is not None, DEQ=int(cfg.get("DEQ", 0)),
+        OP_F32=interpreter_enabled(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return c
