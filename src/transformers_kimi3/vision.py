@@ -83,8 +83,9 @@ def _eager_attention(q, k, v):
 def _varlen_attention(q, k, v, lengths, implementation):
     """Bidirectional attention inside each packed item; q/k/v are [L, heads, head_dim], the result [L, heads*hd]."""
     attend = _eager_attention if implementation == "eager" else F.scaled_dot_product_attention
+    # per item, batch of one [1, heads, len, hd]: the layout every SDPA backend (flash included) accepts
     outputs = [
-        attend(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1)).transpose(0, 1)
+        attend(qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None])[0].transpose(0, 1)
         for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))
     ]
     return torch.cat(outputs).flatten(-2)
@@ -229,4 +230,4 @@ class Kimi3MultiModalProjector(nn.Module):
         return self.post_norm(self.proj(image_features.reshape(image_features.shape[0], self.input_size)))
 
 
-__all__ = ["Kimi3VisionModel", "Kimi3MultiModalProjector"]
+__all__ = ["Kimi3VisionModel", "Kimi3MultiModalProjector", "Kimi3VisionBlock", "Kimi3VisionPositionEmbedding"]
