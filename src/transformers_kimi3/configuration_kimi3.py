@@ -329,6 +329,7 @@ class Kimi3TextConfig(PretrainedConfig):
 
     def to_dict(self):
         out = super().to_dict()
+        out["model_type"] = "kimi_linear"  # the official text model type: Moonshot's code and the engines read it
         q = out.pop("checkpoint_quantization_config", None)
         if q:
             out["quantization_config"] = q
@@ -443,8 +444,6 @@ class Kimi3Config(PretrainedConfig):
 
     def to_dict(self):
         out = super().to_dict()
-        # the official file names the text config's type "kimi_linear"; keep that so Moonshot's code reads it
-        out["text_config"]["model_type"] = "kimi_linear"
         out["vision_config"].pop("model_type", None)
         return out
 

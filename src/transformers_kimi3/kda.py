@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kda_reference
+from .kda_reference import naive_chunk_kda, naive_recurrent_kda
 from .norms import Kimi3GatedRMSNorm
 
 logger = logging.getLogger("transformers_kimi3")
@@ -84,7 +84,7 @@ def kda_chunk(q, k, v, g, beta, backend, **kw):
         return _triton_kda.chunk_kda(q, k, v, g, beta, **kw)
     if backend == "fla":
         return _fla_call(_fla_chunk_kda, q, k, v, g, beta, safe_gate=kw.get("lower_bound") is not None, **kw)
-    return kda_reference.naive_chunk_kda(q, k, v, g, beta, **kw)
+    return naive_chunk_kda(q, k, v, g, beta, **kw)
 
 
 def kda_recurrent(q, k, v, g, beta, backend, **kw):
@@ -92,7 +92,7 @@ def kda_recurrent(q, k, v, g, beta, backend, **kw):
         return _triton_kda.fused_recurrent_kda(q, k, v, g, beta, **kw)
     if backend == "fla":
         return _fla_call(_fla_recurrent_kda, q, k, v, g, beta, **kw)
-    return kda_reference.naive_recurrent_kda(q, k, v, g, beta, **kw)
+    return naive_recurrent_kda(q, k, v, g, beta, **kw)
 
 
 def _fla_call(fn, q, k, v, g, beta, *, A_log, dt_bias, lower_bound=None, scale=None, initial_state=None,

@@ -105,6 +105,9 @@ def _chunk(q, k, v, g, beta, *, initial_state, A_log, dt_bias, lower_bound, scal
     q, k, v, g, beta = _prepare(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, use_qk_l2norm_in_kernel)
     B, T, H, K = k.shape
     V = v.shape[-1]
+    if T == 0:
+        return v.new_zeros(B, 0, H, V).to(dtype), (q.new_zeros(B, H, K, V) if initial_state is None
+                                                   else initial_state.float())
     C = chunk_size
     pad = (-T) % C
     # padded positions: zero k/v/q, no decay (g=0) and beta=0, so they leave the state untouched

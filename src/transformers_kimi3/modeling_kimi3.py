@@ -14,7 +14,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
-from . import checkpoint
+from .checkpoint import load_pretrained, save_pretrained
 from .attn_res import attn_res_mix
 from .cache import Kimi3Cache
 from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig
@@ -122,11 +122,11 @@ class Kimi3PreTrainedModel(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         if kwargs.get("state_dict") is not None or pretrained_model_name_or_path is None:
             return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        return checkpoint.load_pretrained(cls, pretrained_model_name_or_path, super().from_pretrained,
+        return load_pretrained(cls, pretrained_model_name_or_path, super().from_pretrained,
                                           *model_args, **kwargs)
 
     def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
-        return checkpoint.save_pretrained(self, save_directory, super().save_pretrained, *args,
+        return save_pretrained(self, save_directory, super().save_pretrained, *args,
                                           state_dict=state_dict, **kwargs)
 
 
@@ -233,6 +233,12 @@ class Kimi3GenerationMixin(GenerationMixin):
     placeholder becomes h*w/4 positions)."""
 
     _mm_keys = ("pixel_values", "grid_thws")
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls):
+        # generate() must not build a DynamicCache for us (it cannot describe KDA state, and a stack without
+        # attention layers makes its get_seq_length raise); our forward creates a Kimi3Cache instead.
+        return False
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
                                       inputs_embeds=None, **kwargs):

@@ -1,0 +1,67 @@
+"""save_pretrained writes self-contained remote code: the folder loads with trust_remote_code=True in a Python
+where transformers_kimi3 (and kimi3_kernels) cannot be imported."""
+
+import json
+import os
+
+import torch
+
+from kimi3_testing import ORACLE_A, run_python, tiny_model
+
+BLOCKER = """
+import sys, importlib.abc
+class _Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('transformers_kimi3', 'kimi3_kernels'):
+            raise ImportError('blocked: ' + name)
+sys.meta_path.insert(0, _Block())
+try:
+    import transformers_kimi3
+    raise SystemExit('the package is importable: the test would prove nothing')
+except ImportError:
+    pass
+"""
+
+
+def _roundtrip(folder, auto, ids, expected, tmp_path):
+    torch.save({"ids": ids, "expected": expected}, tmp_path / "io.pt")
+    code = BLOCKER + f"""
+import torch, transformers
+m = transformers.{auto}.from_pretrained({str(folder)!r}, trust_remote_code=True, dtype=torch.float32).eval()
+assert 'transformers_kimi3' not in type(m).__module__, type(m).__module__
+io = torch.load({str(tmp_path / 'io.pt')!r})
+with torch.no_grad():
+    got = m(input_ids=io['ids'], use_cache=False).logits
+err = float((got - io['expected']).abs().max() / io['expected'].abs().max())
+gen = m.generate(io['ids'][:, :6], max_new_tokens=3, do_sample=False, pad_token_id=0)
+print('REL', err, type(m).__name__, gen.shape[1])
+"""
+    proc = run_python(code, env={"HF_MODULES_CACHE": str(tmp_path / "modules")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("REL")][-1].split()
+    return float(line[1]), line[2], int(line[3])
+
+
+def test_text_model_remote_code_roundtrip(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "m")
+    cfg = json.load(open(tmp_path / "m" / "config.json"))
+    assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_kimi3.Kimi3ForCausalLM"
+    assert os.path.exists(tmp_path / "m" / "modeling_kimi3.py")
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    rel, cls, n = _roundtrip(tmp_path / "m", "AutoModelForCausalLM", ids, expected, tmp_path)
+    assert rel < 1e-6 and cls == "Kimi3ForCausalLM" and n == 9
+
+
+def test_official_folder_remote_code_roundtrip(tmp_path):
+    from transformers_kimi3 import Kimi3ForConditionalGeneration
+
+    model = Kimi3ForConditionalGeneration.from_pretrained(ORACLE_A, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path / "k3")
+    ids = torch.randint(3, 448, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    rel, cls, _ = _roundtrip(tmp_path / "k3", "AutoModelForImageTextToText", ids, expected, tmp_path)
+    assert rel < 1e-6 and cls == "Kimi3ForConditionalGeneration"
