@@ -153,7 +153,7 @@ def _stack_experts(per_expert, num_experts, label):
         if packed:
             (p, path, name), (s, _, _) = per_expert[(e, "weight_packed")], per_expert[(e, "weight_scale")]
             try:
-                mats.append(dequantize_mxfp4(p, s, torch.bfloat16, name=name))
+                mats.append(dequantize_mxfp4(p, s, torch.bfloat16, name=name.rsplit(".", 1)[0]))
             except ValueError as err:
                 raise CheckpointError(f"{err} (in {path})") from err
         else:

@@ -22,7 +22,7 @@ from .kda import Kimi3DeltaAttention
 from .mla import Kimi3MLAAttention, mla_mask
 from .moe import Kimi3Experts, Kimi3MLP, Kimi3SparseMoeBlock, Kimi3TopkRouter
 from .norms import Kimi3GatedRMSNorm, Kimi3RMSNorm
-from .vision import Kimi3MultiModalProjector, Kimi3VisionModel
+from .vision import Kimi3MultiModalProjector, Kimi3VisionModel, Kimi3VisionPositionEmbedding
 
 
 class Kimi3DecoderLayer(GradientCheckpointingLayer):
@@ -99,7 +99,11 @@ class Kimi3PreTrainedModel(PreTrainedModel):
             module.weight.normal_(0.0, std)
         elif isinstance(module, nn.Conv1d):
             nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
-        elif isinstance(module, (Kimi3RMSNorm, Kimi3GatedRMSNorm)):
+        elif isinstance(module, nn.Conv2d):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, Kimi3VisionPositionEmbedding):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, (Kimi3RMSNorm, Kimi3GatedRMSNorm, nn.RMSNorm)):
             module.weight.fill_(1.0)
         elif isinstance(module, Kimi3TopkRouter):
             module.weight.normal_(0.0, std)

@@ -1,0 +1,162 @@
+"""Bad configs, bad checkpoints and bad inputs: each gives a clear error that names what is wrong."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kimi3_testing import ORACLE_A, tiny_k3_text_config, tiny_model
+from transformers_kimi3 import Kimi3Config, Kimi3ForCausalLM, Kimi3TextConfig
+from transformers_kimi3.checkpoint import CheckpointError
+
+LAC = dict(num_heads=2, head_dim=16, short_conv_kernel_size=4, kda_layers=[1, 2], full_attn_layers=[3])
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (dict(linear_attn_config=dict(LAC, kda_layers=[1])), "cover every layer"),
+    (dict(linear_attn_config=dict(LAC, kda_layers=[1, 2, 3])), "both claim"),
+    (dict(linear_attn_config=dict(LAC, kda_layers=[0, 1, 2])), "1-indexed"),
+    (dict(num_experts=4, num_experts_per_token=5), "num_experts_per_token"),
+    (dict(attn_res_block_size=0), "attn_res_block_size"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(linear_attn_config=dict(LAC, head_dim=0)), "linear_attn_config.head_dim"),
+    (dict(num_key_value_heads=1), "num_key_value_heads"),
+    (dict(num_expert_group=3, num_experts=8), "num_expert_group"),
+    (dict(linear_attn_config=dict(LAC, gate_lower_bound=1.0)), "gate_lower_bound"),
+])
+def test_bad_text_config(overrides, field):
+    kw = dict(num_hidden_layers=3, linear_attn_config=LAC, num_experts=8, num_experts_per_token=2)
+    kw.update(overrides)
+    with pytest.raises(ValueError, match=field):
+        Kimi3TextConfig(**kw)
+
+
+def test_bad_vision_and_top_level_config():
+    with pytest.raises(ValueError, match="qkv_hidden_size"):
+        Kimi3Config(vision_config=dict(qkv_hidden_size=50, vt_num_attention_heads=3))
+    with pytest.raises(ValueError, match="media_placeholder_token_id"):
+        Kimi3Config(text_config=dict(vocab_size=100, linear_attn_config=LAC, num_hidden_layers=3),
+                    media_placeholder_token_id=500)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    tiny_model().save_pretrained(folder)
+    return folder
+
+
+def _copy(saved, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(saved, dst)
+    return dst, load_file(dst / "model.safetensors")
+
+
+def test_missing_and_unexpected_tensors_are_listed(saved, tmp_path):
+    dst, sd = _copy(saved, tmp_path)
+    del sd["model.layers.2.self_attn.q_proj.weight"]
+    sd["model.layers.2.self_attn.surprise"] = torch.zeros(3)
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight.*surprise|missing.*q_proj"):
+        Kimi3ForCausalLM.from_pretrained(dst)
+
+
+def test_missing_expert_is_named(saved, tmp_path):
+    dst, sd = _copy(saved, tmp_path)
+    del sd["model.layers.1.block_sparse_moe.experts.5.w2.weight"]
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"experts\.\*\.w2.*missing \['5\.weight'\]"):
+        Kimi3ForCausalLM.from_pretrained(dst)
+
+
+def test_wrong_shape_is_named(saved, tmp_path):
+    dst, sd = _copy(saved, tmp_path)
+    sd["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(5, 5)
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"layers\.0\.self_attn\.o_proj\.weight.*\(5, 5\)"):
+        Kimi3ForCausalLM.from_pretrained(dst)
+
+
+def test_truncated_and_corrupt_files(saved, tmp_path):
+    dst, _ = _copy(saved, tmp_path)
+    path = dst / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors.*truncated or corrupt"):
+        Kimi3ForCausalLM.from_pretrained(dst)
+    path.write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        Kimi3ForCausalLM.from_pretrained(dst)
+
+
+def test_pickles_are_never_loaded(saved, tmp_path):
+    dst, sd = _copy(saved, tmp_path)
+    os.remove(dst / "model.safetensors")
+    torch.save(sd, dst / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="pickled weights are never loaded"):
+        Kimi3ForCausalLM.from_pretrained(dst)
+
+
+def test_a_log_with_nonzero_padded_tail_is_refused(tmp_path):
+    dst = tmp_path / "k3"
+    shutil.copytree(ORACLE_A, dst)
+    sd = load_file(dst / "model.safetensors")
+    key = "language_model.model.layers.0.self_attn.A_log"
+    sd[key] = sd[key].clone()
+    sd[key][-1] = 0.5
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"layers\.0\.self_attn\.A_log.*non-zero"):
+        Kimi3ForCausalLM.from_pretrained(dst)
+
+
+def test_nan_mxfp4_scale_is_refused(tmp_path):
+    dst = tmp_path / "k3"
+    shutil.copytree(ORACLE_A, dst)
+    sd = load_file(dst / "model.safetensors")
+    key = "language_model.model.layers.2.block_sparse_moe.experts.3.w1.weight_scale"
+    sd[key] = sd[key].clone()
+    sd[key][0, 0] = 0xFF
+    save_file(sd, dst / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"experts\.3\.w1: weight_scale holds 0xFF"):
+        Kimi3ForCausalLM.from_pretrained(dst)
+
+
+def test_source_folder_is_untouched_by_loading_and_saving(tmp_path):
+    before = {f: os.path.getmtime(os.path.join(ORACLE_A, f)) for f in os.listdir(ORACLE_A)}
+    Kimi3ForCausalLM.from_pretrained(ORACLE_A).save_pretrained(tmp_path / "out")
+    assert before == {f: os.path.getmtime(os.path.join(ORACLE_A, f)) for f in os.listdir(ORACLE_A)}
+
+
+def test_out_of_range_token_ids():
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"outside the vocabulary 0\.\.95"):
+        model(input_ids=torch.tensor([[1, 96]]))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model(input_ids=torch.tensor([[-1, 3]]))
+
+
+def test_placeholder_count_mismatch_names_both_numbers():
+    from transformers_kimi3 import Kimi3ForConditionalGeneration
+    from safetensors.torch import load_file as lf
+
+    model = Kimi3ForConditionalGeneration.from_pretrained(ORACLE_A, dtype=torch.float32)
+    o = lf(os.path.join(ORACLE_A, "inputs_and_logits.safetensors"))
+    ids = torch.cat([o["mm_input_ids"], torch.tensor([[469]])], 1)  # two placeholders, one image
+    with pytest.raises(ValueError, match="2 media placeholders.*but 1 images"):
+        model(input_ids=ids, pixel_values=o["mm_pixel_values"], grid_thws=o["mm_grid_thws"])
+
+
+def test_config_json_keeps_official_keys(tmp_path):
+    cfg = Kimi3Config.from_pretrained(ORACLE_A)
+    cfg.save_pretrained(tmp_path)
+    saved = json.load(open(tmp_path / "config.json"))
+    official = json.load(open(os.path.join(ORACLE_A, "config.json")))
+    assert saved["model_type"] == "kimi_k3" and saved["text_config"]["model_type"] == "kimi_linear"
+    for key in ("linear_attn_config", "attn_res_block_size", "routed_expert_hidden_size", "quantization_config",
+                "activation_situ_beta", "first_k_dense_replace", "num_experts_per_token"):
+        assert saved["text_config"][key] == official["text_config"][key], key
+    assert "layer_types" not in saved["text_config"]  # derived, never serialized
+    assert tiny_k3_text_config().to_dict()["model_type"] == "kimi_linear"
