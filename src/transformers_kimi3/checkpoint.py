@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .mxfp4 import dequantize_mxfp4
+from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 logger = logging.getLogger("transformers_kimi3")
 
@@ -165,15 +165,20 @@ def _stack_experts(per_expert, num_experts, label):
 
 
 # ----------------------------------------------------------------------------- memory -> official
-def to_official_layout(state_dict, config):
-    """Our text-model state dict -> official tensor names and shapes (experts per expert, A_log as stored)."""
+def to_official_layout(state_dict, config, pack_experts=False):
+    """Our text-model state dict -> official tensor names and shapes (experts per expert, A_log as stored).
+    `pack_experts` writes routed experts as compressed-tensors MXFP4 (`weight_packed` + `weight_scale`)."""
     H, K = config.kda_num_heads, config.kda_head_dim
     out = {}
     for name, t in state_dict.items():
         m = re.match(r"^(.*\.experts)\.(w[123])$", name)
         if m:
             for e in range(t.shape[0]):
-                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = t[e].contiguous()
+                key = f"{m.group(1)}.{e}.{m.group(2)}"
+                if pack_experts:
+                    out[key + ".weight_packed"], out[key + ".weight_scale"] = quantize_mxfp4(t[e].float(), name=key)
+                else:
+                    out[key + ".weight"] = t[e].contiguous()
         elif name.endswith("self_attn.A_log"):
             if config.gate_lower_bound is not None and K >= H:  # K3 stores A_log padded to head_dim
                 out[name] = torch.cat([t.float(), t.new_zeros(K - H, dtype=torch.float32)])

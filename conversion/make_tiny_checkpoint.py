@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""Write the bundled tiny Kimi K3 checkpoint (official layout, MXFP4 routed experts, tiny K3-format tokenizer).
+
+    python conversion/make_tiny_checkpoint.py --out assets/kimi-k3-tiny
+
+Deterministic: a fixed seed, CPU fp32 init, then the official storage dtypes (bf16, fp32 for the KDA gate/conv
+tensors and the router bias, MXFP4 for the routed experts). Every K3 mechanism is active at toy sizes: KDA with
+the bounded gate, gated MLA with NoPE, Block AttnRes (block 3), latent MoE with SiTU-GLU, MoonViT-V2 + projector.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+from transformers_kimi3 import Kimi3Config, Kimi3ForConditionalGeneration, Kimi3TextConfig  # noqa: E402
+from transformers_kimi3.checkpoint import to_official_layout  # noqa: E402
+from transformers_kimi3.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
+
+SEED = 1234
+FP32_SUFFIXES = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score_correction_bias")
+MXFP4_QUANT_CONFIG = {
+    "config_groups": {"group_0": {
+        "format": "mxfp4-pack-quantized", "input_activations": None, "output_activations": None,
+        "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
+                    "observer": "minmax", "observer_kwargs": {}, "scale_dtype": "torch.uint8", "strategy": "group",
+                    "symmetric": True, "type": "float", "zp_dtype": None}}},
+    "format": "mxfp4-pack-quantized", "global_compression_ratio": None,
+    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\\\.(gate|up|gate_up|down)_proj.*",
+               "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+}
+
+
+def tiny_config(tok):
+    text = Kimi3TextConfig.k3(
+        vocab_size=tok["vocab_size"], hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=8, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
+        routed_expert_hidden_size=64, attn_res_block_size=3, max_position_embeddings=4096,
+        bos_token_id=tok["bos_token_id"], eos_token_id=tok["eos_token_id"], pad_token_id=tok["pad_token_id"],
+        linear_attn_config=dict(num_heads=4, head_dim=32, short_conv_kernel_size=4, gate_lower_bound=-5.0,
+                                use_full_rank_gate=True, kda_layers=[1, 2, 3, 5, 6], full_attn_layers=[4, 7, 8]),
+        quantization_config=MXFP4_QUANT_CONFIG)
+    vision = dict(init_pos_emb_height=8, init_pos_emb_width=8, vt_hidden_size=32, vt_intermediate_size=64,
+                  vt_num_attention_heads=2, vt_num_hidden_layers=2, qkv_hidden_size=48, mm_hidden_size=32,
+                  text_hidden_size=128)
+    return Kimi3Config(text_config=text, vision_config=vision,
+                       media_placeholder_token_id=tok["media_placeholder_token_id"],
+                       architectures=["KimiK3ForConditionalGeneration"])
+
+
+def make_weights(config):
+    torch.manual_seed(SEED)
+    model = Kimi3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("res_proj.weight"):
+                p.normal_(0, 0.5)  # random weights, but with non-uniform AttnRes mixing
+            elif name.endswith("A_log"):
+                p.uniform_(-1, 1)
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.normal_(0, 0.05)
+    sd = model.state_dict()
+    text = {k[len("language_model."):]: v for k, v in sd.items() if k.startswith("language_model.")}
+    official = {"language_model." + k: v for k, v in
+                to_official_layout(text, config.text_config, pack_experts=True).items()}
+    official.update({k: v for k, v in sd.items() if not k.startswith("language_model.")})
+    return {k: (v if v.dtype == torch.uint8 else v.to(torch.float32 if k.endswith(FP32_SUFFIXES) else
+                                                      torch.bfloat16)).contiguous()
+            for k, v in official.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="assets/kimi-k3-tiny")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix=".kimi-k3-tiny-", dir=os.path.dirname(os.path.abspath(args.out)))
+    try:
+        tok = build_tiny_tokenizer(tmp, vocab_size=512)
+        config = tiny_config(tok)
+        tensors = make_weights(config)
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        for f in os.listdir(tmp):  # save_pretrained copies our remote code; the bundled folder is layout only
+            if f.endswith(".py"):
+                os.remove(os.path.join(tmp, f))
+        cfg = json.load(open(os.path.join(tmp, "config.json")))
+        cfg.pop("auto_map", None)  # official layout only; the package's registered classes load it
+        cfg.pop("transformers_version", None)
+        json.dump(cfg, open(os.path.join(tmp, "config.json"), "w"), indent=2, sort_keys=True)
+        json.dump({"bos_token_id": tok["bos_token_id"], "eos_token_id": tok["eos_token_id"],
+                   "pad_token_id": tok["pad_token_id"], "do_sample": False},
+                  open(os.path.join(tmp, "generation_config.json"), "w"), indent=2)
+        card = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "model_cards", "kimi-k3-tiny.md")
+        if os.path.exists(card):
+            shutil.copy(card, os.path.join(tmp, "README.md"))
+        os.chmod(tmp, 0o755)
+        for f in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, f), 0o644)
+        if os.path.exists(args.out):
+            shutil.rmtree(args.out)
+        os.replace(tmp, args.out)  # a complete folder appears at once, never a partial one
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+    print(f"wrote {args.out}: {sum(t.numel() for t in tensors.values())} stored elements in {len(tensors)} tensors")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""`python -m transformers_kimi3 demo --model FOLDER`: load, generate, report backend and speed."""
+
+import argparse
+import time
+
+import torch
+
+
+def demo(args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import transformers_kimi3
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    print(f"model: {type(model).__name__} from {args.model} "
+          f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except Exception as e:  # noqa: BLE001 - a folder without tokenizer still demos on ids
+        tokenizer = None
+        print(f"no tokenizer ({type(e).__name__}); printing ids only")
+    prompt = args.prompt
+    ids = tokenizer(prompt, return_tensors="pt").input_ids if tokenizer else torch.tensor([[1, 2, 3, 4, 5]])
+    pad = model.config.get_text_config().pad_token_id
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=pad)  # warm-up: one-time set-up costs
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad)
+        seconds = time.perf_counter() - start
+    new = out[0, ids.shape[1]:]
+    print(f"prompt: {prompt!r}")
+    print(f"generated ids: {new.tolist()}")
+    if tokenizer:
+        print(f"generated text: {tokenizer.decode(new)!r}")
+    status = transformers_kimi3.kernel_status(ids.device)
+    print(f"KDA backend: {status['kda']['kda_backend']} on {status['kda']['device']}")
+    print(f"speed: {new.numel() / seconds:.1f} tokens/s ({new.numel()} tokens in {seconds:.2f} s, prefill included)")
+
+
+def main():
+    ap = argparse.ArgumentParser(prog="python -m transformers_kimi3")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="generate with a (tiny) Kimi K3 folder")
+    d.add_argument("--model", default="assets/kimi-k3-tiny")
+    d.add_argument("--prompt", default="Kimi K3 is a model that")
+    d.add_argument("--max-new-tokens", type=int, default=24)
+    args = ap.parse_args()
+    {"demo": demo}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
