@@ -148,7 +148,8 @@ def _as_added_token(value, special_default: bool = True) -> AddedToken:
     if isinstance(value, AddedToken):
         return value
     if isinstance(value, dict):
-        kw = {k: v for k, v in value.items() if k in ("content", "single_word", "lstrip", "rstrip", "normalized", "special")}
+        keys = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+        kw = {k: v for k, v in value.items() if k in keys}
         kw.setdefault("special", special_default)
         kw.setdefault("normalized", False)
         return AddedToken(**kw)
@@ -338,7 +339,6 @@ class Kimi3Tokenizer(PreTrainedTokenizer):
             num_reserved_special_tokens=self.num_reserved_special_tokens,
             **kwargs,
         )
-        self._skip_ids = None
 
     # --- vocabulary -------------------------------------------------------------------------------------------
     @property
@@ -491,7 +491,9 @@ class Kimi3TokenizerFast(PreTrainedTokenizerFast):
         kwargs.setdefault("model_max_length", 1048576)
         if tokenizer_object is None and not (tokenizer_file and os.path.isfile(tokenizer_file)):
             if not (vocab_file and os.path.isfile(vocab_file)):
-                raise ValueError("Kimi3TokenizerFast needs `tokenizer_file` (tokenizer.json) or `vocab_file` (tiktoken.model)")
+                raise ValueError(
+                    "Kimi3TokenizerFast needs `tokenizer_file` (tokenizer.json) or `vocab_file` (tiktoken.model)"
+                )
             ranks = load_tiktoken_ranks(vocab_file)
             slots = special_token_slots(len(ranks), added_tokens_decoder, num_reserved_special_tokens)
             tokenizer_object = build_fast_backend(ranks, slots)
@@ -525,20 +527,100 @@ class Kimi3TokenizerFast(PreTrainedTokenizerFast):
         return (out,)
 
 
-def convert_tiktoken_to_fast(model_dir: str | os.PathLike, output_dir: str | os.PathLike | None = None) -> str:
-    """Write ``tokenizer.json`` for a folder holding ``tiktoken.model`` + ``tokenizer_config.json`` (e.g. the official
-    ``moonshotai/Kimi-K3`` files). Returns the path written. Needs neither tiktoken nor Moonshot's remote code."""
-    model_dir = os.fspath(model_dir)
-    output_dir = os.fspath(output_dir or model_dir)
-    os.makedirs(output_dir, exist_ok=True)
-    added = None
-    num_reserved = NUM_RESERVED_SPECIAL_TOKENS
+def tiktoken_ranks_from_fast(tokenizer) -> dict[bytes, int]:
+    """Recover the tiktoken ranks (``tiktoken.model``) from a converted fast tokenizer: the BPE vocabulary without
+    the added tokens, each ByteLevel string mapped back to its bytes. Inverse of :func:`build_fast_backend`."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    added = set(backend.get_added_tokens_decoder())
+    ranks = {}
+    for token, index in backend.get_vocab(with_added_tokens=False).items():
+        if index in added:
+            continue
+        try:
+            ranks[bytes(_BYTE_DECODER[ch] for ch in token)] = index
+        except KeyError as err:
+            raise ValueError(f"token {token!r} is not ByteLevel: not a converted tiktoken vocabulary") from err
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError("the vocabulary ids are not contiguous from 0: not a converted tiktoken vocabulary")
+    return ranks
+
+
+def write_kimi3_tokenizer(
+    out_dir: str | os.PathLike,
+    ranks: dict[bytes, int],
+    slots: dict[int, AddedToken],
+    named: set[str] | None = None,
+    chat_template: str | None = None,
+    padding_side: str = "left",
+) -> "Kimi3TokenizerFast":
+    """Write a complete K3 tokenizer folder: ``tiktoken.model``, ``tokenizer.json``, ``tokenizer_config.json``
+    (``tokenizer_class`` ``TokenizersBackend``, so plain ``AutoTokenizer`` loads it; ``added_tokens_decoder`` lists
+    the ``named`` special tokens like the released file, the reserved ids are implied), ``special_tokens_map.json``
+    and ``chat_template.jinja`` (default: the K3 template of ``processing_kimi3``). Returns the tokenizer."""
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    if chat_template is None:
+        from .processing_kimi3 import KIMI3_CHAT_TEMPLATE
+
+        chat_template = KIMI3_CHAT_TEMPLATE
+    vocab_file = os.path.join(out_dir, "tiktoken.model")
+    save_tiktoken_ranks(ranks, vocab_file)
+    num_reserved = len(slots)
+    tokenizer = Kimi3TokenizerFast(
+        vocab_file=vocab_file,
+        tokenizer_object=build_fast_backend(ranks, slots),
+        num_reserved_special_tokens=num_reserved,
+        chat_template=chat_template,
+        padding_side=padding_side,
+    )
+    tokenizer.save_pretrained(out_dir)
+    if named is None:
+        named = {tok.content for tok in slots.values() if not tok.content.startswith("<|reserved_token_")}
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["added_tokens_decoder"] = {
+        str(index): {"content": tok.content, "lstrip": False, "normalized": False, "rstrip": False,
+                     "single_word": False, "special": tok.special}
+        for index, tok in sorted(slots.items())
+        if tok.content in named
+    }
+    config["tokenizer_class"] = "TokenizersBackend"
+    config["num_reserved_special_tokens"] = num_reserved
+    config.pop("auto_map", None)
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    with open(os.path.join(out_dir, "special_tokens_map.json"), "w", encoding="utf-8") as f:
+        keys = ("bos_token", "eos_token", "unk_token", "pad_token")
+        special_map = {key: str(getattr(tokenizer, key)) for key in keys}
+        json.dump(special_map, f, indent=2)
+        f.write("\n")
+    template_path = os.path.join(out_dir, "chat_template.jinja")
+    if not os.path.isfile(template_path):
+        with open(template_path, "w", encoding="utf-8") as f:
+            f.write(chat_template)
+    return tokenizer
+
+
+def _read_official_config(model_dir: str) -> tuple[dict | None, int]:
+    added, num_reserved = None, NUM_RESERVED_SPECIAL_TOKENS
     config_path = os.path.join(model_dir, "tokenizer_config.json")
     if os.path.isfile(config_path):
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
         added = config.get("added_tokens_decoder") or None
         num_reserved = int(config.get("num_reserved_special_tokens", num_reserved))
+    return added, num_reserved
+
+
+def convert_tiktoken_to_fast(model_dir: str | os.PathLike, output_dir: str | os.PathLike | None = None) -> str:
+    """Write only ``tokenizer.json`` for a folder holding ``tiktoken.model`` + ``tokenizer_config.json`` (e.g. the
+    official ``moonshotai/Kimi-K3`` files). Returns the path written. Needs neither tiktoken nor Moonshot's code."""
+    model_dir = os.fspath(model_dir)
+    output_dir = os.fspath(output_dir or model_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    added, num_reserved = _read_official_config(model_dir)
     ranks = load_tiktoken_ranks(os.path.join(model_dir, "tiktoken.model"))
     backend = build_fast_backend(ranks, special_token_slots(len(ranks), added, num_reserved))
     out = os.path.join(output_dir, "tokenizer.json")
@@ -546,13 +628,31 @@ def convert_tiktoken_to_fast(model_dir: str | os.PathLike, output_dir: str | os.
     return out
 
 
+def convert_kimi3_tokenizer(
+    model_dir: str | os.PathLike, output_dir: str | os.PathLike, chat_template: str | None = None
+) -> "Kimi3TokenizerFast":
+    """Turn an official K3 tokenizer folder (``tiktoken.model`` + ``tokenizer_config.json`` with Moonshot's remote
+    tokenizer class) into this project's files (see :func:`write_kimi3_tokenizer`): converted ``tokenizer.json``,
+    ``eos_token`` = ``<|end_of_msg|>`` (the stop token), ``pad_token`` = ``[PAD]``, the K3 chat template, left
+    padding. Special-token names and flags come from the official ``added_tokens_decoder``."""
+    model_dir = os.fspath(model_dir)
+    added, num_reserved = _read_official_config(model_dir)
+    ranks = load_tiktoken_ranks(os.path.join(model_dir, "tiktoken.model"))
+    slots = special_token_slots(len(ranks), added, num_reserved)
+    named = {str(_as_added_token(v).content) for v in added.values()} if added else None
+    return write_kimi3_tokenizer(output_dir, ranks, slots, named=named, chat_template=chat_template)
+
+
 __all__ = [
     "KIMI3_PAT_STR",
     "Kimi3Tokenizer",
     "Kimi3TokenizerFast",
     "build_fast_backend",
+    "convert_kimi3_tokenizer",
     "convert_tiktoken_to_fast",
     "load_tiktoken_ranks",
     "save_tiktoken_ranks",
     "special_token_slots",
+    "tiktoken_ranks_from_fast",
+    "write_kimi3_tokenizer",
 ]
