@@ -79,39 +79,43 @@ if HAS_TRITON:
         return tl.reshape(tl.join(lo, hi), (R, C))
 
     @triton.jit
-    def _load_w(w_ptr, s_ptr, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, stride_se, stride_sr,
+    def _load_s(s_ptr, e64, offs_n, n_mask, k0, N, K, stride_se, stride_sr, pid_n,
+                BN: tl.constexpr, BK: tl.constexpr, TRANS_W: tl.constexpr):
+        """E8M0 scales of a weight tile: [BN, BK/32] (or [BK, BN/32] with TRANS_W). Out-of-range k gives 127."""
+        if TRANS_W:
+            offs_k = k0 + tl.arange(0, BK)
+            sc = pid_n * (BN // 32) + tl.arange(0, BN // 32)
+            return tl.load(s_ptr + e64 * stride_se + offs_k[:, None] * stride_sr + sc[None, :],
+                           mask=(offs_k[:, None] < K) & (sc[None, :] < N // 32), other=127)
+        else:
+            sc = k0 // 32 + tl.arange(0, BK // 32)
+            return tl.load(s_ptr + e64 * stride_se + offs_n[:, None] * stride_sr + sc[None, :],
+                           mask=n_mask[:, None] & (sc[None, :] < K // 32), other=127)
+
+    @triton.jit
+    def _load_w(w_ptr, s, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr,
                 pid_n, BN: tl.constexpr, BK: tl.constexpr, TRANS_W: tl.constexpr):
-        """Dequantised weight tile [BN, BK]: element (n, k) of W_e^T's transpose, i.e. W_e[n, k] (or W_e[k, n])."""
+        """Dequantised weight tile [BN, BK] from packed bytes and its scales `s` (from _load_s): element (n, k) is
+        W_e[n, k] (or W_e[k, n] with TRANS_W)."""
         if TRANS_W:
             # stored [K, N/2]: rows k, packed along n
             offs_k = k0 + tl.arange(0, BK)
-            k_mask = offs_k < K
             pc = pid_n * (BN // 2) + tl.arange(0, BN // 2)
-            sc = pid_n * (BN // 32) + tl.arange(0, BN // 32)
             p = tl.load(w_ptr + e64 * stride_we + offs_k[:, None] * stride_wr + pc[None, :],
-                        mask=k_mask[:, None] & (pc[None, :] < N // 2), other=0)
-            s = tl.load(s_ptr + e64 * stride_se + offs_k[:, None] * stride_sr + sc[None, :],
-                        mask=k_mask[:, None] & (sc[None, :] < N // 32), other=127)
+                        mask=(offs_k[:, None] < K) & (pc[None, :] < N // 2), other=0)
             return tl.trans(_dequant(p, s, BK, BN))
         else:
             pc = k0 // 2 + tl.arange(0, BK // 2)
-            sc = k0 // 32 + tl.arange(0, BK // 32)
             p = tl.load(w_ptr + e64 * stride_we + offs_n[:, None] * stride_wr + pc[None, :],
                         mask=n_mask[:, None] & (pc[None, :] < K // 2), other=0)
-            s = tl.load(s_ptr + e64 * stride_se + offs_n[:, None] * stride_sr + sc[None, :],
-                        mask=n_mask[:, None] & (sc[None, :] < K // 32), other=127)
             return _dequant(p, s, BN, BK)
 
     @triton.jit
-    def _load_w_scaled_dot(w_ptr, s_ptr, e64, offs_n, n_mask, k0, K, stride_we, stride_wr, stride_se, stride_sr,
-                           at, acc, BK: tl.constexpr):
-        """acc + W_e[n, k-tile] @ at through tl.dot_scaled (e2m1 lhs, bf16 rhs); forward layout only."""
+    def _scaled_dot(w_ptr, s, e64, offs_n, n_mask, k0, K, stride_we, stride_wr, at, acc, BK: tl.constexpr):
+        """acc + W_e[n, k-tile] @ at through tl.dot_scaled (e2m1 lhs with its E8M0 scales, bf16 rhs)."""
         pc = k0 // 2 + tl.arange(0, BK // 2)
-        sc = k0 // 32 + tl.arange(0, BK // 32)
         p = tl.load(w_ptr + e64 * stride_we + offs_n[:, None] * stride_wr + pc[None, :],
                     mask=n_mask[:, None] & (pc[None, :] < K // 2), other=0)
-        s = tl.load(s_ptr + e64 * stride_se + offs_n[:, None] * stride_sr + sc[None, :],
-                    mask=n_mask[:, None] & (sc[None, :] < K // 32), other=127)
         return tl.dot_scaled(p, s, "e2m1", at, None, "bf16", acc)
 
     @triton.jit
@@ -158,35 +162,46 @@ if HAS_TRITON:
 
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         acc2 = tl.zeros((BN, BM), dtype=tl.float32)
+        # the scale tiles are too narrow for Triton's cp.async pipelining: prefetch them one step ahead by hand
+        s_nxt = _load_s(ws_ptr, e64, offs_n, n_mask, 0, N, K, stride_se, stride_sr, pid_n, BN, BK, TRANS_W)
+        if DUAL != 0:
+            s2_nxt = _load_s(bs_ptr, e64, offs_n, n_mask, 0, N, K, stride_se, stride_sr, pid_n, BN, BK, TRANS_W)
+        else:
+            s2_nxt = s_nxt
         for k0 in range(0, K, BK):
+            s_cur = s_nxt
+            s2_cur = s2_nxt
+            s_nxt = _load_s(ws_ptr, e64, offs_n, n_mask, k0 + BK, N, K, stride_se, stride_sr, pid_n, BN, BK,
+                            TRANS_W)
+            if DUAL != 0:
+                s2_nxt = _load_s(bs_ptr, e64, offs_n, n_mask, k0 + BK, N, K, stride_se, stride_sr, pid_n, BN, BK,
+                                 TRANS_W)
             offs_k = k0 + tl.arange(0, BK)
             a_mask = (offs_k[:, None] < K) & m_mask[None, :]
             at = tl.load(a_ptr + rows[None, :] * stride_am + offs_k[:, None], mask=a_mask, other=0.0)
             at = at.to(tl.bfloat16)  # [BK, BM]
             if DEQ == 1:
-                acc = _load_w_scaled_dot(w_ptr, ws_ptr, e64, offs_n, n_mask, k0, K, stride_we, stride_wr,
-                                         stride_se, stride_sr, at, acc, BK)
+                acc = _scaled_dot(w_ptr, s_cur, e64, offs_n, n_mask, k0, K, stride_we, stride_wr, at, acc, BK)
                 if DUAL == 1:
-                    acc2 = _load_w_scaled_dot(b_ptr, bs_ptr, e64, offs_n, n_mask, k0, K, stride_we, stride_wr,
-                                              stride_se, stride_sr, at, acc2, BK)
+                    acc2 = _scaled_dot(b_ptr, s2_cur, e64, offs_n, n_mask, k0, K, stride_we, stride_wr, at, acc2, BK)
             else:
-                wt = _load_w(w_ptr, ws_ptr, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, stride_se,
-                             stride_sr, pid_n, BN, BK, TRANS_W)
+                wt = _load_w(w_ptr, s_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK,
+                             TRANS_W)
                 if OP_F32:  # the interpreter's dot mishandles bf16; bf16 values are exact in fp32
                     wt = wt.to(tl.float32)
                     at = at.to(tl.float32)
                 acc = tl.dot(wt, at, acc)
                 if DUAL == 1:
-                    bt = _load_w(b_ptr, bs_ptr, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, stride_se,
-                                 stride_sr, pid_n, BN, BK, TRANS_W)
+                    bt = _load_w(b_ptr, s2_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK,
+                                 TRANS_W)
                     if OP_F32:
                         bt = bt.to(tl.float32)
                     acc2 = tl.dot(bt, at, acc2)
                 if DUAL == 2:
                     at2 = tl.load(a2_ptr + rows[None, :] * stride_am + offs_k[:, None], mask=a_mask, other=0.0)
                     at2 = at2.to(tl.bfloat16)
-                    bt = _load_w(b_ptr, bs_ptr, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, stride_se,
-                                 stride_sr, pid_n, BN, BK, TRANS_W)
+                    bt = _load_w(b_ptr, s2_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK,
+                                 TRANS_W)
                     if OP_F32:
                         at2 = at2.to(tl.float32)
                         bt = bt.to(tl.float32)
@@ -220,19 +235,24 @@ def _next_pow2(n):
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+# Tile shapes by BM (rows of one expert per tile: the MMA's N side). Chosen from bench/moe.py's sweep on an H200.
+_TILES = {  # BM: (BN, BK, num_warps, num_stages)
+    16: (64, 128, 4, 4),
+    32: (64, 128, 4, 4),
+    64: (64, 128, 4, 3),
+    128: (64, 64, 8, 3),
+}
+_DOT_SCALED = {"ok": True}  # set to False if tl.dot_scaled fails to build on this Triton
+
+
 def default_config(M, E, N, K, dual=None, trans_w=False):
-    """Tile shape by the mean number of rows per active expert (BM: tokens, BN: weight rows, BK: reduction)."""
+    """Tile shape from the mean number of rows per active expert: BM (tokens per tile) covers a typical expert's
+    rows in one block, so each expert's weights are dequantised about once per output tile."""
     avg = M / max(1, min(E, M))
-    if avg <= 16:
-        cfg = dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)
-    elif avg <= 32:
-        cfg = dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=4)
-    elif avg <= 64:
-        cfg = dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=3)
-    else:
-        cfg = dict(BM=128, BN=64 if dual == "out" else 128, BK=64, num_warps=8, num_stages=3)
-    cfg["DEQ"] = 0
-    return cfg
+    BM = min(128, max(16, _next_pow2(int(2 * avg + 4))))
+    BN, BK, warps, stages = _TILES[BM]
+    deq = 1 if (_DOT_SCALED["ok"] and not trans_w and dual != "in") else 0
+    return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=deq)
 
 
 def block_prefix(expert_offsets, BM):
@@ -298,16 +318,24 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         raise ValueError("the two weights of a dual GEMM must have the same shape and strides")
     e_chunk = min(1024, _next_pow2(E))
     beta1, beta2 = act_params if act == "situ" else (1.0, 1.0)
-    _mxfp4_grouped_gemm_kernel[grid](
+    args = (
         a, a2 if a2 is not None else a, a_rows if a_rows is not None else expert_offsets, a.stride(0),
         w_packed, w_scale, b_packed, b_scale, w_packed.stride(0), w_packed.stride(1), w_scale.stride(0),
         w_scale.stride(1),
         expert_offsets, bcum, c, c_rows if c_rows is not None else expert_offsets, c.stride(0),
-        N, K, E, float(beta1), float(beta2 if beta2 is not None else 1.0),
+        N, K, E, float(beta1), float(beta2 if beta2 is not None else 1.0))
+    meta = dict(
         BM=BM, BN=BN, BK=BK, E_CHUNK=e_chunk, NUM_E_CHUNKS=triton.cdiv(E, e_chunk),
         TRANS_W=bool(trans_w), DUAL=DUALS[dual], ACT=ACTS[act], LINEAR_UP=(act == "situ" and beta2 is None),
-        GATHER_A=a_rows is not None, SCATTER_C=c_rows is not None, DEQ=int(cfg.get("DEQ", 0)),
-        OP_F32=interpreter_enabled(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+        GATHER_A=a_rows is not None, SCATTER_C=c_rows is not None, OP_F32=interpreter_enabled(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if int(cfg.get("DEQ", 0)) == 1:
+        try:
+            _mxfp4_grouped_gemm_kernel[grid](*args, DEQ=1, **meta)
+            return c
+        except Exception:  # tl.dot_scaled not supported by this Triton/GPU: in-register dequantisation instead
+            if config and config.get("DEQ") == 1:
+                raise
+            _DOT_SCALED["ok"] = False
+    _mxfp4_grouped_gemm_kernel[grid](*args, DEQ=0, **meta)
     return c

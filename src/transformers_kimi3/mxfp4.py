@@ -3,12 +3,26 @@
 Layout of one weight [out, in]: `weight_packed` uint8 [out, in/2] holding two E2M1 codes per byte, the LOW
 nibble being the even column (compressed-tensors `pack_fp4_to_uint8`), and `weight_scale` uint8 [out, in/32]
 holding the E8M0 exponent e (value 2^(e-127); 0xFF is NaN).
+
+This module has:
+- `check_mxfp4`, `dequantize_mxfp4`: validation and exact dequantisation (used by the loader).
+- `quantize_mxfp4`, `pack_fp4_codes`, `unpack_fp4_codes`: the OCP MX v1.0 quantiser and the packing.
+- `PackedMXFP4Experts`: routed experts kept packed in memory, forward and backward w.r.t. the activations and the
+  routing weights (the packed weights are frozen buffers). On CUDA with Triton it runs the grouped GEMM of
+  `kimi3_kernels.mxfp4_gemm` (one launch per projection for all experts, MXFP4 dequantised in registers); elsewhere
+  it dequantises one expert at a time.
 """
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 GROUP_SIZE = 32
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_EMAX = 2  # exponent of the largest E2M1 value (6 = 1.5 * 2^2)
+E8M0_BIAS = 127
+E8M0_MIN_EXP, E8M0_MAX_EXP = -127, 127  # 0x00 .. 0xFE; 0xFF is NaN
+ZERO_BLOCK_SCALE = 0  # E8M0 byte written for an all-zero block: the smallest scale, 2^-127
 
 
 def check_mxfp4(packed, scale, name="weight"):
@@ -23,13 +37,410 @@ def check_mxfp4(packed, scale, name="weight"):
         raise ValueError(f"{name}: weight_scale holds 0xFF (the E8M0 NaN encoding)")
 
 
+def unpack_fp4_codes(packed):
+    """uint8 [..., n/2] -> uint8 codes [..., n] (0..15, sign in bit 3); the low nibble is the even element."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed FP4 must be uint8, got {packed.dtype}")
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def pack_fp4_codes(codes):
+    """uint8 codes [..., n] (n even, each 0..15) -> uint8 [..., n/2] as `idx0 | idx1 << 4` (compressed-tensors)."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"cannot pack an odd number ({codes.shape[-1]}) of FP4 codes per row")
+    codes = codes.to(torch.uint8)
+    if bool((codes > 15).any()):
+        raise ValueError("FP4 codes must lie in 0..15")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
 def dequantize_mxfp4(packed, scale, dtype=torch.bfloat16, name="weight"):
     """[..., out, in/2] uint8 + [..., out, in/32] uint8 -> [..., out, in] `dtype`, exact (every MXFP4 value is
     representable in bf16 and fp32)."""
     check_mxfp4(packed, scale, name)
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).long()  # low nibble = even column
-    values = lut[codes]
-    exp = scale.to(torch.int32) - 127
+    values = lut[unpack_fp4_codes(packed).long()]
+    exp = scale.to(torch.int32) - E8M0_BIAS
     values = values.unflatten(-1, (scale.shape[-1], GROUP_SIZE)) * torch.exp2(exp.float())[..., None]
     return values.flatten(-2).to(dtype)
+
+
+def _e2m1_codes(v):
+    """fp32 values already divided by the block scale -> E2M1 codes: round to nearest, ties to even (the code
+    whose mantissa bit is 0), saturating at 6; the sign goes to bit 3 (so -0.0 and negatives that round to zero
+    give code 8, negative zero)."""
+    a = v.abs()
+    # thresholds are the midpoints between neighbours; '>' where the lower neighbour is even, '>=' where the upper is
+    code = ((a > 0.25).to(torch.uint8) + (a >= 0.75).to(torch.uint8) + (a > 1.25).to(torch.uint8)
+            + (a >= 1.75).to(torch.uint8) + (a > 2.5).to(torch.uint8) + (a >= 3.5).to(torch.uint8)
+            + (a > 5.0).to(torch.uint8))
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def quantize_mxfp4(w, name="weight"):
+    """OCP MX v1.0 MXFP4 quantisation of `w` [..., out, in] (in % 32 == 0, finite) ->
+    (packed uint8 [..., out, in/2], scale uint8 [..., out, in/32]).
+
+    Per block of 32 values along `in`: X = 2^(floor(log2(amax)) - 2) with the exponent clamped to E8M0's range
+    [-127, 127]; an all-zero block gets the smallest scale 2^-127 (byte 0x00). Elements are v / X rounded to the
+    nearest E2M1 value, ties to even, saturating at +-6; the sign of v is kept (negative zero included). The input is
+    first rounded to fp32. floor(log2) comes from frexp, so it is exact (also for fp32 subnormals).
+    """
+    if w.shape[-1] % GROUP_SIZE:
+        raise ValueError(f"{name}: the last dimension ({w.shape[-1]}) must be a multiple of {GROUP_SIZE}")
+    wf = w.detach().float()
+    if not bool(torch.isfinite(wf).all()):
+        raise ValueError(f"{name}: cannot quantise non-finite values to MXFP4")
+    blocks = wf.unflatten(-1, (-1, GROUP_SIZE))
+    amax = blocks.abs().amax(-1)
+    _, e = torch.frexp(amax)  # amax = m * 2^e with m in [0.5, 1): floor(log2 amax) = e - 1
+    exp = (e.to(torch.int32) - 1 - E2M1_EMAX).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
+    exp = torch.where(amax == 0, torch.full_like(exp, ZERO_BLOCK_SCALE - E8M0_BIAS), exp)
+    scaled = torch.ldexp(blocks, (-exp).to(torch.float32)[..., None])  # exact: multiplies by a power of two
+    codes = _e2m1_codes(scaled).flatten(-2)
+    return pack_fp4_codes(codes), (exp + E8M0_BIAS).to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GLU activations. `glu_act(gate, up)` gets fp32 tensors and returns fp32. The Triton path fuses SiLU-GLU and
+# SiTU-GLU into the gate/up kernel when it recognises the callable (see `fused_act_spec`); anything else runs in
+# PyTorch between the two launches.
+
+
+def silu_glu(gate, up):
+    """Kimi Linear: SiLU(gate) * up."""
+    return F.silu(gate) * up
+
+
+silu_glu.mxfp4_fused_act = ("silu",)
+
+
+def _situ_glu(gate, up, beta1, beta2):
+    if beta2 is not None:
+        up = beta2 * torch.tanh(up / beta2)
+    return beta1 * torch.tanh(gate / beta1) * torch.sigmoid(gate) * up
+
+
+class SiTUGLU:
+    """K3: SiTU_b1(gate) * b2 tanh(up / b2) with SiTU_b(g) = b tanh(g / b) sigmoid(g); beta2=None: linear up."""
+
+    def __init__(self, beta1=4.0, beta2=25.0):
+        self.beta1, self.beta2 = float(beta1), (None if beta2 is None else float(beta2))
+        self.mxfp4_fused_act = ("situ", self.beta1, self.beta2)
+
+    def __call__(self, gate, up):
+        return _situ_glu(gate, up, self.beta1, self.beta2)
+
+    def __repr__(self):
+        return f"SiTUGLU(beta1={self.beta1}, beta2={self.beta2})"
+
+
+def _spec_torch(spec, gate, up):
+    return F.silu(gate) * up if spec[0] == "silu" else _situ_glu(gate, up, spec[1], spec[2])
+
+
+def fused_act_spec(glu_act):
+    """("silu",) or ("situ", beta1, beta2|None) when `glu_act` is a GLU the kernel can fuse, else None.
+
+    Recognised: callables carrying `mxfp4_fused_act` (silu_glu, SiTUGLU) and modules shaped like
+    transformers_kimi3.moe.GLUActivation (`kind`, `beta`, `linear_beta`). The guess is then checked numerically
+    against the callable on a fixed probe; a mismatch disables fusion (correct, slower).
+    """
+    spec = getattr(glu_act, "mxfp4_fused_act", None)
+    if spec is None and hasattr(glu_act, "kind"):
+        kind = getattr(glu_act, "kind")
+        if kind == "silu":
+            spec = ("silu",)
+        elif kind == "situ" and getattr(glu_act, "beta", None) is not None:
+            lb = getattr(glu_act, "linear_beta", None)
+            spec = ("situ", float(glu_act.beta), None if lb is None else float(lb))
+    if spec is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(4096, generator=gen) * torch.logspace(-3, 2.5, 4096)
+    u = torch.randn(4096, generator=gen) * torch.logspace(2.5, -3, 4096)
+    try:
+        with torch.no_grad():
+            got = glu_act(g, u).float()
+    except Exception:
+        return None
+    want = _spec_torch(spec, g, u)
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+        return None
+    return tuple(spec)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels (optional). Imported lazily: `kimi3_kernels` may be absent (remote code on the Hub) or Triton missing.
+
+_GEMM = []
+
+
+def _gemm_module():
+    if not _GEMM:
+        try:
+            from kimi3_kernels import mxfp4_gemm  # noqa: PLC0415
+        except Exception:  # ImportError, or a kernels package that fails to import: use the PyTorch path
+            mxfp4_gemm = None
+        _GEMM.append(mxfp4_gemm)
+    return _GEMM[0]
+
+
+def kernel_path(device):
+    """'triton' when the packed grouped GEMM runs on `device` (CUDA, or CPU under TRITON_INTERPRET=1), else
+    'torch-per-expert'."""
+    g = _gemm_module()
+    if g is not None and g.available(device):
+        return "triton"
+    return "torch-per-expert"
+
+
+def kernel_status(device="cuda" if torch.cuda.is_available() else "cpu"):
+    g = _gemm_module()
+    return {
+        "mxfp4_experts": kernel_path(device),
+        "kimi3_kernels.mxfp4_gemm": g is not None,
+        "triton": bool(g is not None and g.HAS_TRITON),
+        "device": str(torch.device(device)),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packed experts
+
+
+def _route(topk_idx, num_experts, sync_ok):
+    """Sort (token, slot) pairs by expert: (order [M] pair index per sorted row, expert_offsets int32 [E+1])."""
+    flat = topk_idx.reshape(-1)
+    if sync_ok:
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+            raise ValueError(f"topk_idx holds expert indices outside [0, {num_experts})")
+    else:
+        torch._assert_async(((flat >= 0) & (flat < num_experts)).all(), "topk_idx holds out-of-range experts")
+    sorted_e, order = torch.sort(flat, stable=True)
+    grid = torch.arange(num_experts + 1, device=flat.device, dtype=sorted_e.dtype)
+    offsets = torch.searchsorted(sorted_e, grid).to(torch.int32)
+    return order, offsets
+
+
+def _combine(pairs_out, topk_w, T, k, dtype):
+    """sum_k w[t, k] * out[t, k] in fp32 -> dtype."""
+    D = pairs_out.shape[-1]
+    return torch.bmm(topk_w.float().reshape(T, 1, k), pairs_out.view(T, k, D)).view(T, D).to(dtype)
+
+
+class _PackedExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_w, topk_idx, mod):
+        T, k = topk_idx.shape
+        triton_path = mod._uses_triton(x)
+        order, offsets = _route(topk_idx, mod.num_experts, sync_ok=not triton_path)
+        if triton_path:
+            o = mod._forward_triton(x, order, offsets, k)
+        else:
+            o = mod._forward_torch(x, order, offsets, k)
+        ctx.mod, ctx.k, ctx.triton_path = mod, k, triton_path
+        ctx.save_for_backward(x, topk_w, order, offsets)
+        return _combine(o, topk_w, T, k, x.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, topk_w, order, offsets = ctx.saved_tensors
+        mod, k = ctx.mod, ctx.k
+        run = mod._backward_triton if ctx.triton_path else mod._backward_torch
+        dx_pairs, dw_pairs = run(x, topk_w, dy.contiguous(), order, offsets, k, ctx.needs_input_grad[0])
+        T = topk_w.shape[0]
+        dx = dx_pairs.view(T, k, -1).sum(1).to(x.dtype) if dx_pairs is not None else None
+        dw = dw_pairs.view(T, k).to(topk_w.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
+
+
+class PackedMXFP4Experts(nn.Module):
+    """E routed experts y = sum_k w_k W2_e act(W1_e x, W3_e x), weights kept as MXFP4 exactly as on disk.
+
+    Buffers (stacked over experts, compressed-tensors layout): w1_packed [E, I, D/2], w1_scale [E, I, D/32] (gate),
+    w3_packed / w3_scale (up, same shapes), w2_packed [E, D, I/2], w2_scale [E, D, I/32] (down).
+    `glu_act(gate, up)` receives fp32 and returns fp32 (K3: SiTU-GLU, Kimi Linear: SiLU * up). The GLU output is
+    rounded to x's dtype before the down projection; expert outputs and the weighted sum are fp32; the result has
+    x's dtype. Gradients flow to x and to the routing weights; the packed weights are frozen (no weight grads).
+    """
+
+    def __init__(self, num_experts, hidden_size, intermediate_size, glu_act=silu_glu, device=None):
+        super().__init__()
+        E, D, I = num_experts, hidden_size, intermediate_size
+        if D % GROUP_SIZE or I % GROUP_SIZE:
+            raise ValueError(f"MXFP4 experts need hidden ({D}) and intermediate ({I}) sizes divisible by {GROUP_SIZE}")
+        self.num_experts, self.hidden_size, self.intermediate_size = E, D, I
+        self.glu_act = glu_act
+        self._fused = fused_act_spec(glu_act)
+        u8 = dict(dtype=torch.uint8, device=device)
+        for name, (rows, cols) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
+            self.register_buffer(f"{name}_packed", torch.zeros(E, rows, cols // 2, **u8))
+            self.register_buffer(f"{name}_scale", torch.full((E, rows, cols // GROUP_SIZE), E8M0_BIAS, **u8))
+
+    def extra_repr(self):
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, glu_act={self.glu_act!r}, fused_act={self._fused}")
+
+    # ---- construction / conversion
+    @classmethod
+    def from_float(cls, w1, w3, w2, glu_act=silu_glu):
+        """Quantise stacked float weights w1, w3 [E, I, D] and w2 [E, D, I] (one expert at a time)."""
+        E, I, D = w1.shape
+        if w3.shape != (E, I, D) or w2.shape != (E, D, I):
+            raise ValueError(f"expected w1, w3 [E, I, D] and w2 [E, D, I], got {tuple(w1.shape)}, "
+                             f"{tuple(w3.shape)}, {tuple(w2.shape)}")
+        mod = cls(E, D, I, glu_act, device=w1.device)
+        with torch.no_grad():
+            for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+                packed, scale = getattr(mod, f"{name}_packed"), getattr(mod, f"{name}_scale")
+                for e in range(E):
+                    packed[e], scale[e] = quantize_mxfp4(w[e], name=f"{name}[{e}]")
+        return mod
+
+    @classmethod
+    def from_experts(cls, experts, glu_act=None):
+        """From a float experts module holding stacked `w1`, `w3` [E, I, D] and `w2` [E, D, I]
+        (transformers_kimi3.moe.Kimi3Experts); `glu_act` defaults to its `act_fn`."""
+        act = glu_act if glu_act is not None else getattr(experts, "act_fn", silu_glu)
+        return cls.from_float(experts.w1.detach(), experts.w3.detach(), experts.w2.detach(), act)
+
+    def dequantize(self, dtype=torch.bfloat16):
+        """(w1 [E, I, D], w3 [E, I, D], w2 [E, D, I]) in `dtype` (whole layer: for export / debugging)."""
+        return tuple(dequantize_mxfp4(getattr(self, f"{n}_packed"), getattr(self, f"{n}_scale"), dtype, n)
+                     for n in ("w1", "w3", "w2"))
+
+    def check(self, prefix=""):
+        """Validate every packed tensor (dtype, shapes, no 0xFF scale), naming the offending one."""
+        for n in ("w1", "w3", "w2"):
+            check_mxfp4(getattr(self, f"{n}_packed"), getattr(self, f"{n}_scale"), f"{prefix}{n}")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for n in ("w1", "w3", "w2"):  # refuse corrupt tensors (wrong dtype/shape, NaN scales) by name
+            p, s = state_dict.get(f"{prefix}{n}_packed"), state_dict.get(f"{prefix}{n}_scale")
+            if p is not None and s is not None:
+                check_mxfp4(p, s, f"{prefix}{n}_packed/{prefix}{n}_scale")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    @property
+    def weight_bytes(self):
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    # ---- path selection
+    @property
+    def kernel_path(self):
+        """Which implementation forward/backward run on the buffers' device: 'triton' or 'torch-per-expert'."""
+        return kernel_path(self.w1_packed.device)
+
+    def _uses_triton(self, x):
+        return x.device == self.w1_packed.device and kernel_path(x.device) == "triton"
+
+    # ---- forward
+    def forward(self, x, topk_idx, topk_w):
+        """x [T, D], topk_idx [T, k] long, topk_w [T, k] float -> [T, D] in x's dtype."""
+        if x.dim() != 2 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must be [T, {self.hidden_size}], got {tuple(x.shape)}")
+        if topk_idx.shape != topk_w.shape or topk_idx.shape[0] != x.shape[0]:
+            raise ValueError(f"topk_idx {tuple(topk_idx.shape)} / topk_w {tuple(topk_w.shape)} do not match x")
+        if x.shape[0] == 0:
+            return x.new_zeros(x.shape)
+        return _PackedExpertsFunction.apply(x, topk_w, topk_idx, self)
+
+    def _act(self, g, u):
+        return self.glu_act(g, u).float()
+
+    def _expert(self, e, name, dtype=torch.float32):
+        return dequantize_mxfp4(getattr(self, f"{name}_packed")[e], getattr(self, f"{name}_scale")[e], dtype,
+                                f"{name}[{e}]")
+
+    def _segments(self, order, offsets):
+        bounds = offsets.tolist()
+        for e in range(self.num_experts):
+            if bounds[e + 1] > bounds[e]:
+                yield e, order[bounds[e]:bounds[e + 1]]
+
+    def _forward_torch(self, x, order, offsets, k):
+        o = torch.empty(order.numel(), self.hidden_size, dtype=torch.float32, device=x.device)
+        for e, pairs in self._segments(order, offsets):
+            xe = x[pairs // k].float()
+            h = self._act(xe @ self._expert(e, "w1").T, xe @ self._expert(e, "w3").T).to(x.dtype).float()
+            o[pairs] = h @ self._expert(e, "w2").T
+        return o
+
+    def _backward_torch(self, x, topk_w, dy, order, offsets, k, need_dx=True):
+        M = order.numel()
+        dx = torch.zeros(M, self.hidden_size, dtype=torch.float32, device=x.device)
+        dw = torch.zeros(M, dtype=torch.float32, device=x.device)
+        w_flat = topk_w.reshape(-1).float()
+        for e, pairs in self._segments(order, offsets):
+            tok = pairs // k
+            xe = x[tok].float()
+            w1, w3, w2 = self._expert(e, "w1"), self._expert(e, "w3"), self._expert(e, "w2")
+            with torch.enable_grad():
+                g = (xe @ w1.T).requires_grad_()
+                u = (xe @ w3.T).requires_grad_()
+                h = self._act(g, u)
+            dh_unw = dy[tok].float() @ w2  # d out_pair / d h, before the routing weight
+            dw[pairs] = (dh_unw * h.detach().to(x.dtype).float()).sum(-1)
+            if need_dx:
+                dg, du = torch.autograd.grad(h, (g, u), dh_unw * w_flat[pairs, None])
+                dx[pairs] = dg @ w1 + du @ w3
+        return (dx if need_dx else None), dw
+
+    def _forward_triton(self, x, order, offsets, k):
+        G = _gemm_module()
+        I = self.intermediate_size
+        x = x.contiguous()
+        tok = (order // k).to(torch.int32)
+        common = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, a_rows=tok, dual="out")
+        if self._fused is not None:
+            h = G.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, act=self._fused[0],
+                                     act_params=self._fused[1:] or (1.0, 1.0), out_dtype=x.dtype, **common)
+        else:
+            gu = G.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, **common)
+            h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
+        return G.mxfp4_grouped_gemm(h, self.w2_packed, self.w2_scale, offsets, c_rows=order.to(torch.int32),
+                                    num_c_rows=order.numel())
+
+    def _backward_triton(self, x, topk_w, dy, order, offsets, k, need_dx=True):
+        G = _gemm_module()
+        I = self.intermediate_size
+        order32 = order.to(torch.int32)
+        tok = (order // k).to(torch.int32)
+        # d out_pair / d h (unweighted): dy_tok @ W2_e, W2 stored [D, I] and used untransposed
+        dh_unw = G.mxfp4_grouped_gemm(dy, self.w2_packed, self.w2_scale, offsets, trans_w=True, a_rows=tok)
+        # recompute the pre-activations instead of keeping [M, 2I] fp32 alive between forward and backward
+        gu = G.mxfp4_grouped_gemm(x.contiguous(), self.w1_packed, self.w1_scale, offsets, a_rows=tok, dual="out",
+                                  b_packed=self.w3_packed, b_scale=self.w3_scale)
+        with torch.enable_grad():
+            g = gu[:, :I].detach().requires_grad_()
+            u = gu[:, I:].detach().requires_grad_()
+            h = self._act(g, u)
+        dw_sorted = (dh_unw * h.detach().to(x.dtype).float()).sum(-1)
+        w_sorted = topk_w.reshape(-1).float()[order]
+        dw = torch.empty_like(dw_sorted).index_copy_(0, order, dw_sorted)
+        if not need_dx:
+            return None, dw
+        dg, du = torch.autograd.grad(h, (g, u), dh_unw * w_sorted[:, None])
+        dx = G.mxfp4_grouped_gemm(dg, self.w1_packed, self.w1_scale, offsets, trans_w=True, dual="in", a2=du,
+                                  b_packed=self.w3_packed, b_scale=self.w3_scale, c_rows=order32,
+                                  num_c_rows=order.numel())
+        return dx, dw
+
+
+def weight_memory_bytes(num_experts, hidden_size, intermediate_size, dtype=None):
+    """Bytes of one layer's routed expert weights: packed MXFP4 (dtype=None) or dense `dtype`."""
+    n = 3 * num_experts * hidden_size * intermediate_size
+    if dtype is None:
+        return n // 2 + n // GROUP_SIZE
+    return n * torch.tensor([], dtype=dtype).element_size()
+
+
+__all__ = [
+    "GROUP_SIZE", "E2M1_VALUES", "check_mxfp4", "dequantize_mxfp4", "quantize_mxfp4", "pack_fp4_codes",
+    "unpack_fp4_codes", "silu_glu", "SiTUGLU", "fused_act_spec", "PackedMXFP4Experts", "kernel_path",
+    "kernel_status", "weight_memory_bytes",
+]
