@@ -26,7 +26,7 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _state_bwd_kernel(W, Qg, Kd, Aqk, gc, do, dht, dh0, dhs, dvn, cu, chunk_off,
-                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                          H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, BT: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
                           PREC: tl.constexpr):
         i_v = tl.program_id(0)
@@ -76,7 +76,7 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _main_bwd_kernel(qn, kn, v, gc, bs, Mo, Po, hs, dhs, vn, dvn, do, dv, dAs, dPs, dqn, dkn, dG, db,
-                         tab, cu, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         tab, cu, scale, H, K: tl.constexpr, V: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
@@ -156,12 +156,12 @@ if TRITON_AVAILABLE:
         tl.store(dG + offk, dGam, mask=mrk)
 
     @triton.jit
-    def _ld_blk(ptr, rows, eos, H: tl.constexpr, i_h, col0, BT: tl.constexpr, BC: tl.constexpr):
+    def _ld_blk(ptr, rows, eos, H, i_h, col0, BT: tl.constexpr, BC: tl.constexpr):
         c = col0 + tl.arange(0, BC)
         return tl.load(ptr + (rows[:, None] * H + i_h) * BT + c[None, :], mask=(rows < eos)[:, None], other=0.)
 
     @triton.jit
-    def _diag_bwd_loop(dA, dP, q, k, g, q_ptr, k_ptr, g_ptr, row0, eos, H: tl.constexpr, i_h,
+    def _diag_bwd_loop(dA, dP, q, k, g, q_ptr, k_ptr, g_ptr, row0, eos, H, i_h,
                        K: tl.constexpr, cols, mc, BC: tl.constexpr):
         """Diagonal tile, any gate. Rows: dq_i = sum_j dA_ij k_j e^(G_i-G_j), dkr_i = sum_j dP_ij k_j e^(..);
         columns: dkc_j = sum_i (dA_ij q_i + dP_ij k_i) e^(G_i - G_j)."""
@@ -190,7 +190,7 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _intra_bwd_kernel(qn, kn, gc, dAs, dPs, dqn, dkn, dG, tab, cu,
-                          H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                          H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                           BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
@@ -344,7 +344,7 @@ if TRITON_AVAILABLE:
             _acc(dqn, dkn, dG, r3, eos, H, i_h, K, cols, mc, q3, k3, dq3, dr3, dc3)
 
     @triton.jit
-    def _acc(dqn, dkn, dG, rows, eos, H: tl.constexpr, i_h, K: tl.constexpr, cols, mc, q, k, dq, dr, dc):
+    def _acc(dqn, dkn, dG, rows, eos, H, i_h, K: tl.constexpr, cols, mc, q, k, dq, dr, dc):
         m = (rows < eos)[:, None] & mc[None, :]
         off = (rows[:, None] * H + i_h) * K + cols[None, :]
         tl.store(dqn + off, tl.load(dqn + off, mask=m, other=0.) + dq, mask=m)

@@ -29,16 +29,16 @@ if TRITON_AVAILABLE:
     import triton.language as tl
 
     @triton.jit
-    def _ld(ptr, rows, eos, H: tl.constexpr, i_h, D: tl.constexpr, cols, mc):
+    def _ld(ptr, rows, eos, H, i_h, D: tl.constexpr, cols, mc):
         m = (rows < eos)[:, None] & mc[None, :]
         return tl.load(ptr + (rows[:, None] * H + i_h) * D + cols[None, :], mask=m, other=0.).to(tl.float32)
 
     @triton.jit
-    def _ld_row(ptr, row, eos, H: tl.constexpr, i_h, D: tl.constexpr, cols, mc):
+    def _ld_row(ptr, row, eos, H, i_h, D: tl.constexpr, cols, mc):
         return tl.load(ptr + (row * H + i_h) * D + cols, mask=mc & ((cols * 0 + row) < eos), other=0.).to(tl.float32)
 
     @triton.jit
-    def _diag_loop(aI, kI, gI, k_ptr, g_ptr, row0, eos, H: tl.constexpr, i_h, K: tl.constexpr, cols, mc,
+    def _diag_loop(aI, kI, gI, k_ptr, g_ptr, row0, eos, H, i_h, K: tl.constexpr, cols, mc,
                    BC: tl.constexpr):
         """Diagonal 16x16 tile, any gate: column by column with per-pair exponents (all <= 1)."""
         o_i = tl.arange(0, BC)
@@ -71,13 +71,13 @@ if TRITON_AVAILABLE:
         return tl.dot(a, b, input_precision="ieee")
 
     @triton.jit
-    def _st_blk(ptr, X, rows, eos, H: tl.constexpr, i_h, D: tl.constexpr, col0, BC: tl.constexpr):
+    def _st_blk(ptr, X, rows, eos, H, i_h, D: tl.constexpr, col0, BC: tl.constexpr):
         c = col0 + tl.arange(0, BC)
         tl.store(ptr + (rows[:, None] * H + i_h) * D + c[None, :], X, mask=(rows < eos)[:, None])
 
     @triton.jit
     def _intra_fwd_kernel(qn, kn, v, gc, bs, Aqk, W, U, Qg, Kd, Mo, Po, tab, cu, scale,
-                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                          H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                           SAFE: tl.constexpr, STORE_BWD: tl.constexpr, PREC: tl.constexpr):
         i_c = tl.program_id(0)
@@ -316,7 +316,7 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _state_fwd_kernel(W, U, Qg, Kd, Aqk, gc, o, h0, ht, hs, vn, cu, chunk_off,
-                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                          H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
                           STORE_STATES: tl.constexpr, STORE_VN: tl.constexpr, COMPUTE_O: tl.constexpr, PREC: tl.constexpr):
         i_v = tl.program_id(0)

@@ -27,7 +27,7 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _prep_fwd_kernel(q, k, f, beta, A_log, dt_bias, qn, kn, gc, bo, rq, rk, tab, cu,
-                         lower_bound, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                         lower_bound, H, K: tl.constexpr, BK: tl.constexpr,
                          BT: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr):
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
@@ -66,7 +66,7 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _prep_bwd_kernel(q, k, f, A_log, dt_bias, beta_s, rq, rk, dgc, dqn, dkn, dbeta_s,
                          dq, dk, df, dbeta, dA_part, ddt_part, tab, cu,
-                         lower_bound, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                         lower_bound, H, K: tl.constexpr, BK: tl.constexpr,
                          BT: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr):
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)

@@ -18,7 +18,7 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _fused_recurrent_kernel(q, k, v, f, beta, A_log, dt_bias, o, h0, ht, cu, T, scale, lower_bound,
-                                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                                H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                                 BV: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr,
                                 HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, VARLEN: tl.constexpr):
         i_v = tl.program_id(0)

@@ -1,0 +1,401 @@
+"""KDA kernels on the GPU: correctness at real shapes, then timings against fla 0.6.0 and SDPA.
+
+    python bench/kda.py --out DIR [--quick] [--sections check,time,decode]
+
+Writes DIR/kda_h200.json (+ kda_h200.png). Every section is guarded: an error is recorded in the
+JSON and the run goes on. Relative errors are ||x - ref|| / ||ref||.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels"))
+from kimi3_kernels.kda import chunk_kda, fused_recurrent_kda, naive_chunk_kda, naive_recurrent_kda  # noqa: E402
+
+try:
+    from fla.ops.kda import chunk_kda as fla_chunk, fused_recurrent_kda as fla_rec
+    HAVE_FLA = True
+except Exception as ex:  # noqa: BLE001
+    HAVE_FLA = False
+    FLA_ERR = repr(ex)
+
+RES: dict = {}
+T0 = time.time()
+
+
+def save(out):
+    RES["elapsed_s"] = time.time() - T0
+    with open(os.path.join(out, "kda_h200.json"), "w") as fh:
+        json.dump(RES, fh, indent=1)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def bench(fn, warm=2, rep=10):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(rep):
+        s = torch.cuda.Event(enable_timing=True)
+        e = torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def inputs(B, T, H, K, V, dtype, seed=0, A_scale=0.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    q, k, v = r(B, T, H, K).to(dtype), r(B, T, H, K).to(dtype), r(B, T, H, V).to(dtype)
+    f = r(B, T, H, K).to(dtype)
+    beta = r(B, T, H).to(dtype)
+    A_log = (r(H) * 0.5 + A_scale).float()
+    dt_bias = (r(H * K) * 0.3).float()
+    return q, k, v, f, beta, A_log, dt_bias
+
+
+def fla_kw(lb, A_log, dt_bias):
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              A_log=A_log, dt_bias=dt_bias)
+    if lb is not None:
+        kw.update(safe_gate=True, lower_bound=lb)
+    return kw
+
+
+def section(name, fn, out):
+    t = time.time()
+    try:
+        fn()
+    except Exception as ex:  # noqa: BLE001
+        RES.setdefault("errors", {})[name] = traceback.format_exc()[-3000:]
+        print(f"[{name}] ERROR {ex!r}", flush=True)
+    RES.setdefault("section_s", {})[name] = time.time() - t
+    save(out)
+
+
+# ---------------------------------------------------------------- ceilings
+def ceilings():
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x), warm=2, rep=10)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm = bench(lambda: a @ b, warm=3, rep=10)
+    RES["ceilings"] = {"copy_TBps": 2 * x.numel() / ms / 1e9, "bf16_mm_TFLOPs": 2 * 8192**3 / mm / 1e9}
+    del x, y, a, b
+    torch.cuda.empty_cache()
+    print("ceilings", RES["ceilings"], flush=True)
+
+
+# ---------------------------------------------------------------- correctness
+def check():
+    C = RES.setdefault("check", [])
+
+    def rec(**kw):
+        C.append(kw)
+        print(kw, flush=True)
+
+    # 1) forward at real shapes vs the fp32 PyTorch chunk reference and vs fla (same bf16 inputs)
+    for lb in (-5.0, None):
+        for dtype in (torch.bfloat16, torch.float32):
+            B, T, H, K = 1, 4096, 32, 128
+            q, k, v, f, beta, A_log, dtb = inputs(B, T, H, K, K, dtype, seed=1)
+            h0 = torch.randn(B, H, K, K, device="cuda")
+            o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0,
+                             output_final_state=True)
+            with torch.no_grad():
+                ro, rs = naive_chunk_kda(*(x.float() for x in (q, k, v, f, beta)), A_log=A_log, dt_bias=dtb,
+                                         lower_bound=lb, initial_state=h0, output_final_state=True)
+            row = dict(test="fwd_vs_fp32_ref", lb=lb, dtype=str(dtype), T=T, H=H,
+                       o_rel=rel(o, ro), state_rel=rel(s, rs), o_nan=bool(o.isnan().any()))
+            if HAVE_FLA:
+                fo, fs = fla_chunk(q, k, v, f, beta, initial_state=h0, output_final_state=True,
+                                   **fla_kw(lb, A_log, dtb))
+                row.update(fla_o_rel_vs_ref=rel(fo, ro), fla_state_rel_vs_ref=rel(fs, rs), ours_vs_fla_o=rel(o, fo))
+            rec(**row)
+            del ro, rs
+            torch.cuda.empty_cache()
+    # 2) gradients vs PyTorch reference autograd (fp32 reference on the same inputs)
+    for lb in (-5.0, None):
+        for dtype in (torch.bfloat16, torch.float32):
+            B, T, H, K = 1, 1000, 4, 128
+            ins = list(inputs(B, T, H, K, K, dtype, seed=2)) + [torch.randn(B, H, K, K, device="cuda")]
+            do = torch.randn(B, T, H, K, device="cuda").to(dtype)
+            dS = torch.randn(B, H, K, K, device="cuda")
+            grads = []
+            for fn, cast in ((chunk_kda, False), (naive_chunk_kda, True)):
+                xs = [(x.float() if cast else x).detach().clone().requires_grad_() for x in ins]
+                o, s = fn(*xs[:5], A_log=xs[5], dt_bias=xs[6], lower_bound=lb, initial_state=xs[7],
+                          output_final_state=True)
+                ((o.float() * do.float()).sum() + (s * dS).sum()).backward()
+                grads.append([x.grad for x in xs])
+            names = ["dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"]
+            rec(test="grad_vs_fp32_ref", lb=lb, dtype=str(dtype), T=T, H=H,
+                **{n: rel(a, b) for n, a, b in zip(names, grads[0], grads[1])})
+    # 3) varlen (empty and length-1 sequences) vs per-sequence calls, and the recurrent kernel
+    H, K = 32, 128
+    lens = [0, 1, 63, 64, 65, 1000, 0, 3000, 7]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device="cuda", dtype=torch.int32)
+    TT = int(cu[-1])
+    for lb in (-5.0, None):
+        q, k, v, f, beta, A_log, dtb = inputs(1, TT, H, K, K, torch.bfloat16, seed=3)
+        h0 = torch.randn(len(lens), H, K, K, device="cuda")
+        o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0,
+                         output_final_state=True, cu_seqlens=cu)
+        errs_o, errs_s = [], []
+        for n in range(len(lens)):
+            a, b = int(cu[n]), int(cu[n + 1])
+            sl = lambda x: x[:, a:b]  # noqa: E731
+            if b > a:
+                on, sn = chunk_kda(*(sl(x) for x in (q, k, v, f, beta)), A_log=A_log, dt_bias=dtb, lower_bound=lb,
+                                   initial_state=h0[n:n + 1], output_final_state=True)
+                errs_o.append(rel(o[:, a:b], on))
+            else:
+                sn = h0[n:n + 1]
+            errs_s.append(rel(s[n:n + 1], sn))
+        ro, rs = fused_recurrent_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0,
+                                     output_final_state=True, cu_seqlens=cu)
+        row = dict(test="varlen_vs_per_sequence", lb=lb, lens=lens, o_rel_max=max(errs_o), state_rel_max=max(errs_s),
+                   recurrent_vs_chunk_o=rel(ro, o), recurrent_vs_chunk_state=rel(rs, s))
+        if HAVE_FLA:
+            fo, fs = fla_chunk(q, k, v, f, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu.long(),
+                               **fla_kw(lb, A_log, dtb))
+            row.update(ours_vs_fla_o=rel(o, fo), ours_vs_fla_state=rel(s, fs))
+        rec(**row)
+    # 4) decode step and speculative verify: ours vs fp32 recurrence reference (in place)
+    for T in (1, 4):
+        B, H = 64, 96
+        q, k, v, f, beta, A_log, dtb = inputs(B, T, H, K, K, torch.bfloat16, seed=4)
+        h0 = torch.randn(B, H, K, K, device="cuda") * 0.1
+        st = h0.clone()
+        o, _ = fused_recurrent_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0, initial_state=st,
+                                   inplace_final_state=True)
+        ro, rs = naive_recurrent_kda(*(x.float() for x in (q, k, v, f, beta)), A_log=A_log, dt_bias=dtb,
+                                     lower_bound=-5.0, initial_state=h0, output_final_state=True)
+        rec(test="decode_vs_fp32_recurrence", B=B, H=H, T=T, o_rel=rel(o, ro), state_rel=rel(st, rs))
+    # 5) strong decay (plain gate, large A_log): the per-column diagonal path
+    q, k, v, f, beta, A_log, dtb = inputs(1, 2048, 8, 128, 128, torch.float32, seed=5, A_scale=3.0)
+    o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, output_final_state=True)
+    ro, rs = naive_chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, output_final_state=True)
+    rec(test="strong_decay_fp32", o_rel=rel(o, ro), state_rel=rel(s, rs), o_nan=bool(o.isnan().any()))
+    # 6) chunk states for prefix caching
+    q, k, v, f, beta, A_log, dtb = inputs(1, 1000, 8, 128, 128, torch.float32, seed=6)
+    _, _, cs = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0, return_chunk_states=True)
+    _, _, rcs = naive_chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0,
+                                return_chunk_states=True)
+    rec(test="chunk_states_fp32", shape=list(cs.shape), rel=rel(cs, rcs))
+
+
+# ---------------------------------------------------------------- timings
+def flops_bytes(T, H, K, V, bwd=False):
+    C = 64
+    NT = T / C
+    # per chunk: Aqk + Akk (2 C^2 K), W, U (C^2 (K + V)), Vn = U - W S (C K V), O (C K V + C^2 V), S update (C K V)
+    fwd = 2 * H * NT * (2 * C * C * K + C * C * (K + V) + 3 * C * K * V + C * C * V)
+    # minimal bytes: q, k, g, v read (bf16) + beta + o written
+    byt = H * T * (3 * K + V + 1) * 2 + H * T * V * 2
+    if bwd:
+        return fwd * 3.5, byt * 2.5
+    return fwd, byt
+
+
+def timings():
+    Rt = RES.setdefault("timings", [])
+    cfgs = [(32, T, None) for T in (4096, 16384, 65536)] + [(96, T, -5.0) for T in (4096, 16384, 65536)]
+    if ARGS.quick:
+        cfgs = [(32, 4096, None), (32, 16384, None), (96, 8192, -5.0), (96, 32768, -5.0)]
+    extra = [(96, 8192, -5.0), (96, 32768, -5.0), (32, 16384, -5.0), (96, 16384, None)]
+    if not ARGS.quick:
+        cfgs += extra
+    K = V = 128
+    for H, T, lb in cfgs:
+        q, k, v, f, beta, A_log, dtb = inputs(1, T, H, K, V, torch.bfloat16, seed=7)
+        row = dict(H=H, T=T, gate="k3_lower_bound_-5" if lb is not None else "softplus", dtype="bf16")
+        ours = lambda: chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)  # noqa: E731
+        rep = 10 if T * H <= 16384 * 32 else 5
+        row["ours_fwd_ms"] = bench(ours, rep=rep)
+        qq, kk, vv, ff = (x.clone().requires_grad_() for x in (q, k, v, f))
+
+        def ours_fb():
+            o, _ = chunk_kda(qq, kk, vv, ff, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)
+            o.sum().backward()
+        row["ours_fwdbwd_ms"] = bench(ours_fb, warm=2, rep=rep)
+        if HAVE_FLA:
+            kw = fla_kw(lb, A_log, dtb)
+            row["fla_fwd_ms"] = bench(lambda: fla_chunk(q, k, v, f, beta, **kw), rep=rep)
+
+            def fla_fb():
+                o, _ = fla_chunk(qq, kk, vv, ff, beta, **kw)
+                o.sum().backward()
+            row["fla_fwdbwd_ms"] = bench(fla_fb, warm=2, rep=rep)
+            row["fwd_speedup_vs_fla"] = row["fla_fwd_ms"] / row["ours_fwd_ms"]
+            row["fwdbwd_speedup_vs_fla"] = row["fla_fwdbwd_ms"] / row["ours_fwdbwd_ms"]
+        qs, ks, vs = (x.transpose(1, 2) for x in (q, k, v))
+        try:
+            row["sdpa_causal_fwd_ms"] = bench(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True),
+                                              rep=rep)
+        except Exception as ex:  # noqa: BLE001
+            row["sdpa_error"] = repr(ex)[:200]
+        fl, by = flops_bytes(T, H, K, V)
+        row["ours_fwd_TFLOPs"] = fl / row["ours_fwd_ms"] / 1e9
+        row["ours_fwd_min_bytes_TBps"] = by / row["ours_fwd_ms"] / 1e9
+        fl2, by2 = flops_bytes(T, H, K, V, bwd=True)
+        row["ours_fwdbwd_TFLOPs"] = fl2 / row["ours_fwdbwd_ms"] / 1e9
+        Rt.append(row)
+        print(row, flush=True)
+        del q, k, v, f, beta, qq, kk, vv, ff
+        torch.cuda.empty_cache()
+        save(ARGS.out)
+    # varlen batch of mixed lengths (K3 gate, H=96)
+    lens = [37, 4096, 513, 9000, 1, 2047, 12000, 300, 64, 4700]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device="cuda", dtype=torch.int32)
+    TT = int(cu[-1])
+    H = 96
+    q, k, v, f, beta, A_log, dtb = inputs(1, TT, H, K, V, torch.bfloat16, seed=8)
+    row = dict(H=H, T=TT, varlen=lens, gate="k3_lower_bound_-5", dtype="bf16")
+    row["ours_fwd_ms"] = bench(lambda: chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0,
+                                                 cu_seqlens=cu), rep=5)
+    qq, kk, vv, ff = (x.clone().requires_grad_() for x in (q, k, v, f))
+
+    def ofb():
+        o, _ = chunk_kda(qq, kk, vv, ff, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0, cu_seqlens=cu)
+        o.sum().backward()
+    row["ours_fwdbwd_ms"] = bench(ofb, rep=5)
+    if HAVE_FLA:
+        kw = fla_kw(-5.0, A_log, dtb)
+        cul = cu.long()
+        row["fla_fwd_ms"] = bench(lambda: fla_chunk(q, k, v, f, beta, cu_seqlens=cul, **kw), rep=5)
+
+        def ffb():
+            o, _ = fla_chunk(qq, kk, vv, ff, beta, cu_seqlens=cul, **kw)
+            o.sum().backward()
+        row["fla_fwdbwd_ms"] = bench(ffb, rep=5)
+        row["fwd_speedup_vs_fla"] = row["fla_fwd_ms"] / row["ours_fwd_ms"]
+        row["fwdbwd_speedup_vs_fla"] = row["fla_fwdbwd_ms"] / row["ours_fwdbwd_ms"]
+    Rt.append(row)
+    print(row, flush=True)
+
+
+def graph_time(f):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        f()
+    # 20 replays per timed region to amortise the event overhead
+    def rep20():
+        for _ in range(20):
+            gr.replay()
+    return bench(rep20, warm=3, rep=20) / 20
+
+
+def decode():
+    Rd = RES.setdefault("decode", [])
+    H = K = V = None
+    H, K, V = 96, 128, 128
+    for B in (1, 64):
+        for T in (1, 4):
+            q, k, v, f, beta, A_log, dtb = inputs(B, T, H, K, V, torch.bfloat16, seed=9)
+            st = torch.randn(B, H, K, V, device="cuda") * 0.1
+            row = dict(B=B, H=H, T=T, gate="k3_lower_bound_-5")
+            ours = lambda: fused_recurrent_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0,  # noqa
+                                               initial_state=st, inplace_final_state=True)
+            row["ours_eager_ms"] = bench(ours, warm=3, rep=50)
+            row["ours_graph_ms"] = graph_time(ours)
+            if HAVE_FLA:
+                st2 = st.clone()
+                fl = lambda: fla_rec(q, k, v, f, beta, initial_state=st2, output_final_state=True,  # noqa
+                                     **fla_kw(-5.0, A_log, dtb))
+                try:
+                    row["fla_eager_ms"] = bench(fl, warm=3, rep=50)
+                    row["fla_graph_ms"] = graph_time(fl)
+                    row["graph_speedup_vs_fla"] = row["fla_graph_ms"] / row["ours_graph_ms"]
+                except Exception as ex:  # noqa: BLE001
+                    row["fla_error"] = repr(ex)[:300]
+            byt = 2 * B * H * K * V * 4
+            row["state_MB_rw"] = byt / 1e6
+            row["ours_graph_TBps"] = byt / row["ours_graph_ms"] / 1e9
+            Rd.append(row)
+            print(row, flush=True)
+
+
+def plot(out):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in RES.get("timings", []) if "fla_fwd_ms" in r and "varlen" not in r]
+    if not rows:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = [f"H{r['H']} T{r['T'] // 1024}K\n{'K3' if r['gate'].startswith('k3') else 'sp'}" for r in rows]
+    x = range(len(rows))
+    for i, (key, title) in enumerate((("fwd", "forward"), ("fwdbwd", "forward+backward"))):
+        ax[i].bar([j - 0.2 for j in x], [r[f"fla_{key}_ms"] for r in rows], 0.4, label="fla 0.6.0")
+        ax[i].bar([j + 0.2 for j in x], [r[f"ours_{key}_ms"] for r in rows], 0.4, label="kimi3_kernels")
+        ax[i].set_xticks(list(x))
+        ax[i].set_xticklabels(labels, fontsize=7)
+        ax[i].set_yscale("log")
+        ax[i].set_ylabel("ms (log)")
+        ax[i].set_title(f"KDA {title}, bf16, K=V=128, H200")
+        ax[i].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "kda_h200.png"), dpi=110)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sections", default="ceil,check,time,decode")
+    ap.add_argument("--warmup", default=None, help="compile-only run for one gate: 'k3' or 'softplus'")
+    ARGS = ap.parse_args()
+    if ARGS.warmup:  # populate the Triton cache (H is a runtime argument: H=16 compiles the H=32/96 binaries)
+        lb = -5.0 if ARGS.warmup == "k3" else None
+        for cu in (None, torch.tensor([0, 70, 200], device="cuda", dtype=torch.int32)):
+            q, k, v, f, beta, A_log, dtb = inputs(1, 200, 16, 128, 128, torch.bfloat16)
+            xs = [x.clone().requires_grad_() for x in (q, k, v, f)]
+            o, _ = chunk_kda(*xs, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, cu_seqlens=cu)
+            o.sum().backward()
+            with torch.no_grad():
+                chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, cu_seqlens=cu)
+        torch.cuda.synchronize()
+        sys.exit(0)
+    import triton
+    RES.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               git_commit=os.environ.get("GIT_COMMIT") or subprocess.run(
+                   ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+               fla=("0.6.0" if HAVE_FLA else f"missing: {FLA_ERR}"))
+    secs = ARGS.sections.split(",")
+    if "ceil" in secs:
+        section("ceilings", ceilings, ARGS.out)
+    if "check" in secs:
+        section("check", check, ARGS.out)
+    if "decode" in secs:
+        section("decode", decode, ARGS.out)
+    if "time" in secs:
+        section("timings", timings, ARGS.out)
+    section("plot", lambda: plot(ARGS.out), ARGS.out)
+    print(json.dumps(RES.get("errors", {}), indent=1)[:3000])
