@@ -5,6 +5,7 @@ for with `config.kda_backend="fla"` or KIMI3_KDA_BACKEND=fla), the PyTorch refer
 and reported by `kernel_status()`; asking for a backend that cannot run is an error, never a silent fallback.
 """
 
+import importlib.util
 import logging
 import os
 
@@ -25,11 +26,23 @@ try:
 except Exception as e:  # noqa: BLE001 - absent or broken kernels must not stop the remote code from loading
     _triton_kda, _TRITON_OK, _KERNEL_IMPORT_ERROR = None, False, f"{type(e).__name__}: {e}"
 
-try:
-    from fla.ops.kda import chunk_kda as _fla_chunk_kda
-    from fla.ops.kda import fused_recurrent_kda as _fla_recurrent_kda
-except Exception:  # noqa: BLE001 - fla raises more than ImportError when triton is missing or broken
-    _fla_chunk_kda = _fla_recurrent_kda = None
+_FLA = {}
+
+
+def _fla():
+    """fla's KDA ops, imported on first use: importing fla costs seconds and it is only used when asked for."""
+    if "ops" not in _FLA:
+        try:
+            from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+            _FLA["ops"] = (chunk_kda, fused_recurrent_kda)
+        except Exception:  # noqa: BLE001 - fla raises more than ImportError when triton is missing or broken
+            _FLA["ops"] = None
+    return _FLA["ops"]
+
+
+def _fla_installed():
+    return importlib.util.find_spec("fla") is not None
 
 BACKENDS = ("triton", "fla", "torch")
 _announced = set()
@@ -41,13 +54,13 @@ def kernel_status(device=None, requested=None):
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     available = {
         "triton": _TRITON_OK and device.type == "cuda",
-        "fla": _fla_chunk_kda is not None and device.type == "cuda",
+        "fla": device.type == "cuda" and _fla_installed() and _fla() is not None,
         "torch": True,
     }
     return {"device": str(device), "available": available,
             "kda_backend": resolve_backend(device, requested, announce=False),
             "triton_kernels_installed": _triton_kda is not None, "triton_kernels_error": _KERNEL_IMPORT_ERROR,
-            "fla_installed": _fla_chunk_kda is not None}
+            "fla_installed": _fla_installed()}
 
 
 def resolve_backend(device, requested=None, announce=True):
@@ -56,7 +69,7 @@ def resolve_backend(device, requested=None, announce=True):
         raise ValueError(f"Unknown KDA backend {requested!r}; choose one of {BACKENDS}")
     on_cuda = device.type == "cuda"
     if requested == "fla":
-        if _fla_chunk_kda is None or not on_cuda:
+        if not on_cuda or _fla() is None:
             raise RuntimeError("KDA backend 'fla' was requested but flash-linear-attention is not importable "
                                f"or the device is {device.type}; install fla-core or choose another backend")
         backend = "fla"
@@ -83,7 +96,7 @@ def kda_chunk(q, k, v, g, beta, backend, **kw):
     if backend == "triton":
         return _triton_kda.chunk_kda(q, k, v, g, beta, **kw)
     if backend == "fla":
-        return _fla_call(_fla_chunk_kda, q, k, v, g, beta, safe_gate=kw.get("lower_bound") is not None, **kw)
+        return _fla_call(_fla()[0], q, k, v, g, beta, safe_gate=kw.get("lower_bound") is not None, **kw)
     return naive_chunk_kda(q, k, v, g, beta, **kw)
 
 
@@ -91,7 +104,7 @@ def kda_recurrent(q, k, v, g, beta, backend, **kw):
     if backend == "triton":
         return _triton_kda.fused_recurrent_kda(q, k, v, g, beta, **kw)
     if backend == "fla":
-        return _fla_call(_fla_recurrent_kda, q, k, v, g, beta, **kw)
+        return _fla_call(_fla()[1], q, k, v, g, beta, **kw)
     return naive_recurrent_kda(q, k, v, g, beta, **kw)
 
 

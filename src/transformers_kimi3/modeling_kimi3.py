@@ -81,7 +81,7 @@ class Kimi3PreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["Kimi3DecoderLayer"]
     _skip_keys_device_placement = ["past_key_values"]
-    _keep_in_fp32_modules = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm",
+    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm",
                              "e_score_correction_bias"]
     _supports_sdpa = True
     _is_stateful = True
