@@ -20,7 +20,15 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from transformers_kimi3 import Kimi3Config, Kimi3ForConditionalGeneration, Kimi3TextConfig  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from transformers_kimi3 import (  # noqa: E402
+    Kimi3Config,
+    Kimi3ForConditionalGeneration,
+    Kimi3ImageProcessor,
+    Kimi3Processor,
+    Kimi3TextConfig,
+)
 from transformers_kimi3.checkpoint import to_official_layout  # noqa: E402
 from transformers_kimi3.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 
@@ -80,6 +88,17 @@ def make_weights(config):
             for k, v in official.items()}
 
 
+def _drop_auto_map(path):
+    def strip(d):
+        if isinstance(d, dict):
+            d.pop("auto_map", None)
+            for v in d.values():
+                strip(v)
+    data = json.load(open(path))
+    strip(data)
+    json.dump(data, open(path, "w"), indent=2, sort_keys=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="assets/kimi-k3-tiny")
@@ -91,9 +110,14 @@ def main():
         tensors = make_weights(config)
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(tmp)
+        Kimi3Processor(image_processor=Kimi3ImageProcessor(), tokenizer=AutoTokenizer.from_pretrained(tmp)
+                       ).save_pretrained(tmp)
+        build_tiny_tokenizer(tmp, vocab_size=512)  # the processor rewrote the tokenizer files in Transformers' form
         for f in os.listdir(tmp):  # save_pretrained copies our remote code; the bundled folder is layout only
             if f.endswith(".py"):
                 os.remove(os.path.join(tmp, f))
+            elif f.endswith(".json") and f != "config.json":
+                _drop_auto_map(os.path.join(tmp, f))
         cfg = json.load(open(os.path.join(tmp, "config.json")))
         cfg.pop("auto_map", None)  # official layout only; the package's registered classes load it
         cfg.pop("transformers_version", None)

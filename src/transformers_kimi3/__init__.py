@@ -7,10 +7,18 @@ release ships its own `kimi_k3`, theirs stays registered and ours is reachable t
 
 import logging
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+)
 
 from .cache import Kimi3Cache
 from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig, Kimi3VisionConfig, KimiK3Config
+from .image_processing_kimi3 import Kimi3ImageProcessor
 from .kda import kernel_status as _kda_status
 from .modeling_kimi3 import (
     Kimi3ForCausalLM,
@@ -20,6 +28,9 @@ from .modeling_kimi3 import (
     KimiK3ForConditionalGeneration,
     KimiLinearForCausalLM,
 )
+from .processing_kimi3 import Kimi3Processor, kimi3_output_to_message, parse_kimi3_output
+from .tiny_tokenizer import build_tiny_tokenizer
+from .tokenization_kimi3 import Kimi3Tokenizer, Kimi3TokenizerFast
 
 logger = logging.getLogger("transformers_kimi3")
 
@@ -48,14 +59,18 @@ _register(Kimi3TextConfig.model_type, Kimi3TextConfig,
 # As Transformers does for Gemma 3: every Auto class gives the one class that serves text and images.
 _register(Kimi3Config.model_type, Kimi3Config,
           [(AutoModel, Kimi3ForConditionalGeneration), (AutoModelForCausalLM, Kimi3ForConditionalGeneration),
-           (AutoModelForImageTextToText, Kimi3ForConditionalGeneration)])
+           (AutoModelForImageTextToText, Kimi3ForConditionalGeneration), (AutoProcessor, Kimi3Processor),
+           (AutoImageProcessor, Kimi3ImageProcessor)])
 
 # `save_pretrained` writes auto_map and copies the flat modules, so saved folders load without this package.
 Kimi3TextConfig.register_for_auto_class()
 Kimi3Config.register_for_auto_class()
 Kimi3ForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 Kimi3ForConditionalGeneration.register_for_auto_class("AutoModelForImageTextToText")
+Kimi3Processor.register_for_auto_class()
+Kimi3ImageProcessor.register_for_auto_class()
 
 __all__ = ["Kimi3Cache", "Kimi3Config", "Kimi3TextConfig", "Kimi3VisionConfig", "KimiK3Config", "Kimi3Model",
            "Kimi3ForCausalLM", "Kimi3ForConditionalGeneration", "KimiK3ForConditionalGeneration", "KimiLinearForCausalLM",
-           "Kimi3PreTrainedModel", "kernel_status"]
+           "Kimi3PreTrainedModel", "Kimi3ImageProcessor", "Kimi3Processor", "Kimi3Tokenizer", "Kimi3TokenizerFast",
+           "build_tiny_tokenizer", "kimi3_output_to_message", "parse_kimi3_output", "kernel_status"]

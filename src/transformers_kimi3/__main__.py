@@ -35,6 +35,28 @@ def demo(args):
     status = transformers_kimi3.kernel_status(ids.device)
     print(f"KDA backend: {status['kda']['kda_backend']} on {status['kda']['device']}")
     print(f"speed: {new.numel() / seconds:.1f} tokens/s ({new.numel()} tokens in {seconds:.2f} s, prefill included)")
+    if hasattr(model, "vision_tower"):
+        image_question(args, model, pad)
+
+
+def image_question(args, model, pad):
+    import numpy as np
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(args.model)
+    y, x = np.mgrid[0:56, 0:84]
+    image = np.stack([x * 3, y * 4, (x + y) * 2], -1).astype(np.uint8)  # a synthetic 84x56 gradient
+    messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "What is in this picture?"}]}]
+    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=12, do_sample=False, pad_token_id=pad)
+    new = out[0, inputs["input_ids"].shape[1]:]
+    print(f"image question: {messages[0]['content'][1]['text']!r} with an 84x56 image "
+          f"({int(inputs['grid_thws'][0, 1] * inputs['grid_thws'][0, 2] // 4)} image positions)")
+    print(f"answer ids: {new.tolist()}")
+    print(f"answer text: {processor.decode(new, skip_special_tokens=False)!r}")
 
 
 def main():

@@ -1,0 +1,82 @@
+"""The bundled tiny checkpoint (rebuilt bit for bit by its script) and the Transformers pipelines on it."""
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoProcessor, pipeline
+
+from kimi3_testing import ROOT
+
+TINY = os.path.join(ROOT, "assets", "kimi-k3-tiny")
+
+
+def sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_script_rebuilds_the_bundled_checkpoint(tmp_path):
+    out = tmp_path / "tiny"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "conversion", "make_tiny_checkpoint.py"), "--out",
+                           str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(out)) == sorted(os.listdir(TINY))
+    for f in os.listdir(TINY):
+        assert sha(out / f) == sha(os.path.join(TINY, f)), f
+
+
+@pytest.fixture(scope="module")
+def model():
+    import transformers_kimi3  # noqa: F401  registers kimi_k3
+
+    return AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+
+
+def test_bundled_checkpoint_holds_mxfp4_experts_in_official_layout():
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(TINY, "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        packed = f.get_tensor("language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed")
+    assert packed.dtype == torch.uint8 and packed.shape == (64, 32)
+    assert "language_model.model.layers.0.self_attn.A_log" in keys
+    assert any(k.startswith("vision_tower.") for k in keys) and any(k.startswith("mm_projector.") for k in keys)
+
+
+def test_text_generation_pipeline_matches_generate(model):
+    processor = AutoProcessor.from_pretrained(TINY)
+    messages = [{"role": "user", "content": "Hello there"}]
+    pipe = pipeline("text-generation", model=model, tokenizer=processor.tokenizer)
+    got = pipe(messages, max_new_tokens=6, do_sample=False)[0]["generated_text"][-1]
+    ids = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                  return_dict=True)["input_ids"]
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=511)[0, ids.shape[1]:]
+    assert got["role"] == "assistant"
+    assert got["content"] == processor.tokenizer.decode(ref, skip_special_tokens=True)
+
+
+def test_image_text_to_text_pipeline_matches_generate(model):
+    processor = AutoProcessor.from_pretrained(TINY)
+    y, x = np.mgrid[0:56, 0:84]
+    image = np.stack([x * 3, y * 4, (x + y) * 2], -1).astype(np.uint8)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What?"}]}]
+    pipe = pipeline("image-text-to-text", model=model, processor=processor)
+    got = pipe(text=messages, max_new_tokens=6, do_sample=False)[0]["generated_text"][-1]["content"]
+    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    assert int((inputs["input_ids"] == model.config.media_placeholder_token_id).sum()) == 1
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=511)
+    assert got == processor.decode(ref[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_demo_runs():
+    proc = subprocess.run([sys.executable, "-m", "transformers_kimi3", "demo", "--model", TINY,
+                           "--max-new-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "KDA backend: torch on cpu" in proc.stdout and "answer ids:" in proc.stdout
