@@ -50,7 +50,10 @@ def _register(name, config_cls, pairs):
                        "transformers_kimi3's classes explicitly or trust_remote_code=True to get ours")
         return
     for auto, model_cls in pairs:
-        auto.register(config_cls, model_cls)
+        try:
+            auto.register(config_cls, model_cls)
+        except ImportError as e:  # Transformers 5.17 without torchvision: AutoImageProcessor is a stub
+            logger.info(f"{model_cls.__name__} not registered with {auto.__name__}: {str(e).strip()[:80]}")
 
 
 _register(Kimi3TextConfig.model_type, Kimi3TextConfig,
