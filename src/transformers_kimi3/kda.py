@@ -117,11 +117,19 @@ def _fla_call(fn, q, k, v, g, beta, *, A_log, dt_bias, lower_bound=None, scale=N
               use_beta_sigmoid_in_kernel=True, **extra)
 
 
-def causal_conv(x, weight, state=None):
+def causal_conv(x, weight, state=None, seq_idx=None):
     """Depthwise causal conv + SiLU. x [B,T,D], weight [D,1,W], state [B,D,W] (last W inputs) or None.
+    `seq_idx` [B,T] (packed documents): taps never reach into another document.
     Returns (y [B,T,D], new state [B,D,W])."""
     B, T, D = x.shape
     W = weight.shape[-1]
+    if seq_idx is not None:
+        w = weight[:, 0].to(x.dtype)  # [D, W]; tap W-1 is the current token
+        y = x * w[:, W - 1]
+        for s in range(1, min(W, T)):
+            same = (seq_idx[:, s:] == seq_idx[:, :-s])[..., None]
+            y = y + F.pad((x[:, :-s] * same) * w[:, W - 1 - s], (0, 0, s, 0))
+        return F.silu(y.float()).to(x.dtype), None
     xt = x.transpose(1, 2)
     prev = xt.new_zeros(B, D, W) if state is None else state.to(xt.dtype)
     full = torch.cat([prev, xt], dim=-1)  # [B, D, W+T]
@@ -160,19 +168,23 @@ class Kimi3DeltaAttention(nn.Module):
         self.o_norm = Kimi3GatedRMSNorm(K, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(D, d, bias=False)
 
-    def forward(self, x, attention_mask=None, cache=None):
-        """x [B,T,d]; attention_mask [B,T] (1 = token) for this call's positions or None."""
+    def forward(self, x, attention_mask=None, cache=None, seq_idx=None):
+        """x [B,T,d]; attention_mask [B,T] (1 = token) for this call's positions or None; seq_idx [B,T] document
+        ids of packed sequences (training; no cache) or None."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None
         if attention_mask is not None:  # padding never enters the convs (zero input = the convs' own padding)
             x = x * attention_mask[..., None].to(x.dtype)
+        if seq_idx is not None and cache is not None:
+            raise ValueError("Packed sequences (position_ids restarting inside a row) are for training; "
+                             "they cannot be combined with a cache")
         states = cache.conv_states[self.layer_idx] if cache is not None else None
         states = states or (None, None, None)
-        q, sq = causal_conv(self.q_proj(x), self.q_conv1d.weight, states[0])
-        k, sk = causal_conv(self.k_proj(x), self.k_conv1d.weight, states[1])
-        v, sv = causal_conv(self.v_proj(x), self.v_conv1d.weight, states[2])
+        q, sq = causal_conv(self.q_proj(x), self.q_conv1d.weight, states[0], seq_idx)
+        k, sk = causal_conv(self.k_proj(x), self.k_conv1d.weight, states[1], seq_idx)
+        v, sv = causal_conv(self.v_proj(x), self.v_conv1d.weight, states[2], seq_idx)
         q, k, v = (t.view(B, T, H, K) for t in (q, k, v))
         g = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         beta = self.b_proj(x)
@@ -181,7 +193,9 @@ class Kimi3DeltaAttention(nn.Module):
         backend = resolve_backend(x.device, self.requested_backend)
         kw = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
                   initial_state=h0, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
-        if attention_mask is not None:
+        if seq_idx is not None:
+            o, ht = self._packed(q, k, v, g, beta, attention_mask, seq_idx, backend, kw)
+        elif attention_mask is not None:
             o, ht = self._varlen(q, k, v, g, beta, attention_mask, backend, kw)
         elif h0 is not None and T <= 4:  # decode / speculative verification
             o, ht = kda_recurrent(q, k, v, g, beta, backend, **kw)
@@ -194,6 +208,22 @@ class Kimi3DeltaAttention(nn.Module):
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(o, gate.view(B, T, H, K)).reshape(B, T, H * K)
         return self.o_proj(o)
+
+    @staticmethod
+    def _packed(q, k, v, g, beta, mask, seq_idx, backend, kw):
+        """Documents packed in rows: every (row, document) run of valid tokens is its own sequence."""
+        B, T = seq_idx.shape
+        valid = torch.ones(B * T, dtype=torch.bool, device=q.device) if mask is None else mask.reshape(-1).bool()
+        key = (seq_idx - seq_idx.amin(1, keepdim=True)) + torch.arange(B, device=q.device)[:, None] * (T + 1)
+        key = key.reshape(-1)[valid]
+        starts = torch.ones_like(key, dtype=torch.bool)
+        starts[1:] = key[1:] != key[:-1]
+        cu = F.pad(starts.nonzero().flatten(), (0, 1), value=key.numel()).to(torch.int32)
+        pack = lambda t: t.reshape(B * T, *t.shape[2:])[valid][None]  # noqa: E731
+        o, ht = kda_chunk(pack(q), pack(k), pack(v), pack(g), pack(beta), backend, cu_seqlens=cu, **kw)
+        out = o.new_zeros(B * T, *o.shape[2:])
+        out[valid] = o[0]
+        return out.view(B, T, *o.shape[2:]), ht
 
     @staticmethod
     def _varlen(q, k, v, g, beta, mask, backend, kw):

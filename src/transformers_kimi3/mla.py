@@ -59,10 +59,17 @@ class Kimi3MLAAttention(nn.Module):
         return self.o_proj(o)
 
 
-def mla_mask(attention_mask, query_length, past_length, device):
+def mla_mask(attention_mask, query_length, past_length, device, seq_idx=None):
     """Causal + padding mask [B,1,T,past+T] as booleans, or None when plain causal attention suffices.
+    `seq_idx` [B,T] (packed documents, no cache) keeps attention inside each document.
     Every query may attend itself, so padded query rows never turn into NaN (their outputs are unused)."""
     total = past_length + query_length
+    if seq_idx is not None:
+        pos = torch.arange(query_length, device=device)
+        allowed = (pos[None, :, None] >= pos[None, None, :]) & (seq_idx[:, :, None] == seq_idx[:, None, :])
+        if attention_mask is not None:
+            allowed = allowed & attention_mask.bool()[:, None, :]
+        return (allowed | torch.eye(query_length, dtype=torch.bool, device=device))[:, None]
     if attention_mask is None or bool(attention_mask.all()):
         if query_length == 1 or past_length == 0:
             return None

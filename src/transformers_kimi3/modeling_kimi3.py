@@ -9,6 +9,7 @@ the modules one to one except the routed experts, which are stacked per layer (s
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -45,9 +46,9 @@ class Kimi3DecoderLayer(GradientCheckpointingLayer):
             self.mlp_res_proj = nn.Linear(d, 1, bias=False)
             self.mlp_res_norm = Kimi3RMSNorm(d, eps=eps)
 
-    def _attn(self, x, kda_mask, attn_mask, past_key_values):
+    def _attn(self, x, kda_mask, attn_mask, past_key_values, seq_idx):
         if self.is_kda:
-            return self.self_attn(x, attention_mask=kda_mask, cache=past_key_values)
+            return self.self_attn(x, attention_mask=kda_mask, cache=past_key_values, seq_idx=seq_idx)
         return self.self_attn(x, mask=attn_mask, cache=past_key_values)
 
     def _ffn(self, x):
@@ -55,12 +56,12 @@ class Kimi3DecoderLayer(GradientCheckpointingLayer):
             return self.block_sparse_moe(x)
         return self.mlp(x), None
 
-    def forward(self, hidden_states, bank=None, kda_mask=None, attn_mask=None, past_key_values=None):
+    def forward(self, hidden_states, bank=None, kda_mask=None, attn_mask=None, past_key_values=None, seq_idx=None):
         """Kimi Linear: hidden_states is the residual stream. K3 (AttnRes): hidden_states is the partial sum of the
         current block and `bank` [B,T,n,d] the completed blocks (embedding first). Returns (hidden, bank, router)."""
         if self.attn_res_block_size is None:
             h = hidden_states
-            h = h + self._attn(self.input_layernorm(h), kda_mask, attn_mask, past_key_values)
+            h = h + self._attn(self.input_layernorm(h), kda_mask, attn_mask, past_key_values, seq_idx)
             m, router_logits = self._ffn(self.post_attention_layernorm(h))
             return h + m, bank, router_logits
         p = hidden_states
@@ -68,7 +69,7 @@ class Kimi3DecoderLayer(GradientCheckpointingLayer):
         if self.layer_idx % self.attn_res_block_size == 0:  # block boundary: the finished block joins the bank
             bank = p[:, :, None] if bank is None else torch.cat([bank, p[:, :, None]], dim=2)
             p = None
-        a = self._attn(self.input_layernorm(x), kda_mask, attn_mask, past_key_values)
+        a = self._attn(self.input_layernorm(x), kda_mask, attn_mask, past_key_values, seq_idx)
         p = a if p is None else p + a
         x = attn_res_mix(bank, p, self.mlp_res_proj, self.mlp_res_norm)
         m, router_logits = self._ffn(self.post_attention_layernorm(x))
@@ -174,13 +175,19 @@ class Kimi3Model(Kimi3PreTrainedModel):
         past = cache.seen_tokens if cache is not None else 0
         full_mask = self._full_mask(attention_mask, cache, B, T, past, inputs_embeds.device)
         kda_mask = None if full_mask is None else full_mask[:, -T:]
-        attn_mask = mla_mask(full_mask, T, past, inputs_embeds.device)
+        # Packed documents (a training layout) are read from position_ids only without a cache: the model has no
+        # positional encoding, so during generation position_ids carry no information.
+        seq_idx = None
+        if cache is None or (self.training and past == 0):
+            seq_idx = packed_sequence_ids(position_ids, kwargs.get("cu_seq_lens_q"), B, T, inputs_embeds.device)
+            cache = None if seq_idx is not None else cache
+        attn_mask = mla_mask(full_mask, T, past, inputs_embeds.device, seq_idx)
 
         h, bank = inputs_embeds, None
         all_hidden = (h,) if output_hidden_states else None
         routers = () if output_router_logits else None
         for layer in self.layers:
-            h, bank, router_logits = layer(h, bank, kda_mask, attn_mask, past_key_values=cache)
+            h, bank, router_logits = layer(h, bank, kda_mask, attn_mask, past_key_values=cache, seq_idx=seq_idx)
             if output_hidden_states:
                 all_hidden += (h,)
             if output_router_logits and router_logits is not None:
@@ -223,6 +230,23 @@ class Kimi3Model(Kimi3PreTrainedModel):
         if history is None and bool(attention_mask.all()):
             return None
         return attention_mask.to(device)
+
+
+def packed_sequence_ids(position_ids, cu_seq_lens, B, T, device):
+    """Document ids [B,T] when several documents share a row (position_ids restart at 0, as Transformers'
+    DataCollatorWithFlattening writes them, or flash-attention `cu_seq_lens_q`), else None."""
+    if cu_seq_lens is not None and B == 1:
+        starts = torch.zeros(T, dtype=torch.long, device=device)
+        inner = cu_seq_lens[1:-1].to(device).long()
+        starts[inner[inner < T]] = 1
+        return starts.cumsum(0)[None] if bool(starts.any()) else None
+    if position_ids is None or T < 2:
+        return None
+    position_ids = position_ids.to(device).expand(B, T)
+    restarts = position_ids[:, 1:] <= position_ids[:, :-1]
+    if not bool(restarts.any()):
+        return None
+    return F.pad(restarts.long(), (1, 0)).cumsum(1)
 
 
 def check_token_ids(input_ids, vocab_size):
@@ -290,9 +314,10 @@ class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
                 output_router_logits=None, logits_to_keep=0, return_dict=None, **kwargs):
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
-                         inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
-                         output_router_logits=output_router_logits)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         output_hidden_states=output_hidden_states, output_router_logits=output_router_logits,
+                         cu_seq_lens_q=kwargs.get("cu_seq_lens_q"))
         if out.past_key_values is not None:
             out.past_key_values.source_tokens += (input_ids if input_ids is not None else inputs_embeds).shape[1]
         return self._head(out, labels, logits_to_keep, **kwargs)
@@ -361,7 +386,9 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
         lm = self.language_model
         out = lm.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
                        inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
-                       output_router_logits=output_router_logits)
+                       output_router_logits=output_router_logits,
+                       position_ids=position_ids if pixel_values is None else None,
+                       cu_seq_lens_q=kwargs.get("cu_seq_lens_q"))
         if out.past_key_values is not None:
             out.past_key_values.source_tokens += n_source
         return lm._head(out, labels, logits_to_keep, **kwargs)
