@@ -396,7 +396,12 @@ class PackedMXFP4Experts(nn.Module):
         x = x.contiguous()
         tok = (order // k).to(torch.int32)
         common = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, a_rows=tok, dual="out")
-        if self._fused is not None:
+        fuse = self._fused is not None
+        if fuse and self._fused[0] == "situ":
+            # measured on an H200 (bench/results/moe_h200.md): the fused SiTU epilogue costs ~35% at prefill tile
+            # sizes (BM=128), so there the GLU runs in PyTorch between the launches
+            fuse = G.default_config(order.numel(), self.num_experts, I, self.hidden_size, "out")["BM"] < 128
+        if fuse:
             h = G.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, act=self._fused[0],
                                      act_params=self._fused[1:] or (1.0, 1.0), out_dtype=x.dtype, **common)
         else:
