@@ -59,6 +59,10 @@ class Kimi3DecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states, bank=None, kda_mask=None, attn_mask=None, past_key_values=None, seq_idx=None):
         """Kimi Linear: hidden_states is the residual stream. K3 (AttnRes): hidden_states is the partial sum of the
         current block and `bank` [B,T,n,d] the completed blocks (embedding first). Returns (hidden, bank, router)."""
+        # With device_map the layers live on different devices: the bank and the masks follow the layer.
+        dev = hidden_states.device
+        bank, kda_mask, attn_mask, seq_idx = (None if t is None else t.to(dev)
+                                              for t in (bank, kda_mask, attn_mask, seq_idx))
         if self.attn_res_block_size is None:
             h = hidden_states
             h = h + self._attn(self.input_layernorm(h), kda_mask, attn_mask, past_key_values, seq_idx)
@@ -196,7 +200,7 @@ class Kimi3Model(Kimi3PreTrainedModel):
             cache.seen_tokens += T
             cache.attention_mask = full_mask
         if self.config.use_attn_res:
-            h = attn_res_mix(bank, h, self.output_attn_res_proj, self.output_attn_res_norm)
+            h = attn_res_mix(bank.to(h.device), h, self.output_attn_res_proj, self.output_attn_res_norm)
         h = self.norm(h)
         return MoeModelOutputWithPast(last_hidden_state=h, past_key_values=cache, hidden_states=all_hidden,
                                       router_logits=routers)
