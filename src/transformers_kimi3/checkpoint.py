@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from .mxfp4 import check_mxfp4, dequantize_mxfp4, quantize_mxfp4
 
 logger = logging.getLogger("transformers_kimi3")
 
@@ -80,7 +80,8 @@ def read_tensors(files):
 
 # ----------------------------------------------------------------------------- official -> memory
 def to_memory_layout(tensors, config):
-    """Official text tensors (without the `language_model.` prefix) -> our text-model state dict."""
+    """Official text tensors (without the `language_model.` prefix) -> our text-model state dict.
+    Packed experts stay packed when the config keeps them (`checkpoint_quantization_config`), else dequantised."""
     H, K = config.kda_num_heads, config.kda_head_dim
     sparse = set(i for i, t in enumerate(config.mlp_layer_types) if t == "sparse")
     out, experts = {}, defaultdict(dict)
@@ -115,8 +116,13 @@ def to_memory_layout(tensors, config):
             elif rest.endswith("experts.down_proj"):
                 name = name.replace("down_proj", "w2")
         out[name] = t
+    keep_packed = bool(config.checkpoint_quantization_config)
     for (prefix, w), per_expert in experts.items():
-        out[f"{prefix}.{w}"] = _stack_experts(per_expert, config.num_experts, f"{prefix}.*.{w}")
+        stacked = _stack_experts(per_expert, config.num_experts, f"{prefix}.*.{w}", keep_packed)
+        if isinstance(stacked, tuple):
+            out[f"{prefix}.{w}_packed"], out[f"{prefix}.{w}_scale"] = stacked
+        else:
+            out[f"{prefix}.{w}"] = stacked
     return out
 
 
@@ -140,7 +146,7 @@ def _narrow_a_log(t, H, name, path):
     raise CheckpointError(f"{name} in {path}: shape {tuple(t.shape)} does not hold one value per head ({H})")
 
 
-def _stack_experts(per_expert, num_experts, label):
+def _stack_experts(per_expert, num_experts, label, keep_packed=False):
     packed = any(kind == "weight_packed" for (_, kind) in per_expert)
     kinds = ("weight_packed", "weight_scale") if packed else ("weight",)
     missing = [f"{e}.{kind}" for e in range(num_experts) for kind in kinds if (e, kind) not in per_expert]
@@ -148,6 +154,14 @@ def _stack_experts(per_expert, num_experts, label):
     if missing or extra:
         raise CheckpointError(f"{label}: expected {num_experts} experts with {kinds}; missing {missing[:8]}"
                               f"{' ...' if len(missing) > 8 else ''}; unexpected {extra[:8]}")
+    if packed and keep_packed:
+        pairs = [(per_expert[(e, "weight_packed")], per_expert[(e, "weight_scale")]) for e in range(num_experts)]
+        for (p, path, name), (sc, _, _) in pairs:
+            try:
+                check_mxfp4(p, sc, name=name.rsplit(".", 1)[0])
+            except ValueError as err:
+                raise CheckpointError(f"{err} (in {path})") from err
+        return torch.stack([p for (p, _, _), _ in pairs]), torch.stack([sc for _, (sc, _, _) in pairs])
     mats = []
     for e in range(num_experts):
         if packed:
@@ -171,6 +185,12 @@ def to_official_layout(state_dict, config, pack_experts=False):
     H, K = config.kda_num_heads, config.kda_head_dim
     out = {}
     for name, t in state_dict.items():
+        packed = re.match(r"^(.*\.experts)\.(w[123])_(packed|scale)$", name)
+        if packed:  # already MXFP4: written byte for byte
+            suffix = "weight_packed" if packed.group(3) == "packed" else "weight_scale"
+            for e in range(t.shape[0]):
+                out[f"{packed.group(1)}.{e}.{packed.group(2)}.{suffix}"] = t[e].contiguous()
+            continue
         m = re.match(r"^(.*\.experts)\.(w[123])$", name)
         if m:
             for e in range(t.shape[0]):
@@ -201,10 +221,14 @@ def load_pretrained(cls, name_or_path, base_from_pretrained, *model_args, **kwar
                                              "revision")}
     folder = resolve_folder(name_or_path, **hub_kwargs)
     config = kwargs.pop("config", None)
+    dequantize = kwargs.pop("dequantize", False)
     if config is None or isinstance(config, (str, os.PathLike)):
         config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ("kda_backend",)}
         config = cls.config_class.from_pretrained(config if config is not None else folder, **config_kwargs)
     tensors = read_tensors(weight_files(folder))
+    # MXFP4 experts stay packed in memory unless asked otherwise; what is packed is read off the tensors
+    if dequantize or not any(name.endswith(".weight_packed") for name in tensors):
+        _text_config(config).checkpoint_quantization_config = None
     state_dict = build_state_dict(cls, config, tensors)
     for k in ("cache_dir", "force_download", "local_files_only", "token", "revision", "use_safetensors",
               "trust_remote_code"):
@@ -239,8 +263,10 @@ def build_state_dict(cls, config, tensors):
     for k, shape in expected.items():
         if tuple(state_dict[k].shape) != shape:
             raise CheckpointError(f"{k}: checkpoint shape {tuple(state_dict[k].shape)} != {shape} from the config")
-        if not state_dict[k].is_floating_point():
-            raise CheckpointError(f"{k}: stored as {state_dict[k].dtype}, expected a floating-point tensor")
+        packed = k.endswith(("_packed", "_scale"))
+        if packed != (state_dict[k].dtype == torch.uint8) or not (packed or state_dict[k].is_floating_point()):
+            raise CheckpointError(f"{k}: stored as {state_dict[k].dtype}, expected "
+                                  f"{'uint8 (MXFP4)' if packed else 'a floating-point tensor'}")
     return state_dict
 
 
@@ -287,9 +313,10 @@ def save_pretrained(model, save_directory, base_save_pretrained, *args, state_di
     out = dict(other)
     for k, v in official.items():
         out[(prefix or "") + (k[len("model."):] if prefix is None else k)] = v
-    # experts are written unpacked, so the compressed-tensors description must not travel with them
+    # unpacked experts must not travel with the compressed-tensors description of packed ones
     saved_q = text_config.checkpoint_quantization_config
-    text_config.checkpoint_quantization_config = None
+    if not any(k.endswith("weight_packed") for k in out):
+        text_config.checkpoint_quantization_config = None
     try:
         return base_save_pretrained(save_directory, *args, state_dict=out, **kwargs)
     finally:

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .mxfp4 import PackedMXFP4Experts
 from .norms import Kimi3RMSNorm
 
 
@@ -154,7 +155,11 @@ class Kimi3SparseMoeBlock(nn.Module):
             self.routed_expert_up_proj = nn.Linear(latent, config.hidden_size, bias=False)
         if config.latent_moe_use_norm:
             self.routed_expert_norm = Kimi3RMSNorm(config.expert_input_size, eps=config.rms_norm_eps)
-        self.experts = Kimi3Experts(config, config.expert_input_size)
+        if config.checkpoint_quantization_config:  # routed experts stay MXFP4 as on disk (4x less memory)
+            self.experts = PackedMXFP4Experts(config.num_experts, config.expert_input_size,
+                                              config.moe_intermediate_size, glu_act=GLUActivation(config))
+        else:
+            self.experts = Kimi3Experts(config, config.expert_input_size)
         if config.num_shared_experts:
             self.shared_experts = Kimi3MLP(config, config.moe_intermediate_size * config.num_shared_experts)
 

@@ -156,9 +156,11 @@ def fused_act_spec(glu_act):
             spec = ("situ", float(glu_act.beta), None if lb is None else float(lb))
     if spec is None:
         return None
-    gen = torch.Generator().manual_seed(0)
-    g = torch.randn(4096, generator=gen) * torch.logspace(-3, 2.5, 4096)
-    u = torch.randn(4096, generator=gen) * torch.logspace(2.5, -3, 4096)
+    # an explicit CPU probe: models are often built under a `torch.device("meta")` context
+    cpu = torch.device("cpu")
+    gen = torch.Generator(device=cpu).manual_seed(0)
+    g = torch.randn(4096, generator=gen, device=cpu) * torch.logspace(-3, 2.5, 4096, device=cpu)
+    u = torch.randn(4096, generator=gen, device=cpu) * torch.logspace(2.5, -3, 4096, device=cpu)
     try:
         with torch.no_grad():
             got = glu_act(g, u).float()
