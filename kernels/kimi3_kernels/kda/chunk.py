@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, SeqInfo, require_triton
+from ._utils import CHUNK_SIZE, SeqInfo, interpret_mode, require_triton
 
 
 def _flat(x):
@@ -44,7 +44,10 @@ class ChunkKDAFunction(torch.autograd.Function):
         A_log_c = A_log.contiguous()
         dt_c = dt_bias.contiguous()
         h0 = initial_state.contiguous().float() if initial_state is not None else None
-        qn, kn, gc, bs, rq, rk = prep_fwd(qf, kf, gf, bf, A_log_c, dt_c, lower_bound, use_l2, info, q.dtype)
+        # intermediates (normalised q/k, W, U, ...) are kept in the input dtype; the Triton CPU interpreter
+        # cannot multiply bf16 matrices, so it keeps them in fp32
+        inter = torch.float32 if (interpret_mode() or q.dtype == torch.float32) else q.dtype
+        qn, kn, gc, bs, rq, rk = prep_fwd(qf, kf, gf, bf, A_log_c, dt_c, lower_bound, use_l2, info, inter)
         I = intra_fwd(qn, kn, vf, gc, bs, scale, lower_bound, info)
         o, ht, hs, _ = state_fwd(I, gc, h0, info, V, q.dtype, output_final_state, return_chunk_states, False, True,
                                  o=torch.zeros(B * T, H, V, device=q.device, dtype=q.dtype)

@@ -373,7 +373,7 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info):
             I["W"], I["Qg"], I["Kd"], I["Aqk"], gc, do, dht if dht is not None else do,
             dh0 if dh0 is not None else do, dhs, dvn, info.cu, info.chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_DHT=dht is not None, HAS_H0=h0 is not None,
-            PREC=prec, num_warps=4, num_stages=2)
+            PREC=prec, num_warps=8 if BK >= 128 else 4, num_stages=2)
     dv = torch.zeros(TT, H, V, device=dev, dtype=v.dtype)
     dqn = torch.zeros(TT, H, K, device=dev, dtype=torch.float32)
     dkn = torch.zeros_like(dqn)
