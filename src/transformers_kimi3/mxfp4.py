@@ -157,10 +157,11 @@ def fused_act_spec(glu_act):
     if spec is None:
         return None
     # an explicit CPU probe: models are often built under a `torch.device("meta")` context
-    cpu = torch.device("cpu")
-    gen = torch.Generator(device=cpu).manual_seed(0)
-    g = torch.randn(4096, generator=gen, device=cpu) * torch.logspace(-3, 2.5, 4096, device=cpu)
-    u = torch.randn(4096, generator=gen, device=cpu) * torch.logspace(2.5, -3, 4096, device=cpu)
+    # (and fp32 explicitly: they may also run under a bf16 default dtype)
+    f32 = dict(device=torch.device("cpu"), dtype=torch.float32)
+    gen = torch.Generator(device=f32["device"]).manual_seed(0)
+    g = torch.randn(4096, generator=gen, **f32) * torch.logspace(-3, 2.5, 4096, **f32)
+    u = torch.randn(4096, generator=gen, **f32) * torch.logspace(2.5, -3, 4096, **f32)
     try:
         with torch.no_grad():
             got = glu_act(g, u).float()
