@@ -68,7 +68,9 @@ def tiny_config(tok):
 
 def make_weights(config):
     torch.manual_seed(SEED)
-    model = Kimi3ForConditionalGeneration(config).eval()
+    quant, config.text_config.checkpoint_quantization_config = config.text_config.checkpoint_quantization_config, None
+    model = Kimi3ForConditionalGeneration(config).eval()  # float experts to initialise; packed on export
+    config.text_config.checkpoint_quantization_config = quant
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("res_proj.weight"):

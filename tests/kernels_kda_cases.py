@@ -1,0 +1,244 @@
+"""kimi3_kernels.kda: Triton kernels (run by the Triton interpreter on CPU) against the PyTorch
+references and an independent fp64 step-by-step recurrence written here.
+
+Tolerances (relative, ||x - ref|| / ||ref||):
+  fp32 inputs: 1e-4 (seen ~1e-6), gradients 2e-4;  bf16 inputs: 2e-2 (seen ~4e-3).
+The interpreter must be on before the kernel modules define their kernels, and it must not leak into
+other tests (the model would run its kernels interpreted): tests/test_kernels_kda.py runs this module in
+its own pytest process with TRITON_INTERPRET=1.
+"""
+import importlib
+import os
+import subprocess
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+try:
+    import kimi3_kernels  # noqa: F401
+except ImportError:  # not installed: use the source tree
+    sys.path.insert(0, os.path.join(ROOT, "kernels"))
+
+from kimi3_kernels import kda  # noqa: E402
+from kimi3_kernels.kda import (chunk_kda, fused_recurrent_kda, naive_chunk_kda, naive_recurrent_kda,  # noqa: E402
+                               state_kv_to_vk, state_vk_to_kv)
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+GTOL = {torch.float32: 2e-4, torch.bfloat16: 5e-2}
+
+
+def _ensure_interpreter():
+    if not kda.TRITON_AVAILABLE:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+    from kimi3_kernels.kda import chunk_bwd, chunk_fwd, gate, recurrent
+    if not isinstance(chunk_fwd._intra_fwd_kernel, InterpretedFunction):
+        for m in (gate, chunk_fwd, chunk_bwd, recurrent):
+            importlib.reload(m)
+    return isinstance(chunk_fwd._intra_fwd_kernel, InterpretedFunction)
+
+
+needs_triton = pytest.mark.skipif(not _ensure_interpreter(), reason="triton (interpreter) not available")
+
+
+# ------------------------------------------------------------------ independent fp64 recurrence
+def rec64(q, k, v, f, beta, A_log, dt_bias, lb=None, scale=None, h0=None, cu=None, l2=True):
+    """S <- Diag(exp g) S; S <- S + b k (v - S^T k)^T; o = S^T (scale q), everything in float64."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    d = torch.float64
+    q, k, v, f, beta = (x.to(d) for x in (q, k, v, f, beta))
+    x = f + dt_bias.to(d).view(H, K)
+    a = torch.exp(A_log.to(d)[:H]).view(H, 1)
+    g = lb * torch.sigmoid(a * x) if lb is not None else -a * torch.log1p(torch.exp(x))
+    if l2:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * (K ** -0.5 if scale is None else scale)
+    b = torch.sigmoid(beta)
+    seqs = [(i, 0, T) for i in range(B)] if cu is None else [(0, int(cu[i]), int(cu[i + 1])) for i in range(len(cu) - 1)]
+    outs = [[None] * T for _ in range(B)]
+    finals = []
+    for n, (bb, s, e) in enumerate(seqs):
+        S = torch.zeros(H, K, V, dtype=d) if h0 is None else h0[n].to(d)
+        for t in range(s, e):
+            S = S * torch.exp(g[bb, t])[..., None]
+            u = b[bb, t][:, None] * (v[bb, t] - torch.einsum("hk,hkv->hv", k[bb, t], S))
+            S = S + k[bb, t][..., None] * u[:, None, :]
+            outs[bb][t] = torch.einsum("hk,hkv->hv", q[bb, t], S)
+        finals.append(S)
+    zero = torch.zeros(H, V, dtype=d)
+    o = torch.stack([torch.stack([x if x is not None else zero for x in row]) for row in outs])
+    return o, torch.stack(finals)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make(B, T, H, K, V, dtype=torch.float32, seed=0, A_shift=0.0, N=None):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    q, k, v, f, beta = (r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), r(B, T, H, K), r(B, T, H))
+    q, k, v, f, beta = (x.to(dtype) for x in (q, k, v, f, beta))
+    A_log = r(H) * 0.5 + A_shift
+    dt_bias = r(H * K) * 0.3
+    h0 = r(B if N is None else N, H, K, V)
+    return q, k, v, f, beta, A_log, dt_bias, h0
+
+
+# ------------------------------------------------------------------ references (no Triton)
+@pytest.mark.parametrize("lb", [None, -5.0])
+def test_references_vs_fp64(lb):
+    q, k, v, f, beta, A_log, dtb, h0 = make(1, 150, 2, 16, 32, N=4)
+    cu = torch.tensor([0, 0, 1, 70, 150])
+    ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0, cu=cu)
+    for fn in (naive_recurrent_kda, naive_chunk_kda):
+        o, s = fn(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0,
+                  output_final_state=True, cu_seqlens=cu)
+        assert rel(o, ro) < 1e-5 and rel(s, rs) < 1e-5, fn.__name__
+
+
+def test_references_vs_fla_naive():
+    try:
+        from fla.ops.kda.naive import naive_chunk_kda as fla_chunk, naive_recurrent_kda as fla_rec
+    except Exception:  # noqa: BLE001
+        pytest.skip("fla not installed")
+    from kimi3_kernels.kda import kda_gate, l2norm
+    q, k, v, f, beta, A_log, dtb, h0 = make(2, 128, 2, 16, 32)
+    for lb in (None, -5.0):
+        o, s = naive_chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0,
+                               output_final_state=True)
+        args = (l2norm(q), l2norm(k), v, kda_gate(f, A_log, dtb, lb), torch.sigmoid(beta))
+        for fn in (fla_chunk, fla_rec):
+            fo, fs = fn(*args, initial_state=h0, output_final_state=True)
+            assert rel(o, fo) < 1e-5 and rel(s, fs) < 1e-5
+
+
+def test_state_layout_helpers():
+    s = torch.randn(3, 2, 16, 32)
+    vk = state_kv_to_vk(s)
+    assert vk.shape == (3, 2, 32, 16) and torch.equal(state_vk_to_kv(vk), s)
+
+
+def test_import_without_triton():
+    code = ("import sys; sys.modules['triton'] = None; sys.path.insert(0, %r)\n"
+            "import kimi3_kernels, torch\n"
+            "from kimi3_kernels.kda import chunk_kda, TRITON_AVAILABLE\n"
+            "assert not TRITON_AVAILABLE and not kimi3_kernels.TRITON_AVAILABLE\n"
+            "x = torch.zeros(1, 2, 1, 16)\n"
+            "try:\n"
+            "    chunk_kda(x, x, x, x, x[..., 0], A_log=torch.zeros(1), dt_bias=torch.zeros(16))\n"
+            "except RuntimeError as e:\n"
+            "    assert 'Triton' in str(e); print('ok')\n") % os.path.join(ROOT, "kernels")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ Triton kernels (interpreter)
+@needs_triton
+@pytest.mark.parametrize("lb,dtype", [(-5.0, torch.float32), (None, torch.float32), (-5.0, torch.bfloat16)])
+def test_chunk_forward(lb, dtype):
+    # T = 80: one full and one partial chunk; K != V
+    q, k, v, f, beta, A_log, dtb, h0 = make(2, 80, 2, 16, 32, dtype)
+    o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0,
+                     output_final_state=True)
+    assert o.dtype == dtype and s.dtype == torch.float32 and s.shape == (2, 2, 16, 32)
+    ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0)
+    assert rel(o, ro) < TOL[dtype] and rel(s, rs) < TOL[dtype]
+    po, ps = naive_chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0,
+                             output_final_state=True)
+    assert rel(o, po) < TOL[dtype] and rel(s, ps) < TOL[dtype]
+
+
+@needs_triton
+def test_chunk_forward_options():
+    # K = V = 32, T = 1, no initial state, no l2norm, explicit scale, strong decay (per-column diagonal path)
+    q, k, v, f, beta, A_log, dtb, _ = make(1, 1, 1, 32, 32)
+    o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, output_final_state=True)
+    ro, rs = rec64(q, k, v, f, beta, A_log, dtb)
+    assert rel(o, ro) < 1e-4 and rel(s, rs) < 1e-4
+    q, k, v, f, beta, A_log, dtb, _ = make(1, 70, 1, 32, 32, A_shift=3.0, seed=3)
+    o, s = chunk_kda(q * 0.3, k * 0.3, v, f, beta, A_log=A_log, dt_bias=dtb, scale=0.5, output_final_state=True,
+                     use_qk_l2norm_in_kernel=False)
+    ro, rs = rec64(q * 0.3, k * 0.3, v, f, beta, A_log, dtb, scale=0.5, l2=False)
+    assert torch.isfinite(o).all() and rel(o, ro) < 1e-4 and rel(s, rs) < 1e-4
+
+
+@needs_triton
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_chunk_varlen(lb):
+    cu = torch.tensor([0, 0, 1, 66, 66, 80], dtype=torch.int32)  # empty, length-1, 65, empty, 14
+    q, k, v, f, beta, A_log, dtb, h0 = make(1, 80, 2, 16, 16, N=5, seed=1)
+    o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0,
+                     output_final_state=True, cu_seqlens=cu)
+    ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0, cu=cu)
+    assert rel(o, ro) < 1e-4 and rel(s, rs) < 1e-4
+    assert torch.equal(s[0], h0[0]) and torch.equal(s[3], h0[3])  # empty sequences keep their state
+    _, _, cs = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0,
+                         cu_seqlens=cu, return_chunk_states=True)
+    _, _, rcs = naive_chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0,
+                                cu_seqlens=cu, return_chunk_states=True)
+    assert cs.shape == (4, 2, 16, 16) and rel(cs, rcs) < 1e-4
+
+
+@needs_triton
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_chunk_gradients(lb):
+    q, k, v, f, beta, A_log, dtb, h0 = make(1, 80, 2, 16, 32, seed=2)
+    ins = [q, k, v, f, beta, A_log, dtb, h0]
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(1, 80, 2, 32, generator=gen)
+    dS = torch.randn(1, 2, 16, 32, generator=gen)
+    grads = {}
+    for name in ("triton", "fp64"):
+        xs = [x.double().clone().requires_grad_() if name == "fp64" else x.clone().requires_grad_() for x in ins]
+        if name == "triton":
+            o, s = chunk_kda(*xs[:5], A_log=xs[5], dt_bias=xs[6], lower_bound=lb, initial_state=xs[7],
+                             output_final_state=True)
+        else:
+            o, s = rec64(*xs[:5], xs[5], xs[6], lb, h0=xs[7])
+        ((o * do.to(o.dtype)).sum() + (s * dS.to(s.dtype)).sum()).backward()
+        grads[name] = [x.grad for x in xs]
+    for n, a, b in zip(["q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0"], grads["triton"], grads["fp64"]):
+        assert rel(a, b) < GTOL[torch.float32], (n, rel(a, b))
+
+
+@needs_triton
+def test_chunk_gradients_varlen_bf16():
+    cu = torch.tensor([0, 1, 1, 70], dtype=torch.int32)
+    q, k, v, f, beta, A_log, dtb, h0 = make(1, 70, 1, 16, 16, torch.bfloat16, N=3, seed=4)
+    ins = [q, k, v, f, beta, A_log, dtb, h0]
+    res = []
+    for fn, cast in ((chunk_kda, False), (naive_chunk_kda, True)):
+        xs = [(x.float() if cast else x).detach().clone().requires_grad_() for x in ins]
+        o, s = fn(*xs[:5], A_log=xs[5], dt_bias=xs[6], lower_bound=-5.0, initial_state=xs[7],
+                  output_final_state=True, cu_seqlens=cu)
+        (o.float().pow(2).sum() + s.sum()).backward()
+        res.append([x.grad for x in xs])
+    for a, b in zip(*res):
+        assert rel(a.float(), b) < GTOL[torch.bfloat16]
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [1, 3])
+def test_fused_recurrent(T):
+    q, k, v, f, beta, A_log, dtb, h0 = make(2, T, 2, 16, 32, seed=6)
+    st = h0.clone()
+    o, s = fused_recurrent_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0, initial_state=st,
+                               inplace_final_state=True)
+    ro, rs = rec64(q, k, v, f, beta, A_log, dtb, -5.0, h0=h0)
+    assert s is st and rel(o, ro) < 1e-5 and rel(st, rs) < 1e-5
+    # varlen with an empty sequence, softplus gate, bf16 inputs
+    cu = torch.tensor([0, 0, T, 2 * T])
+    qb, kb, vb, fb, bb = (x.reshape(1, 2 * T, *x.shape[2:]).bfloat16() for x in (q, k, v, f, beta))
+    h3 = torch.cat([h0, h0[:1]])
+    o, s = fused_recurrent_kda(qb, kb, vb, fb, bb, A_log=A_log, dt_bias=dtb, initial_state=h3,
+                               output_final_state=True, cu_seqlens=cu)
+    ro, rs = rec64(qb, kb, vb, fb, bb, A_log, dtb, h0=h3, cu=cu)
+    assert o.dtype == torch.bfloat16 and rel(o, ro) < TOL[torch.bfloat16] and rel(s, rs) < 1e-4
