@@ -15,6 +15,8 @@ MLA_LATENT_NORM_EPS = 1e-6
 
 
 class Kimi3MLAAttention(nn.Module):
+    ABSORB_MAX_QUERIES = 8  # decode and speculative verification read the cache; longer calls expand it
+
     def __init__(self, config, layer_idx):
         super().__init__()
         self.layer_idx = layer_idx
@@ -47,16 +49,36 @@ class Kimi3MLAAttention(nn.Module):
         if cache is not None:
             latent = cache.update_latent(latent, self.layer_idx)
         Tk = latent.shape[1]
+        if cache is not None and T <= self.ABSORB_MAX_QUERIES and Tk > T:
+            o = self._absorbed(q, latent, mask)
+        else:
+            o = self._expanded(q, latent, mask, T)
+        o = o.transpose(1, 2).reshape(B, T, H * self.v_dim)
+        if hasattr(self, "g_proj"):
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    def _expanded(self, q, latent, mask, T):
+        """Keys and values expanded per head from the latent (prefill: every position is queried)."""
+        B, Tk, H = latent.shape[0], latent.shape[1], self.num_heads
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope], dim=-1)
         kv = self.kv_b_proj(c_kv).view(B, Tk, H, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].expand(B, H, Tk, self.rope)], dim=-1)
         is_causal = mask is None and T > 1 and Tk == T
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scaling)
-        o = o.transpose(1, 2).reshape(B, T, H * self.v_dim)
-        if hasattr(self, "g_proj"):
-            o = o * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scaling)
+
+    def _absorbed(self, q, latent, mask):
+        """Decode: kv_b_proj folded into the query and the output, so attention runs over the cached latent
+        itself (one shared 576-wide key and 512-wide value) instead of re-expanding every cached position."""
+        H, r = self.num_heads, self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, r)
+        w_k, w_v = w[:, : self.nope], w[:, self.nope:]
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_lat = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, w_k), q_pe], dim=-1)
+        k = latent[:, None].expand(-1, H, -1, -1)
+        o_lat = F.scaled_dot_product_attention(q_lat, k, k[..., :r], attn_mask=mask, scale=self.scaling)
+        return torch.einsum("bhtr,hvr->bhtv", o_lat, w_v)
 
 
 def mla_mask(attention_mask, query_length, past_length, device, seq_idx=None):
@@ -70,7 +92,7 @@ def mla_mask(attention_mask, query_length, past_length, device, seq_idx=None):
         if attention_mask is not None:
             allowed = allowed & attention_mask.bool()[:, None, :]
         return (allowed | torch.eye(query_length, dtype=torch.bool, device=device))[:, None]
-    if attention_mask is None or bool(attention_mask.all()):
+    if attention_mask is None:
         if query_length == 1 or past_length == 0:
             return None
         attention_mask = torch.ones(1, total, dtype=torch.bool, device=device)

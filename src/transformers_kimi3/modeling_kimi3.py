@@ -165,7 +165,8 @@ class Kimi3Model(Kimi3PreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
-            check_token_ids(input_ids, self.vocab_size)
+            if not (input_ids.is_cuda and input_ids.shape[1] == 1):  # a CUDA decode step must not sync the host
+                check_token_ids(input_ids, self.vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
@@ -231,6 +232,8 @@ class Kimi3Model(Kimi3PreTrainedModel):
         if attention_mask.shape[1] != past + T:
             raise ValueError(f"attention_mask has {attention_mask.shape[1]} positions; expected {T} (this call) or "
                              f"{past + T} (cache + this call)")
+        if history is None and past > 0 and T == 1 and attention_mask.is_cuda:
+            return None  # a decode step on an unpadded batch: generated tokens are never padding (and no sync)
         if history is None and bool(attention_mask.all()):
             return None
         return attention_mask.to(device)
