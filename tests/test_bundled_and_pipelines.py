@@ -81,3 +81,15 @@ def test_demo_runs():
                            "--max-new-tokens", "4"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "KDA backend: torch on cpu" in proc.stdout and "answer ids:" in proc.stdout
+
+
+def test_bench_entry_point_runs_on_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "transformers_kimi3", "bench", "--out", str(tmp_path / "b.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+    rows = json.load(open(tmp_path / "b.json"))["rows"]
+    check = [r for r in rows if r["stage"] == "check"][0]
+    assert check["logits_rel_err_vs_native"] < 1e-4 and check["static_graph_tokens_equal_eager"]
+    assert {r["stage"] for r in rows} >= {"check", "prefill", "decode"}
+    assert "decode   ours" in proc.stdout

@@ -102,3 +102,19 @@ def test_sampling_and_beam_search_run(model):
         logp = torch.log_softmax(model(input_ids=beams.sequences, use_cache=False).logits.float(), -1)
     chosen = logp[:, 7:-1].gather(-1, beams.sequences[:, 8:, None])[..., 0].sum(-1)
     assert torch.allclose(chosen, beams.sequences_scores * 4, atol=1e-4)
+
+
+def test_static_cache_gives_the_same_tokens_and_logits(model):
+    x = ids(2, 11, seed=7)
+    with torch.no_grad():
+        dyn = model.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+        sta = model.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True, cache_implementation="static")
+    assert torch.equal(dyn.sequences, sta.sequences)
+    assert rel_err(torch.stack(sta.logits), torch.stack(dyn.logits)) < TOL
+    cache = Kimi3Cache(model.config, max_length=4)
+    with torch.no_grad():
+        model(input_ids=x[:, :3], past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="static cache holds 4 positions"):
+            model(input_ids=x[:, 3:5], past_key_values=cache, use_cache=True)

@@ -66,8 +66,19 @@ def main():
     d.add_argument("--model", default="assets/kimi-k3-tiny")
     d.add_argument("--prompt", default="Kimi K3 is a model that")
     d.add_argument("--max-new-tokens", type=int, default=24)
+    b = sub.add_parser("bench", help="a small end-to-end benchmark (ours vs native Kimi Linear) on this device")
+    b.add_argument("--out", default=None)
     args = ap.parse_args()
-    {"demo": demo}[args.cmd](args)
+    {"demo": demo, "bench": bench}[args.cmd](args)
+
+
+def bench(args):
+    from .benchmark import main as run, print_table
+
+    small = ["--tiny", "--prefill", "64,256", "--batches", "1,4", "--prompt", "32", "--new-tokens", "8"]
+    if torch.cuda.is_available():
+        small = ["--prefill", "2048,8192", "--batches", "1,8", "--prompt", "512", "--new-tokens", "32"]
+    print_table(run(small + (["--out", args.out] if args.out else []) + ["--budget-s", "300"]))
 
 
 if __name__ == "__main__":

@@ -12,12 +12,21 @@ class Kimi3Cache(Cache):
     the official code keeps W too), `recurrent_states[l]` [B, H, K, V] float32.
     MLA layer l: `latents[l]` [B, T_seen, kv_lora_rank + qk_rope_head_dim].
     `seen_tokens` counts every position fed so far, padding included (it is the length of the 2-D mask).
+
+    Static mode (`max_length` given, `generate(..., cache_implementation="static")`): latents live in buffers of
+    `max_length` positions and every state is updated in place, so a decode step has fixed shapes and fixed
+    addresses and can be captured once as a CUDA graph and replayed (`decode_graph`).
     """
 
     is_compileable = False
 
-    def __init__(self, config, **kwargs):
+    def __init__(self, config, max_length=None, use_cuda_graph=True, **kwargs):
         super().__init__(layers=[])
+        self.max_length = max_length
+        self.use_cuda_graph = use_cuda_graph and max_length is not None
+        self.graph_mode = False  # inside a captured decode step: positions come from `position`, not Python
+        self.position = None
+        self.decode_graph = None
         self.layer_types = list(config.layer_types)
         n = len(self.layer_types)
         self.conv_states = [None] * n
@@ -33,8 +42,52 @@ class Kimi3Cache(Cache):
     # --- MLA
     def update_latent(self, latent, layer_idx):
         old = self.latents[layer_idx]
-        self.latents[layer_idx] = latent if old is None else torch.cat([old, latent.to(old.device)], dim=1)
-        return self.latents[layer_idx]
+        if self.max_length is None:
+            self.latents[layer_idx] = latent if old is None else torch.cat([old, latent.to(old.device)], dim=1)
+            return self.latents[layer_idx]
+        B, T, width = latent.shape
+        if old is None:
+            old = self.latents[layer_idx] = latent.new_zeros(B, self.max_length, width)
+        if self.graph_mode:  # the write position is a device tensor, so replays advance without Python
+            old.index_copy_(1, self.position, latent)
+            return old
+        if self.seen_tokens + T > self.max_length:
+            raise ValueError(f"The static cache holds {self.max_length} positions; {self.seen_tokens} are used and "
+                             f"this call adds {T}")
+        old[:, self.seen_tokens:self.seen_tokens + T] = latent
+        return old[:, :self.seen_tokens + T]
+
+    def decode_mask(self, device):
+        """Graph mode: which of the static latent positions a decode query may attend, [1,1,1,max_length]."""
+        return (torch.arange(self.max_length, device=device) <= self.position).view(1, 1, 1, -1)
+
+    # --- KDA: in place once a state exists, so a captured graph keeps reading and writing the same memory
+    def update_kda_state(self, layer_idx, conv_states, recurrent_state):
+        old_conv, old_rec = self.conv_states[layer_idx], self.recurrent_states[layer_idx]
+        if old_conv is None or old_conv[0].shape != conv_states[0].shape:
+            self.conv_states[layer_idx] = tuple(conv_states)
+        else:
+            for o, n in zip(old_conv, conv_states):
+                o.copy_(n)
+        if old_rec is None or old_rec.shape != recurrent_state.shape:
+            self.recurrent_states[layer_idx] = recurrent_state
+        elif old_rec is not recurrent_state:
+            old_rec.copy_(recurrent_state)
+
+    def snapshot(self):
+        return [(None if c is None else tuple(t.clone() for t in c), None if r is None else r.clone(),
+                 None if lat is None else lat.clone())
+                for c, r, lat in zip(self.conv_states, self.recurrent_states, self.latents)]
+
+    def restore(self, snap):
+        for i, (c, r, lat) in enumerate(snap):
+            if c is not None:
+                for o, n in zip(self.conv_states[i], c):
+                    o.copy_(n)
+            if r is not None:
+                self.recurrent_states[i].copy_(r)
+            if lat is not None:
+                self.latents[i].copy_(lat)
 
     # --- Transformers' Cache interface
     def get_seq_length(self, layer_idx=0):
@@ -78,16 +131,22 @@ class Kimi3Cache(Cache):
 
     def reorder_cache(self, beam_idx):
         self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self.decode_graph = None  # new tensors: a captured graph would read the old ones
 
     def batch_select_indices(self, indices):
         self._map(lambda t: t[indices.to(t.device)])
+        self.decode_graph = None
 
     def batch_repeat_interleave(self, repeats):
         self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+        self.decode_graph = None
 
     def reset(self):
-        n = len(self.layer_types)
-        self.conv_states, self.recurrent_states, self.latents = [None] * n, [None] * n, [None] * n
+        if self.decode_graph is not None:  # keep the captured buffers: zero them in place
+            self._map(lambda t: t.zero_())
+        else:
+            n = len(self.layer_types)
+            self.conv_states, self.recurrent_states, self.latents = [None] * n, [None] * n, [None] * n
         self.seen_tokens = self.source_tokens = 0
         self.attention_mask = None
 

@@ -202,8 +202,7 @@ class Kimi3DeltaAttention(nn.Module):
         else:
             o, ht = kda_chunk(q, k, v, g, beta, backend, **kw)
         if cache is not None:
-            cache.conv_states[self.layer_idx] = (sq, sk, sv)
-            cache.recurrent_states[self.layer_idx] = ht.float()
+            cache.update_kda_state(self.layer_idx, (sq, sk, sv), ht.float())
 
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(o, gate.view(B, T, H, K)).reshape(B, T, H * K)

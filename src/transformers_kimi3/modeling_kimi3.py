@@ -6,6 +6,7 @@ State lives in `Kimi3Cache` only. Module names follow the official checkpoint, s
 the modules one to one except the routed experts, which are stacked per layer (see checkpoint.py).
 """
 
+import copy
 import math
 
 import torch
@@ -187,6 +188,8 @@ class Kimi3Model(Kimi3PreTrainedModel):
             seq_idx = packed_sequence_ids(position_ids, kwargs.get("cu_seq_lens_q"), B, T, inputs_embeds.device)
             cache = None if seq_idx is not None else cache
         attn_mask = mla_mask(full_mask, T, past, inputs_embeds.device, seq_idx)
+        if cache is not None and cache.graph_mode:
+            attn_mask = cache.decode_mask(inputs_embeds.device)
 
         h, bank = inputs_embeds, None
         all_hidden = (h,) if output_hidden_states else None
@@ -239,6 +242,52 @@ class Kimi3Model(Kimi3PreTrainedModel):
         return attention_mask.to(device)
 
 
+def _graph_decodable(cache, input_ids, labels, output_hidden_states, output_router_logits):
+    return (isinstance(cache, Kimi3Cache) and cache.use_cuda_graph and input_ids is not None
+            and input_ids.is_cuda and input_ids.shape[1] == 1 and cache.seen_tokens > 0
+            and cache.attention_mask is None and labels is None and not output_hidden_states
+            and not output_router_logits and not torch.is_grad_enabled())
+
+
+def decode_with_graph(model, cache, input_ids):
+    """One decode step as a replayed CUDA graph: no Python per layer, no host synchronisation.
+    Captured on the first call for this cache (warm-up runs are undone from a snapshot)."""
+    if cache.decode_graph is None or cache.decode_graph[1].shape != input_ids.shape:
+        static_ids = input_ids.clone()
+        cache.position = torch.zeros(1, dtype=torch.long, device=input_ids.device)
+        counters = (cache.seen_tokens, cache.source_tokens)
+        snap = cache.snapshot()
+
+        def step():
+            cache.graph_mode = True
+            try:
+                out = model.model(input_ids=static_ids, past_key_values=cache, use_cache=True)
+                return model.lm_head(out.last_hidden_state)
+            finally:
+                cache.graph_mode = False
+                cache.seen_tokens, cache.source_tokens = counters
+
+        cache.position.fill_(cache.seen_tokens)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        cache.restore(snap)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = step()
+        cache.decode_graph = (graph, static_ids, logits)
+    graph, static_ids, logits = cache.decode_graph
+    static_ids.copy_(input_ids)
+    cache.position.fill_(cache.seen_tokens)
+    graph.replay()
+    cache.seen_tokens += 1
+    cache.source_tokens += 1
+    return logits.clone()
+
+
 def packed_sequence_ids(position_ids, cu_seq_lens, B, T, device):
     """Document ids [B,T] when several documents share a row (position_ids restart at 0, as Transformers'
     DataCollatorWithFlattening writes them, or flash-attention `cu_seq_lens_q`), else None."""
@@ -268,6 +317,21 @@ class Kimi3GenerationMixin(GenerationMixin):
     placeholder becomes h*w/4 positions)."""
 
     _mm_keys = ("pixel_values", "grid_thws")
+
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        """`cache_implementation="static"` gives a fixed-size Kimi3Cache whose decode steps run as one CUDA graph
+        on GPU (captured at the first decode step, replayed after); any other value, the growing cache."""
+        impl = kwargs.pop("cache_implementation", None) or getattr(generation_config or self.generation_config,
+                                                                   "cache_implementation", None)
+        if impl == "static" and kwargs.get("past_key_values") is None:
+            ids = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+            max_new = kwargs.get("max_new_tokens") or getattr(generation_config or self.generation_config,
+                                                              "max_new_tokens", None) or 20
+            kwargs["past_key_values"] = Kimi3Cache(self.config.get_text_config(), max_length=ids.shape[1] + max_new)
+        if generation_config is not None and getattr(generation_config, "cache_implementation", None):
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.cache_implementation = None
+        return super().generate(inputs, generation_config=generation_config, **kwargs)
 
     @classmethod
     def _supports_default_dynamic_cache(cls):
@@ -321,6 +385,9 @@ class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
                 output_router_logits=None, logits_to_keep=0, return_dict=None, **kwargs):
+        if _graph_decodable(past_key_values, input_ids, labels, output_hidden_states, output_router_logits):
+            return MoeCausalLMOutputWithPast(logits=decode_with_graph(self, past_key_values, input_ids),
+                                             past_key_values=past_key_values)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          output_hidden_states=output_hidden_states, output_router_logits=output_router_logits,

@@ -1,0 +1,208 @@
+"""End-to-end prefill / decode benchmark: our Kimi3ForCausalLM vs Transformers' native KimiLinearForCausalLM on
+the same weights (the 4.3B Kimi Linear config of ../shared/anchors), checked equal in the same run.
+
+    python bench/e2e.py --out bench/results/e2e_h200.json [--stages check,prefill,decode] [--budget-s 240]
+    python -m transformers_kimi3 bench       # a small version on whatever device is present, printed as a table
+
+Each stage appends its rows to the JSON as soon as it finishes, so a run cut short keeps what it measured.
+`python -m transformers_kimi3 bench` runs a tiny version of the same on whatever device is present.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+BENCH_CONFIG = dict(hidden_size=2304, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=32,
+                    num_local_experts=64, num_experts_per_tok=8, moe_intermediate_size=1024, intermediate_size=9216,
+                    vocab_size=163840, linear_num_heads=32, linear_head_dim=128)
+TINY_CONFIG = dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=2, num_key_value_heads=2,
+                   num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                   vocab_size=512, linear_num_heads=2, linear_head_dim=32, kv_lora_rank=32, qk_rope_head_dim=16,
+                   qk_nope_head_dim=32, v_head_dim=32)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, reps=3):
+    fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / reps
+
+
+def median_time(fn, device, reps=3):
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2]
+
+
+class Results:
+    def __init__(self, path, device):
+        self.path, self.rows = path, []
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        self.meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                     "commit": commit or os.environ.get("GIT_COMMIT", "unknown"),
+                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     "torch": torch.__version__}
+        import transformers
+        self.meta["transformers"] = transformers.__version__
+
+    def add(self, **row):
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+        if self.path:
+            json.dump({"meta": self.meta, "rows": self.rows}, open(self.path, "w"), indent=1)
+
+
+def native_classes(device):
+    """Transformers' native Kimi Linear. On CPU it must not bind fla's GPU-only kernels, so fla is hidden while
+    its module is imported."""
+    import importlib
+
+    name = "transformers.models.kimi_linear.modeling_kimi_linear"
+    if device.type != "cpu" or name in sys.modules:
+        mod = importlib.import_module(name)
+    else:
+        saved = {k: v for k, v in sys.modules.items() if k == "fla" or k.startswith("fla.")}
+        for k in saved:
+            del sys.modules[k]
+        sys.modules["fla"] = None
+        try:
+            mod = importlib.import_module(name)
+        finally:
+            del sys.modules["fla"]
+            sys.modules.update(saved)
+    from transformers import KimiLinearConfig
+
+    return KimiLinearConfig, mod.KimiLinearForCausalLM
+
+
+def build_pair(config_kwargs, device, dtype):
+    """The native model (random init, seed 0) and ours loaded from its save_pretrained folder."""
+    KimiLinearConfig, KimiLinearForCausalLM = native_classes(device)
+
+    from transformers_kimi3 import Kimi3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = KimiLinearConfig(pad_token_id=0, bos_token_id=1, eos_token_id=2, **config_kwargs)
+    with torch.device(device):
+        native = KimiLinearForCausalLM(cfg).to(dtype).eval()
+    folder = tempfile.mkdtemp(prefix="kimi3_bench_")
+    native.save_pretrained(folder)
+    ours = Kimi3ForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device.type if device.type != "cpu"
+                                            else None).eval()
+    return native, ours.to(device)
+
+
+def stage_check(res, native, ours, device, T):
+    ids = torch.randint(3, native.config.vocab_size, (1, T), device=device)
+    with torch.no_grad():
+        a = native(input_ids=ids, use_cache=False).logits.float()
+        b = ours(input_ids=ids, use_cache=False).logits.float()
+        g_eager = ours.generate(ids[:, :64], max_new_tokens=16, do_sample=False, pad_token_id=0)
+        g_static = ours.generate(ids[:, :64], max_new_tokens=16, do_sample=False, pad_token_id=0,
+                                 cache_implementation="static")
+        g_native = native.generate(ids[:, :64], max_new_tokens=16, do_sample=False, pad_token_id=0)
+    from transformers_kimi3 import kernel_status
+    res.add(stage="check", T=T, logits_rel_err_vs_native=float((a - b).abs().max() / a.abs().max()),
+            argmax_agree=float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+            static_graph_tokens_equal_eager=bool(torch.equal(g_eager, g_static)),
+            tokens_equal_native=float((g_eager == g_native).float().mean()), kernel_status=kernel_status(device))
+
+
+def stage_prefill(res, models, device, lengths, deadline):
+    for T in lengths:
+        for name, m in models.items():
+            if time.time() > deadline:
+                return
+            ids = torch.randint(3, m.config.vocab_size, (1, T), device=device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                with torch.no_grad():
+                    s = timed(lambda: m(input_ids=ids, use_cache=False, logits_to_keep=1), device, reps=2)
+            except torch.OutOfMemoryError:
+                res.add(stage="prefill", impl=name, T=T, error="out of memory")
+                continue
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+            res.add(stage="prefill", impl=name, T=T, ms=s * 1e3, tok_s=T / s, peak_gib=peak)
+
+
+def stage_decode(res, models, device, batches, prompt, new_tokens, deadline):
+    for B in batches:
+        for name, m, extra in models:
+            if time.time() > deadline:
+                return
+            ids = torch.randint(3, m.config.vocab_size, (B, prompt), device=device)
+            with torch.no_grad():
+                def run(n):
+                    return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                                      **extra)
+                run(4)
+                t_all = median_time(lambda: run(new_tokens + 1), device)
+                t_pre = median_time(lambda: run(1), device)
+            rate = B * new_tokens / max(t_all - t_pre, 1e-9)
+            res.add(stage="decode", impl=name, batch=B, prompt=prompt, tok_s=rate,
+                    ms_per_step=(t_all - t_pre) / new_tokens * 1e3)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--stages", default="check,prefill,decode")
+    ap.add_argument("--tiny", action="store_true", help="a toy config (CPU smoke run)")
+    ap.add_argument("--budget-s", type=float, default=240)
+    ap.add_argument("--prefill", default="2048,8192,32768")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = ap.parse_args(argv)
+    deadline = time.time() + args.budget_s
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    res = Results(args.out, device)
+    native, ours = build_pair(TINY_CONFIG if args.tiny else BENCH_CONFIG, device, dtype)
+    stages = args.stages.split(",")
+    if "check" in stages:
+        stage_check(res, native, ours, device, 64 if args.tiny else 2048)
+    if "prefill" in stages:
+        stage_prefill(res, {"native": native, "ours": ours}, device, [int(x) for x in args.prefill.split(",")],
+                      deadline)
+    if "decode" in stages:
+        static = {"cache_implementation": "static"}
+        stage_decode(res, [("native", native, {}), ("ours", ours, {}), ("ours_static_graph", ours, static)],
+                     device, [int(x) for x in args.batches.split(",")], args.prompt, args.new_tokens, deadline)
+    return res
+
+
+def print_table(res):
+    print(f"{res.meta['device']} | torch {res.meta['torch']} | transformers {res.meta['transformers']}")
+    for r in res.rows:
+        if r["stage"] == "check":
+            print(f"check: logits vs native rel err {r['logits_rel_err_vs_native']:.2e}, static graph tokens equal "
+                  f"eager: {r['static_graph_tokens_equal_eager']}, KDA backend {r['kernel_status']['kda']['kda_backend']}")
+        elif "error" in r:
+            print(f"{r['stage']:8s} {r['impl']:18s} T={r.get('T')}: {r['error']}")
+        elif r["stage"] == "prefill":
+            print(f"prefill  {r['impl']:18s} T={r['T']:>6d}  {r['tok_s']:>10.0f} tok/s")
+        else:
+            print(f"decode   {r['impl']:18s} B={r['batch']:>3d}  {r['tok_s']:>10.1f} tok/s "
+                  f"({r['ms_per_step']:.2f} ms/step)")
