@@ -43,6 +43,17 @@ def timed(fn, device, reps=3):
     return (time.perf_counter() - t0) / reps
 
 
+def guarded(res, stage, fn, *args):
+    """A failing stage is recorded, not fatal: the other rows of the run still count."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        traceback.print_exc()
+        impl = args[1] if len(args) > 1 and isinstance(args[1], str) else "-"
+        res.add(stage=stage, impl=impl, error=f"{type(e).__name__}: {e}"[:500])
+
+
 def median_time(fn, device, reps=3):
     times = []
     for _ in range(reps):
@@ -152,16 +163,21 @@ def stage_decode(res, models, device, batches, prompt, new_tokens, deadline):
             if time.time() > deadline:
                 return
             ids = torch.randint(3, m.config.vocab_size, (B, prompt), device=device)
-            with torch.no_grad():
-                def run(n):
-                    return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                                      **extra)
-                run(4)
-                t_all = median_time(lambda: run(new_tokens + 1), device)
-                t_pre = median_time(lambda: run(1), device)
-            rate = B * new_tokens / max(t_all - t_pre, 1e-9)
-            res.add(stage="decode", impl=name, batch=B, prompt=prompt, tok_s=rate,
-                    ms_per_step=(t_all - t_pre) / new_tokens * 1e3)
+            guarded(res, "decode", _decode_one, res, name, m, extra, ids, B, prompt, new_tokens, device)
+
+
+def _decode_one(res, name, m, extra, ids, B, prompt, new_tokens, device):
+    """generate(new + 1) minus generate(1): the decode steps as a user of generate() sees them."""
+    def run(n):
+        return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **extra)
+
+    with torch.no_grad():
+        run(4)
+        t_all = median_time(lambda: run(new_tokens + 1), device)
+        t_pre = median_time(lambda: run(1), device)
+    rate = B * new_tokens / max(t_all - t_pre, 1e-9)
+    res.add(stage="decode", impl=name, batch=B, prompt=prompt, tok_s=rate,
+            ms_per_step=(t_all - t_pre) / new_tokens * 1e3)
 
 
 def main(argv=None):
@@ -182,7 +198,7 @@ def main(argv=None):
     native, ours = build_pair(TINY_CONFIG if args.tiny else BENCH_CONFIG, device, dtype)
     stages = args.stages.split(",")
     if "check" in stages:
-        stage_check(res, native, ours, device, 64 if args.tiny else 2048)
+        guarded(res, "check", stage_check, res, native, ours, device, 64 if args.tiny else 2048)
     if "prefill" in stages:
         stage_prefill(res, {"native": native, "ours": ours}, device, [int(x) for x in args.prefill.split(",")],
                       deadline)
