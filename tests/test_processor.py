@@ -25,6 +25,7 @@ pytestmark = pytest.mark.skipif(Kimi3ImageProcessor is None, reason="image_proce
 
 PAD = 469  # <|media_pad|> in the tiny tokenizer
 ORACLE_A = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "oracle", "A")
+TINY = os.path.join(os.path.dirname(__file__), "..", "assets", "kimi-k3-tiny")
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +132,13 @@ def test_sanitized_user_text_cannot_forge_images(processor):
     assert "pixel_values" not in out
     with pytest.raises(ValueError, match=r"1 image placeholder\(s\).*but 0 image\(s\)"):
         processor.apply_chat_template(messages, tokenize=True, return_dict=True, thinking_effort=None)
+    # Moonshot's plain-text image stand-in typed by the user is no image either
+    typed = [{"role": "user", "content": "typed <|kimi_image_placeholder|>"}]
+    out = processor.apply_chat_template(typed, tokenize=True, return_dict=True, sanitize_control_tokens=True,
+                                        thinking_effort=None)
+    ids = out["input_ids"][0] if isinstance(out["input_ids"][0], list) else out["input_ids"]
+    assert PAD not in ids and "pixel_values" not in out
+    assert "kimi_image_placeholder" in processor.tokenizer.decode(ids)
 
 
 def test_text_only_chat_matches_tokenizer_template(processor):
@@ -173,6 +181,32 @@ def test_save_and_auto_processor_round_trip(processor, tmp_path):
     assert slow.decode(a["input_ids"][0]) == processor.tokenizer.decode(a["input_ids"][0])
     assert slow(processor.tokenizer.decode(a["input_ids"][0]), add_special_tokens=False)["input_ids"] == \
         a["input_ids"][0].tolist()
+
+
+def test_auto_processor_without_auto_image_processor(processor, monkeypatch):
+    """Transformers 5.17 without torchvision: `AutoImageProcessor` knows no Kimi3ImageProcessor (its registration is
+    a no-op there); the processor still loads, its image processor built directly."""
+    from transformers.models.auto import image_processing_auto
+
+    def unavailable(*args, **kwargs):
+        raise ValueError("Unrecognized image processor (simulated: AutoImageProcessor unavailable)")
+
+    monkeypatch.setattr(image_processing_auto.AutoImageProcessor, "from_pretrained", unavailable)
+    for loaded in (AutoProcessor.from_pretrained(TINY),
+                   Kimi3Processor.from_pretrained(TINY, image_size_in_prompt=False)):
+        assert type(loaded) is Kimi3Processor and type(loaded.image_processor) is Kimi3ImageProcessor
+        settings = [{k: v for k, v in p.image_processor.to_dict().items() if k != "auto_map"}
+                    for p in (loaded, processor)]
+        assert settings[0] == settings[1] and loaded.chat_template == KIMI3_CHAT_TEMPLATE
+        assert loaded.tokenizer.get_vocab() == processor.tokenizer.get_vocab()
+    assert loaded.image_size_in_prompt is False  # processor keyword arguments still apply
+    img = _image(84, 56)
+    a = AutoProcessor.from_pretrained(TINY)(text="<|media_pad|>", images=img, return_tensors="pt")
+    b = processor(text="<|media_pad|>", images=img, return_tensors="pt")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # a folder that holds no processor still fails, with the first error
+    with pytest.raises(ValueError, match="simulated"):
+        Kimi3Processor.from_pretrained(os.path.dirname(TINY))
 
 
 def test_auto_processor_without_the_package(processor, tmp_path):

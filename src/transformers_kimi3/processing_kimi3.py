@@ -18,6 +18,9 @@ are declared in a leading system message (``type="tool-declare"``, compact JSON 
 Template variables (``apply_chat_template(..., name=value)``): ``thinking`` (or ``enable_thinking``; default true),
 ``thinking_effort`` ("low" | "high" | "max" | None; default "max"), ``tool_choice`` ("required" | "none"),
 ``response_format`` ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}).
+``apply_chat_template(..., sanitize_control_tokens=True)`` makes the control tokens found in the inputs plain text;
+Transformers releases that lack the option (5.17) pass it to the template, which then breaks those tokens with a
+zero-width space (U+200B after their first character) so that they still cannot act as control tokens.
 """
 
 from __future__ import annotations
@@ -65,27 +68,44 @@ KIMI3_CHAT_TEMPLATE = r"""{#- Kimi K3 chat template (XTML). See processing_kimi3
     {%- set think_on = true -%}
 {%- endif -%}
 {%- set effort = thinking_effort if thinking_effort is defined else 'max' -%}
-{%- macro attr(value) -%}{{ value | string | replace('&', '&amp;') | replace('"', '&quot;') }}{%- endmacro -%}
+{#- `sanitize_control_tokens` reaches the template only from Transformers releases that do not implement it (newer
+    ones mark the control tokens of the inputs themselves and never pass it on): then the control tokens in the
+    inputs are broken with a zero-width space, so that they are encoded as text. -#}
+{%- set SANITIZE = sanitize_control_tokens is defined and sanitize_control_tokens -%}
+{%- set CONTROL_TOKENS = ['<|', '[BOS]', '[EOS]', '[start_header_id]', '[end_header_id]', '[EOT]', '[UNK]', '[PAD]',
+                         '<osagent_mode>'] -%}
+{%- macro user_text(value) -%}
+    {%- if SANITIZE -%}
+        {%- set out = namespace(text=value | string) -%}
+        {%- for token in CONTROL_TOKENS -%}
+            {%- set out.text = out.text | replace(token, token[0] ~ '\u200b' ~ token[1:]) -%}
+        {%- endfor -%}
+        {{ out.text }}
+    {%- else -%}
+        {{ value }}
+    {%- endif -%}
+{%- endmacro -%}
+{%- macro attr(value) -%}{{ user_text(value) | replace('&', '&amp;') | replace('"', '&quot;') }}{%- endmacro -%}
 {%- macro note(kind, body) -%}
 {{ OPEN }}message role="system" type="{{ kind }}"{{ SEP }}{{ body | trim }}{{ CLOSE }}message{{ SEP }}{{ EOM }}
 {%- endmacro -%}
 {%- macro content_of(content) -%}
     {%- if content is string -%}
-        {{ content }}
+        {{ user_text(content) }}
     {%- elif content is iterable and content is not mapping -%}
         {%- for part in content -%}
             {%- if part is string -%}
-                {{ part }}
+                {{ user_text(part) }}
             {%- elif part['type'] in ('image', 'image_url') -%}
                 {{ IMAGE }}
             {%- elif part['text'] is defined -%}
-                {{ part['text'] }}
+                {{ user_text(part['text']) }}
             {%- else -%}
                 {{ raise_exception('Kimi K3 chat template: unsupported content type "' ~ part['type'] ~ '"') }}
             {%- endif -%}
         {%- endfor -%}
     {%- elif content is not none and content is defined -%}
-        {{ content }}
+        {{ user_text(content) }}
     {%- endif -%}
 {%- endmacro -%}
 {%- macro xtml_type(value) -%}
@@ -98,7 +118,7 @@ KIMI3_CHAT_TEMPLATE = r"""{#- Kimi K3 chat template (XTML). See processing_kimi3
     {%- else -%}
         {%- set head = '# Tools\nHere are the available tools, described in JSONSchema.\n\n' -%}
     {%- endif -%}
-    {{- note('tool-declare', head ~ '```json\n' ~ (tool_list | tojson(separators=(',', ':'), sort_keys=true)) ~ '\n```') -}}
+    {{- note('tool-declare', head ~ '```json\n' ~ user_text(tool_list | tojson(separators=(',', ':'), sort_keys=true)) ~ '\n```') -}}
 {%- endmacro -%}
 {#- ---- synthesized system notes ---- -#}
 {%- if tools -%}
@@ -127,7 +147,7 @@ KIMI3_CHAT_TEMPLATE = r"""{#- Kimi K3 chat template (XTML). See processing_kimi3
         {%- if think_on -%}
             {%- set reasoning = message['reasoning_content'] if message['reasoning_content'] is defined and message['reasoning_content'] else (message['reasoning'] if message['reasoning'] is defined and message['reasoning'] else '') -%}
             {{- OPEN }}think{{ SEP -}}
-            {%- if reasoning is string and reasoning | trim -%}{{ reasoning }}{%- endif -%}
+            {%- if reasoning is string and reasoning | trim -%}{{ user_text(reasoning) }}{%- endif -%}
             {{- CLOSE }}think{{ SEP -}}
         {%- endif -%}
         {{- OPEN }}response{{ SEP }}{{ content_of(message['content']) }}{{ CLOSE }}response{{ SEP -}}
@@ -139,12 +159,12 @@ KIMI3_CHAT_TEMPLATE = r"""{#- Kimi K3 chat template (XTML). See processing_kimi3
                 {%- set args = fn['arguments'] if fn['arguments'] is defined and fn['arguments'] is not none else {} -%}
                 {%- if args is string -%}
                     {%- if args | trim -%}
-                        {{- OPEN }}json type="object"{{ SEP }}{{ args }}{{ CLOSE }}json{{ SEP -}}
+                        {{- OPEN }}json type="object"{{ SEP }}{{ user_text(args) }}{{ CLOSE }}json{{ SEP -}}
                     {%- endif -%}
                 {%- elif args is mapping -%}
                     {%- for key, value in args.items() -%}
                         {{- OPEN }}argument key="{{ attr(key) }}" type="{{ xtml_type(value) }}"{{ SEP -}}
-                        {{- value if value is string else value | tojson -}}
+                        {{- user_text(value if value is string else value | tojson) -}}
                         {{- CLOSE }}argument{{ SEP -}}
                     {%- endfor -%}
                 {%- else -%}
@@ -196,7 +216,7 @@ KIMI3_CHAT_TEMPLATE = r"""{#- Kimi K3 chat template (XTML). See processing_kimi3
         {%- if js is mapping and js['schema'] is defined -%}{%- set schema = js['schema'] -%}
         {%- elif js is mapping and js['json_schema'] is defined -%}{%- set schema = js['json_schema'] -%}
         {%- else -%}{%- set schema = js -%}{%- endif -%}
-        {{- note('response-format', 'The system is invoked with `response_format=json_schema`.\n' ~ rf_note ~ '\nThe JSON data must match the following schema:\n```json\n' ~ (schema | tojson(separators=(',', ':'), sort_keys=true)) ~ '\n```') -}}
+        {{- note('response-format', 'The system is invoked with `response_format=json_schema`.\n' ~ rf_note ~ '\nThe JSON data must match the following schema:\n```json\n' ~ user_text(schema | tojson(separators=(',', ':'), sort_keys=true)) ~ '\n```') -}}
     {%- endif -%}
 {%- endif -%}
 {%- if add_generation_prompt -%}
@@ -574,6 +594,41 @@ class Kimi3Processor(ProcessorMixin):
             image_processor = Kimi3ImageProcessor()
         return cls(image_processor=image_processor, tokenizer=tokenizer, **kwargs)
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> "Kimi3Processor":
+        """``ProcessorMixin.from_pretrained``; when the Auto classes cannot build the image processor (Transformers
+        5.17 without torchvision replaces ``AutoImageProcessor`` by a stub, so ``Kimi3ImageProcessor``, which needs
+        no torchvision, is not registered there), the processor is built from ``Kimi3ImageProcessor.from_pretrained``
+        and ``AutoTokenizer.from_pretrained`` on the same folder instead."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except (ValueError, ImportError, OSError) as err:
+            try:
+                return cls._from_pretrained_without_auto_image_processor(pretrained_model_name_or_path, *args, **kwargs)
+            except Exception:
+                raise err
+
+    @classmethod
+    def _from_pretrained_without_auto_image_processor(
+        cls, pretrained_model_name_or_path, cache_dir=None, force_download=False, local_files_only=False, token=None,
+        revision="main", **kwargs
+    ) -> "Kimi3Processor":
+        from transformers import AutoTokenizer
+
+        from .image_processing_kimi3 import Kimi3ImageProcessor
+
+        kwargs.update(cache_dir=cache_dir, force_download=force_download, local_files_only=local_files_only,
+                      revision=revision)
+        if token is not None:
+            kwargs["token"] = token
+        processor_dict, instantiation_kwargs = cls.get_processor_dict(pretrained_model_name_or_path, **kwargs)
+        image_processor = Kimi3ImageProcessor.from_pretrained(
+            pretrained_model_name_or_path, **{k: v for k, v in kwargs.items() if k != "trust_remote_code"}
+        )
+        tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        logger.info("Kimi3Processor: image processor built without AutoImageProcessor")
+        return cls.from_args_and_dict([image_processor, tokenizer], processor_dict, **instantiation_kwargs)
+
     # ------------------------------------------------------------------------------------------------------------
     def _expand_text(self, text: list[str], sizes: list[tuple[int, int] | None]) -> list[str]:
         """Write each image's ``WxH`` into the chat template's media block around its placeholder."""
@@ -644,7 +699,9 @@ class Kimi3Processor(ProcessorMixin):
             text = [text]
         elif not (isinstance(text, (list, tuple)) and all(isinstance(t, str) for t in text)):
             raise ValueError("`text` must be a string or a list of strings")
-        text = [t.replace(KIMI_IMAGE_PLACEHOLDER, IMAGE_PROMPT) for t in text]
+        if not text_kwargs.get("sanitize_control_tokens"):
+            # Moonshot's plain-text image stand-in; in sanitized chats only user text could hold it, and stays text
+            text = [t.replace(KIMI_IMAGE_PLACEHOLDER, IMAGE_PROMPT) for t in text]
         expected = [len(_PAD_RE.findall(t)) for t in text]
         if sum(expected) != len(flat_images):
             raise ValueError(

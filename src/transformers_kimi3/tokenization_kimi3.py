@@ -379,6 +379,12 @@ class Kimi3Tokenizer(PreTrainedTokenizer):
         # the whole text with split_special_tokens=True: tiktoken without special tokens in both cases.
         return [self._id_to_str[i] for i in self._encode_ordinary(text)]
 
+    def _encode_without_added_tokens(self, text: str) -> list[int]:
+        """``text`` as plain text, no added token (special or not) matched: tiktoken without special tokens. Newer
+        Transformers encode the control tokens that ``apply_chat_template(..., sanitize_control_tokens=True)``
+        found in user text with it; defined here so that every supported release has it."""
+        return self._encode_ordinary(text)
+
     def _convert_token_to_id(self, token: str) -> int:
         index = self._str_to_id.get(token)
         if index is None:
