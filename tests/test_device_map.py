@@ -1,0 +1,110 @@
+"""`from_pretrained(folder, device_map=..., max_memory=..., offload_folder=...)` with layers on the CPU and on disk
+(Accelerate's offload hooks): a forward pass and `generate()` with a cache reused across calls equal the plain model."""
+
+import os
+
+import pytest
+import torch
+
+from kimi3_testing import rel_err, tiny_model
+from transformers_kimi3 import Kimi3ForCausalLM
+
+# Same weights and the same math: only the order of fp32 operations may differ (observed max rel 3e-7).
+TOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("k3") / "model"
+    tiny_model().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def plain(folder):
+    return Kimi3ForCausalLM.from_pretrained(folder).eval()
+
+
+def _offloaded(folder, offload_dir, device_map="auto", **kw):
+    return Kimi3ForCausalLM.from_pretrained(folder, device_map=device_map, offload_folder=str(offload_dir), **kw).eval()
+
+
+def _check_known_issues(model, plain):
+    """The model-side defects that break offloading (docs/finetuning.md has the fixes): xfail with the cause."""
+    import traceback
+
+    for (name, b), (_, ref) in zip(model.named_buffers(), plain.named_buffers()):
+        if name.endswith("e_score_correction_bias") and not torch.equal(b.cpu(), ref):
+            pytest.xfail("offloaded layers lose their loaded e_score_correction_bias: _init_weights zeroes it with a "
+                         "plain zero_() (use transformers.initialization, which skips loaded tensors)")
+    try:
+        with torch.no_grad():
+            model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    except RuntimeError as e:
+        if "meta" not in str(e):
+            raise
+        where = "".join(traceback.format_tb(e.__traceback__))
+        if "_absorbed" in where:
+            pytest.xfail("MLA's absorbed decode reads kv_b_proj.weight outside kv_b_proj's forward (meta under "
+                         "offload); decode in the expanded form when the weight is not a plain materialised Linear")
+        pytest.xfail("the model reads AttnRes proj/norm and KDA conv weights outside their modules' forward, so "
+                     "Accelerate's offload hooks never load them (meta tensors); call the modules instead")
+
+
+def ids(B, T, seed):
+    return torch.randint(3, 96, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("placement", ["auto", "explicit"])
+def test_cpu_and_disk_offload_forward(folder, plain, tmp_path, placement):
+    if placement == "auto":  # a small CPU budget: the first layers stay on the CPU, the rest go to disk
+        model = _offloaded(folder, tmp_path / "off", max_memory={"cpu": "400KB"})
+    else:  # explicit map: disk in the middle of the stack (an MLA layer and MoE layers), CPU around it
+        device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
+                      "model.layers.2": "disk", "model.layers.3": "disk", "model.layers.4": "cpu",
+                      "model.layers.5": "disk", "model.layers.6": "cpu", "model.norm": "cpu",
+                      "model.output_attn_res_proj": "disk", "model.output_attn_res_norm": "cpu", "lm_head": "cpu"}
+        model = _offloaded(folder, tmp_path / "off", device_map=device_map)
+    placed = set(model.hf_device_map.values())
+    assert placed == {"cpu", "disk"}, model.hf_device_map
+    assert os.listdir(tmp_path / "off")  # offloaded weights are on disk
+    _check_known_issues(model, plain)
+
+    x = ids(2, 19, seed=0)
+    mask = torch.ones_like(x)
+    mask[1, :4] = 0  # left padding: KDA unpads, MLA masks
+    with torch.no_grad():
+        got = model(input_ids=x, attention_mask=mask).logits
+        ref = plain(input_ids=x, attention_mask=mask).logits
+    assert rel_err(got, ref) < TOL
+
+
+def test_offloaded_generate_with_cache_reused_across_calls(folder, plain, tmp_path):
+    model = _offloaded(folder, tmp_path / "off", max_memory={"cpu": "400KB"})
+    assert "disk" in model.hf_device_map.values()
+    _check_known_issues(model, plain)
+    x = ids(1, 9, seed=1)
+    runs = []
+    for m in (model, plain):
+        kw = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+        with torch.no_grad():
+            first = m.generate(x, max_new_tokens=5, **kw)
+            # second call continues from the first call's cache (KDA states, conv windows, MLA latents)
+            second = m.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=5, **kw)
+        assert second.past_key_values is first.past_key_values
+        runs.append((second.sequences, torch.stack(first.logits + second.logits, 1)))
+    (seq, logits), (seq_ref, logits_ref) = runs
+    assert torch.equal(seq, seq_ref)
+    assert rel_err(logits, logits_ref) < TOL
+    # and both equal a fresh forward over the whole sequence without a cache
+    with torch.no_grad():
+        full = plain(input_ids=seq[:, :-1]).logits[:, x.shape[1] - 1:]
+    assert rel_err(logits, full) < 5e-5  # chunked vs recurrent KDA (tests/test_cache_generation.py's tolerance)
