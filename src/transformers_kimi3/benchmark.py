@@ -212,11 +212,11 @@ def main(argv=None):
 def print_table(res):
     print(f"{res.meta['device']} | torch {res.meta['torch']} | transformers {res.meta['transformers']}")
     for r in res.rows:
-        if r["stage"] == "check":
+        if "error" in r:
+            print(f"{r['stage']:8s} {r.get('impl', '-'):18s} T={r.get('T')}: {r['error']}")
+        elif r["stage"] == "check":
             print(f"check: logits vs native rel err {r['logits_rel_err_vs_native']:.2e}, static graph tokens equal "
                   f"eager: {r['static_graph_tokens_equal_eager']}, KDA backend {r['kernel_status']['kda']['kda_backend']}")
-        elif "error" in r:
-            print(f"{r['stage']:8s} {r['impl']:18s} T={r.get('T')}: {r['error']}")
         elif r["stage"] == "prefill":
             print(f"prefill  {r['impl']:18s} T={r['T']:>6d}  {r['tok_s']:>10.0f} tok/s")
         else:

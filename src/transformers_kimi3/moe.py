@@ -117,7 +117,9 @@ class Kimi3Experts(nn.Module):
     def _sorted(self, x, topk_idx):
         flat = topk_idx.reshape(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # scatter_add, not bincount: bincount(minlength=...) copies to the host, which a CUDA graph cannot hold
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         return order, counts, x[order // topk_idx.shape[1]]
 
     def _segments(self, x, topk_idx):
