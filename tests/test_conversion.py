@@ -429,6 +429,11 @@ def test_convert_kimi_linear_from_native_save(tmp_path):
     assert any(".mlp.gate_proj" in k for k in a) and not any("block_sparse_moe.gate_proj" in k for k in a)
     with safe_open(out / "model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt"}
+    # the official layout (what we just wrote) converts to itself
+    assert run(KL, out, tmp_path / "again", *FAST) == 0
+    c = tensors(tmp_path / "again")
+    assert sorted(a) == sorted(c) and all(same_bytes(a[k], c[k]) for k in a)
+    assert json.load(open(tmp_path / "again" / "config.json")) == json.load(open(out / "config.json"))
 
 
 def test_quantize_and_kimi_linear_refuse_bad_inputs(tmp_path, capsys):
@@ -459,3 +464,23 @@ def test_quantize_and_kimi_linear_refuse_bad_inputs(tmp_path, capsys):
     assert "model.layers.1.self_attn.q_proj.weight: missing" in err and "not in model.safetensors" in err
     assert "model.layers.1.self_attn.bogus.weight in model.safetensors: unexpected tensor" in err
     assert not os.path.exists(tmp_path / "kl") and not os.path.exists(C.partial_dir(tmp_path / "kl"))
+
+
+def test_official_tokenizer_is_converted(tmp_path):
+    """A K3 folder with only tiktoken.model and Moonshot's remote tokenizer class gets our converted fast tokenizer."""
+    from transformers import AutoTokenizer
+
+    src = tmp_path / "src"
+    shutil.copytree(TINY, src)
+    os.remove(src / "tokenizer.json")
+    cfg = json.load(open(src / "tokenizer_config.json"))
+    cfg.update(tokenizer_class="TikTokenTokenizer", auto_map={"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer",
+                                                                                None]})
+    json.dump(cfg, open(src / "tokenizer_config.json", "w"))
+    (src / "tokenization_kimi.py").write_text("raise ImportError('Moonshot remote code: must not be carried over')\n")
+    out = tmp_path / "out"
+    assert run(K3, src, out, "--no-verify", *FAST) == 0
+    assert "tokenization_kimi.py" not in os.listdir(out) and "tokenizer.json" in os.listdir(out)
+    assert "auto_map" not in json.load(open(out / "tokenizer_config.json"))
+    text = "Kimi K3 converts <|media_pad|> and [BOS] text."
+    assert AutoTokenizer.from_pretrained(out)(text).input_ids == AutoTokenizer.from_pretrained(TINY)(text).input_ids
