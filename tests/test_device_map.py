@@ -108,3 +108,32 @@ def test_offloaded_generate_with_cache_reused_across_calls(folder, plain, tmp_pa
     with torch.no_grad():
         full = plain(input_ids=seq[:, :-1]).logits[:, x.shape[1] - 1:]
     assert rel_err(logits, full) < 5e-5  # chunked vs recurrent KDA (tests/test_cache_generation.py's tolerance)
+
+
+def test_tensor_and_expert_parallel_plans_on_cpu(tmp_path):
+    """bench/multi_gpu.py's TP plan (MLPs, shared and routed experts) and EP plan (whole experts per rank, with
+    Kimi3Experts skipping the off-rank sentinel), installed on the config class, under torchrun with two CPU
+    processes (gloo): the same fp32 logits and greedy tokens as one process. The two-H200 run is in
+    bench/results/multi_gpu.json."""
+    import json
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [os.path.join(root, "src"), os.path.join(root, "kernels"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "multi_gpu.py"), "all", "--tiny", "--device",
+                           "cpu", "--dtypes", "float32", "--out", str(tmp_path / "out"), "--work",
+                           str(tmp_path / "work"), "--stage-timeout", "120"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.load(open(tmp_path / "out" / "multi_gpu.json"))
+    for plan, local_w1 in (("tp", [8, 16, 32]), ("ep", [4, 32, 32])):  # tp: expert width split; ep: experts split
+        r = res[plan]["torch.float32"]
+        assert "error" not in r, r
+        assert r["w1_local_shape"] == local_w1
+        assert r["tokens_equal"] and r["logits_rel_err"] < 1e-5 and r["step_logits_rel_err"] < 1e-5, r

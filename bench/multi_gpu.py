@@ -1,0 +1,427 @@
+"""Two-GPU checks for Kimi3 (issue 6): `device_map` across two GPUs and tensor / expert parallel plans under
+`torchrun`, each against the same model on one GPU (greedy tokens, logits).
+
+    PYTHONPATH=src:kernels python bench/multi_gpu.py all --out OUT [--commit SHA]
+
+`all` builds a random K3-layout model (KDA + gated MLA + AttnRes + latent MoE with shared experts, seeded), saves it
+in the official layout, and runs in order, each stage recorded even when it fails:
+  1. reference: one GPU (`device_map={"": 0}`), bf16 and fp32: logits of a left-padded batch, greedy tokens from two
+     `generate()` calls that reuse one cache.
+  2. device_map: the same model split over cuda:0 / cuda:1 (layers 0..L/2-1 on 0, the rest on 1), with the KDA
+     kernels launched under `torch.cuda.device(tensor.device)`, and last, in its own process, as loaded (Triton
+     launches on the current device, so layers on cuda:1 may run their kernels against cuda:0).
+  3. tp: `torchrun --nproc_per_node 2 ... tp --plan tp`: the tensor-parallel plan TP_PLAN below (routed experts split
+     along the expert intermediate size, shared experts / dense MLP colwise-rowwise, attention replicated),
+     installed on the config class (what `base_model_tp_plan` would be), `tp_plan="auto"`.
+  4. ep: `--plan ep`: expert parallel (experts split over ranks, `ep_router`), with Kimi3Experts patched to skip
+     the sentinel index that `ep_router` gives tokens routed to another rank's experts.
+Results go to OUT/multi_gpu.json (bench/results/multi_gpu.json in the repo). `--device cpu` runs every stage on the
+CPU (gloo, two processes) as a smoke test of the script and of the plans under the local Transformers.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (ROOT / "src", ROOT / "kernels"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+T0 = time.time()
+
+# base_model_tp_plan for Kimi3TextConfig (keys relative to Kimi3Model). Attention stays replicated: our KDA / MLA
+# code views q/k/v with the full head count and the KDA conv / A_log / dt_bias have no TP style that shards them in
+# Transformers 5.17 (see docs/finetuning.md for what sharding attention needs).
+TP_PLAN = {
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+    "layers.*.block_sparse_moe.shared_experts.gate_proj": "colwise",
+    "layers.*.block_sparse_moe.shared_experts.up_proj": "colwise",
+    "layers.*.block_sparse_moe.shared_experts.down_proj": "rowwise",
+    "layers.*.block_sparse_moe.experts.w1": "colwise",  # [E, I, D]: shards I
+    "layers.*.block_sparse_moe.experts.w3": "colwise",
+    "layers.*.block_sparse_moe.experts.w2": "rowwise",  # [E, D, I]: shards I
+    "layers.*.block_sparse_moe.experts": "moe_tp_experts",  # local shards in, all-reduce out (before the norm)
+}
+# base_model_ep_plan: whole experts per rank. Transformers 5.17-5.20: `ep_router` masks the routes to other ranks'
+# experts and `moe_tp_experts` sums the partial outputs. From 5.21: `ep_dispatch_experts` (the router needs no rule;
+# `ep_implementation="all_reduce"` is the same masking + all-reduce). Either way the experts receive the local index
+# `num_local_experts` (weight 0) for routes to another rank, which Kimi3Experts must skip.
+EP_PLAN_ROUTER = {
+    "layers.*.block_sparse_moe.gate": "ep_router",
+    "layers.*.block_sparse_moe.experts.w1": "grouped_gemm",
+    "layers.*.block_sparse_moe.experts.w3": "grouped_gemm",
+    "layers.*.block_sparse_moe.experts.w2": "grouped_gemm",
+    "layers.*.block_sparse_moe.experts": "moe_tp_experts",
+}
+EP_PLAN_DISPATCH = {
+    "layers.*.block_sparse_moe.experts": "ep_dispatch_experts",
+    "layers.*.block_sparse_moe.experts.w1": "grouped_gemm",
+    "layers.*.block_sparse_moe.experts.w3": "grouped_gemm",
+    "layers.*.block_sparse_moe.experts.w2": "grouped_gemm",
+}
+
+
+def new_ep_api():
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return False
+    return "ep_size" in getattr(DistributedConfig, "__dataclass_fields__", {})
+
+
+MODEL = dict(  # K3 layout at a size that builds in seconds: 6 layers, KDA 8x128, MLA 8 heads, 32 experts top-4
+    vocab_size=8192, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256, num_hidden_layers=6,
+    num_attention_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
+    v_head_dim=64, num_experts=32, num_experts_per_token=4, num_shared_experts=1, routed_expert_hidden_size=512,
+    attn_res_block_size=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    linear_attn_config=dict(num_heads=8, head_dim=128, short_conv_kernel_size=4, gate_lower_bound=-5.0,
+                            use_full_rank_gate=True, kda_layers=[1, 2, 4, 5], full_attn_layers=[3, 6]),
+)
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=2,
+            q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=8,
+            num_experts_per_token=2, routed_expert_hidden_size=32,
+            linear_attn_config=dict(num_heads=2, head_dim=16, short_conv_kernel_size=4, gate_lower_bound=-5.0,
+                                    use_full_rank_gate=True, kda_layers=[1, 2, 4, 5], full_attn_layers=[3, 6]))
+NEW_TOKENS = 8  # per generate() call; two calls share one cache
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def inputs(vocab):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, min(vocab, 96), (2, 40), generator=g)
+    mask = torch.ones_like(ids)
+    ids[1, :8], mask[1, :8] = 0, 0  # left padding
+    return ids, mask
+
+
+def build(folder):
+    from transformers_kimi3 import Kimi3ForCausalLM, Kimi3TextConfig
+
+    torch.manual_seed(0)
+    model = Kimi3ForCausalLM(Kimi3TextConfig.k3(**MODEL))
+    with torch.no_grad():  # make every mechanism matter: non-uniform AttnRes mixing, a non-zero correction bias
+        for name, p in model.named_parameters():
+            if name.endswith("res_proj.weight"):
+                p.normal_(0, 0.5)
+        for layer in model.model.layers:
+            moe = getattr(layer, "block_sparse_moe", None)
+            if moe is not None:
+                moe.gate.e_score_correction_bias.normal_(0, 0.05)
+    model.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def run_model(model, device):
+    ids, mask = inputs(model.config.vocab_size)
+    ids, mask = ids.to(device), mask.to(device)
+    logits = model(input_ids=ids, attention_mask=mask).logits.float().cpu()
+    kw = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True,
+              max_new_tokens=NEW_TOKENS)
+    first = model.generate(ids, attention_mask=mask, **kw)
+    mask2 = torch.cat([mask, mask.new_ones(2, first.sequences.shape[1] - ids.shape[1])], 1)
+    second = model.generate(first.sequences, attention_mask=mask2, past_key_values=first.past_key_values, **kw)
+    steps = torch.stack(first.logits + second.logits, 1).float().cpu()
+    return {"logits": logits, "tokens": second.sequences[:, ids.shape[1]:].cpu(), "step_logits": steps}
+
+
+def compare(got, ref):
+    tokens_equal = bool(torch.equal(got["tokens"], ref["tokens"]))
+    out = {"tokens_equal": tokens_equal, "logits_rel_err": rel(got["logits"], ref["logits"]),
+           "step_logits_rel_err": rel(got["step_logits"], ref["step_logits"])}
+    if not tokens_equal:
+        diff = (got["tokens"] != ref["tokens"]).nonzero()
+        out["first_token_mismatch"] = diff[0].tolist()
+    return out
+
+
+def guard_kernels():
+    """Launch the KDA kernels under the device of their inputs (Triton launches on the current device)."""
+    from transformers_kimi3 import kda
+
+    for name in ("kda_chunk", "kda_recurrent"):
+        fn = getattr(kda, name)
+        if getattr(fn, "_guarded", False):
+            continue
+
+        def wrapped(q, *a, _fn=fn, **kw):
+            if q.is_cuda:
+                with torch.cuda.device(q.device):
+                    return _fn(q, *a, **kw)
+            return _fn(q, *a, **kw)
+
+        wrapped._guarded = True
+        setattr(kda, name, wrapped)
+
+
+# ----------------------------------------------------------------------------- stages in one process
+def stage_single(folder, device, dtypes, results, work):
+    from transformers_kimi3 import Kimi3ForCausalLM, kernel_status
+
+    results["kernel_status"] = json.loads(json.dumps(kernel_status(device if device != "cpu" else "cpu"),
+                                                     default=str))
+    refs = {}
+    for dtype in dtypes:
+        t = time.time()
+        dm = {"": 0} if device == "cuda" else None
+        model = Kimi3ForCausalLM.from_pretrained(folder, dtype=dtype, device_map=dm).eval()
+        dev = next(model.parameters()).device
+        refs[str(dtype)] = run_model(model, dev)
+        results["reference"][str(dtype)] = {"device": str(dev), "seconds": round(time.time() - t, 1)}
+        del model
+    torch.save(refs, work / "ref.pt")
+    if len(refs) > 1:  # the precision floor: how far bf16 is from fp32 on this model, same device, same code
+        (a, ra), (b, rb) = list(refs.items())[:2]
+        results["reference"][f"{a}_vs_{b}"] = {"logits_rel_err": rel(ra["logits"], rb["logits"]),
+                                              "tokens_equal": bool(torch.equal(ra["tokens"], rb["tokens"]))}
+    log("reference done")
+    return refs
+
+
+def device_map_two_gpus():
+    L = MODEL["num_hidden_layers"]
+    return {"model.embed_tokens": 0, **{f"model.layers.{i}": 0 if i < L // 2 else 1 for i in range(L)},
+            "model.norm": 1, "model.output_attn_res_proj": 1, "model.output_attn_res_norm": 1, "lm_head": 1}
+
+
+def stage_device_map(folder, dtypes, refs, variant):
+    """`variant`: "kernels_under_device_guard" (KDA kernels launched under torch.cuda.device(q.device)) or "as_is".
+    Returns {dtype: result}."""
+    from transformers_kimi3 import Kimi3ForCausalLM
+
+    if variant == "kernels_under_device_guard":
+        guard_kernels()
+    out = {}
+    for dtype in dtypes:
+        t = time.time()
+        try:
+            model = Kimi3ForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device_map_two_gpus()).eval()
+            placed = sorted({str(p.device) for p in model.parameters()})
+            got = run_model(model, torch.device("cuda:0"))
+            out[str(dtype)] = {"devices": placed, **compare(got, refs[str(dtype)]),
+                               "seconds": round(time.time() - t, 1)}
+            del model
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - record and go on
+            out[str(dtype)] = {"error": f"{type(e).__name__}: {str(e)[:600]}",
+                               "where": traceback.format_exc()[-1500:]}
+        log("device_map", variant, dtype, {k: v for k, v in out[str(dtype)].items() if k != "where"})
+    return out
+
+
+def dm_worker(args):
+    """`device_map` as loaded, in its own process: a kernel launched on the wrong device can poison the context."""
+    refs = torch.load(Path(args.work) / "ref.pt")
+    out = stage_device_map(args.folder, [getattr(torch, d) for d in args.dtypes.split(",")], refs, "as_is")
+    json.dump(out, open(Path(args.work) / "dm_as_is.json", "w"), indent=1)
+
+
+# ----------------------------------------------------------------------------- torchrun worker
+def patch_sentinel_experts():
+    """Kimi3Experts skipping index == num_experts (ep_router's "routed to another rank"), zero output there."""
+    from transformers_kimi3 import moe
+
+    E = moe.Kimi3Experts
+    if getattr(E, "_sentinel_patched", False):
+        return
+    orig_forward = E.forward
+
+    def forward(self, x, topk_idx, topk_weights):
+        valid = topk_idx < self.num_experts
+        if bool(valid.all()):
+            return orig_forward(self, x, topk_idx, topk_weights)
+        # sentinel slots carry weight 0: send them to expert 0 and zero their weight (exact, some wasted work)
+        return orig_forward(self, x, topk_idx.masked_fill(~valid, 0), topk_weights.masked_fill(~valid, 0))
+
+    E.forward = forward
+    E._sentinel_patched = True
+
+
+def worker(args):
+    import torch.distributed as dist
+
+    from transformers_kimi3 import Kimi3ForCausalLM, Kimi3TextConfig
+
+    rank = int(os.environ["RANK"])
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.device == "cuda" else torch.device("cpu")
+    if args.device == "cuda":
+        torch.cuda.set_device(device)
+    guard_kernels()
+    from transformers.distributed import DistributedConfig
+
+    if args.plan == "tp":
+        Kimi3TextConfig.base_model_tp_plan = TP_PLAN
+        dist_config = DistributedConfig(tp_plan="auto")
+    elif new_ep_api():
+        Kimi3TextConfig.base_model_ep_plan = EP_PLAN_DISPATCH
+        Kimi3TextConfig.base_model_tp_plan = TP_PLAN  # EP rules win on the experts; TP for the rest
+        dist_config = DistributedConfig(tp_size=2, tp_plan="auto", ep_size=2, ep_implementation="all_reduce")
+    else:
+        Kimi3TextConfig.base_model_ep_plan = EP_PLAN_ROUTER
+        Kimi3TextConfig.base_model_tp_plan = TP_PLAN
+        dist_config = DistributedConfig(tp_plan="auto", enable_expert_parallel=True)
+    if args.plan == "ep":
+        patch_sentinel_experts()
+    refs = torch.load(Path(args.work) / "ref.pt")
+    out = {}
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        t = time.time()
+        try:
+            model = Kimi3ForCausalLM.from_pretrained(args.folder, dtype=dtype, distributed_config=dist_config).eval()
+            experts = model.model.layers[1].block_sparse_moe.experts
+            w1 = experts.w1
+            local = w1.to_local() if hasattr(w1, "to_local") else w1
+            got = run_model(model, device)
+            out[f"torch.{dtype_name}"] = {"w1_local_shape": list(local.shape), "w1_global_shape": list(w1.shape),
+                                          "experts_num_experts": experts.num_experts,
+                                          **compare(got, refs[f"torch.{dtype_name}"]),
+                                          "seconds": round(time.time() - t, 1)}
+            del model
+        except Exception as e:  # noqa: BLE001
+            out[f"torch.{dtype_name}"] = {"error": f"{type(e).__name__}: {str(e)[:600]}",
+                                          "where": traceback.format_exc()[-2000:]}
+        log(f"rank {rank}", args.plan, dtype_name, {k: v for k, v in out[f"torch.{dtype_name}"].items()
+                                                    if k != "where"})
+    if rank == 0:
+        json.dump(out, open(Path(args.work) / f"{args.plan}.json", "w"), indent=1)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(args, plan, results):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), __file__, "tp", "--plan", plan, "--folder", str(args.folder),
+           "--work", str(args.work), "--device", args.device, "--dtypes", args.dtypes]
+    results["commands"][plan] = " ".join(["torchrun", "--nproc_per_node", "2", "bench/multi_gpu.py", "tp",
+                                           "--plan", plan, "--folder", "MODEL", "--work", "WORK", "--dtypes",
+                                           args.dtypes])
+    t = time.time()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "kernels"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.stage_timeout)
+    (Path(args.out) / f"{plan}.log").write_text(proc.stdout[-200000:] + "\n--- stderr ---\n" + proc.stderr[-200000:])
+    path = Path(args.work) / f"{plan}.json"
+    results[plan] = json.load(open(path)) if path.exists() else {"error": f"torchrun exit {proc.returncode}",
+                                                                    "stderr_tail": proc.stderr[-3000:]}
+    results[plan]["wall_seconds"] = round(time.time() - t, 1)
+    log(plan, "done", proc.returncode)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("stage", choices=["all", "tp", "dm"])
+    ap.add_argument("--out", default="out_multi_gpu")
+    ap.add_argument("--work", default="/tmp/kimi3_multi_gpu")
+    ap.add_argument("--folder", default=None)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--plan", default="tp", choices=["tp", "ep"])
+    ap.add_argument("--plans", default="tp,ep")
+    ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    ap.add_argument("--stage-timeout", type=int, default=150)
+    ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke test)")
+    args = ap.parse_args()
+    if args.tiny or os.environ.get("KIMI3_BENCH_TINY"):
+        MODEL.update(TINY)
+        os.environ["KIMI3_BENCH_TINY"] = "1"  # the torchrun workers build nothing but must agree on sizes
+    args.work = Path(args.work)
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.folder = Path(args.folder) if args.folder else args.work / "model"
+    if args.stage == "tp":
+        return worker(args)
+    if args.stage == "dm":
+        return dm_worker(args)
+
+    import transformers
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if args.device == "cuda" else []
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "commit": args.commit, "device": args.device, "gpus": gpus, "torch": torch.__version__,
+               "transformers": transformers.__version__, "python": platform.python_version(),
+               "model": MODEL, "new_tokens_per_generate_call": NEW_TOKENS, "tp_plan": TP_PLAN,
+               "ep_plan": EP_PLAN_DISPATCH if new_ep_api() else EP_PLAN_ROUTER,
+               "commands": {"all": "PYTHONPATH=src:kernels python bench/multi_gpu.py all --out OUT"},
+               "reference": {}, "device_map": {}}
+    try:
+        import triton
+
+        results["triton"] = triton.__version__
+    except ImportError:
+        pass
+    results["parameters"] = build(args.folder)
+    log("built", results["parameters"], "parameters")
+    try:
+        refs = stage_single(args.folder, args.device, dtypes, results, args.work)
+        if args.device == "cuda" and torch.cuda.device_count() >= 2:
+            results["device_map"]["map"] = device_map_two_gpus()
+            results["device_map"]["kernels_under_device_guard"] = stage_device_map(
+                args.folder, dtypes, refs, "kernels_under_device_guard")
+        else:
+            results["device_map"] = {"skipped": "needs two GPUs"}
+    except Exception as e:  # noqa: BLE001
+        results["error"] = f"{type(e).__name__}: {e}"
+        results["where"] = traceback.format_exc()[-3000:]
+    json.dump(results, open(Path(args.out) / "multi_gpu.json", "w"), indent=1, default=str)
+    if "error" not in results:
+        for plan in [p for p in args.plans.split(",") if p]:
+            try:
+                torchrun(args, plan, results)
+            except Exception as e:  # noqa: BLE001
+                results[plan] = {"error": f"{type(e).__name__}: {e}"}
+            json.dump(results, open(Path(args.out) / "multi_gpu.json", "w"), indent=1, default=str)
+    if "error" not in results and "skipped" not in results["device_map"]:
+        t = time.time()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "kernels"),
+                                                           os.environ.get("PYTHONPATH", "")]))
+        cmd = [sys.executable, __file__, "dm", "--folder", str(args.folder), "--work", str(args.work),
+               "--dtypes", args.dtypes]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.stage_timeout)
+            (Path(args.out) / "dm_as_is.log").write_text(proc.stdout[-100000:] + "\n--- stderr ---\n"
+                                                         + proc.stderr[-100000:])
+            path = Path(args.work) / "dm_as_is.json"
+            results["device_map"]["as_is"] = json.load(open(path)) if path.exists() else {
+                "error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+        except subprocess.TimeoutExpired:
+            results["device_map"]["as_is"] = {"error": "timeout"}
+        results["device_map"]["as_is_wall_seconds"] = round(time.time() - t, 1)
+    results["total_seconds"] = round(time.time() - T0, 1)
+    json.dump(results, open(Path(args.out) / "multi_gpu.json", "w"), indent=1, default=str)
+    summary = {k: results.get(k) for k in ("device_map", "tp", "ep")}
+    print(json.dumps(summary, indent=1, default=str)[-6000:])
+
+
+if __name__ == "__main__":
+    main()
