@@ -42,7 +42,7 @@ MXFP4_QUANT_CONFIG = {
                     "observer": "minmax", "observer_kwargs": {}, "scale_dtype": "torch.uint8", "strategy": "group",
                     "symmetric": True, "type": "float", "zp_dtype": None}}},
     "format": "mxfp4-pack-quantized", "global_compression_ratio": None,
-    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\\\.(gate|up|gate_up|down)_proj.*",
+    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
                "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
     "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
 }

@@ -4,11 +4,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORACLE = os.path.join(os.path.dirname(ROOT), "shared", "oracle")
 ORACLE_A = os.path.join(ORACLE, "A")
+needs_oracle = pytest.mark.skipif(not os.path.isdir(ORACLE_A), reason="../shared/oracle/A is not present")
 
 
 def tiny_k3_text_config(**overrides):

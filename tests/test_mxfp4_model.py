@@ -6,7 +6,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from kimi3_testing import ORACLE_A, rel_err
+from kimi3_testing import ORACLE_A, needs_oracle, rel_err
+
+pytestmark = needs_oracle
 from transformers_kimi3 import Kimi3ForConditionalGeneration, kernel_status
 from transformers_kimi3.moe import Kimi3Experts
 from transformers_kimi3.mxfp4 import PackedMXFP4Experts

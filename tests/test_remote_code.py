@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from kimi3_testing import ORACLE_A, run_python, tiny_model
+from kimi3_testing import ORACLE_A, needs_oracle, run_python, tiny_model
 
 BLOCKER = """
 import sys, importlib.abc
@@ -55,6 +55,7 @@ def test_text_model_remote_code_roundtrip(tmp_path):
     assert rel < 1e-6 and cls == "Kimi3ForCausalLM" and n == 9
 
 
+@needs_oracle
 def test_official_folder_remote_code_roundtrip(tmp_path):
     from transformers_kimi3 import Kimi3ForConditionalGeneration
 
@@ -65,3 +66,17 @@ def test_official_folder_remote_code_roundtrip(tmp_path):
         expected = model(input_ids=ids).logits
     rel, cls, _ = _roundtrip(tmp_path / "k3", "AutoModelForImageTextToText", ids, expected, tmp_path)
     assert rel < 1e-6 and cls == "Kimi3ForConditionalGeneration"
+
+
+@needs_oracle
+def test_saved_official_folder_carries_only_our_auto_map(tmp_path):
+    from transformers_kimi3 import Kimi3ForConditionalGeneration
+
+    Kimi3ForConditionalGeneration.from_pretrained(ORACLE_A).save_pretrained(tmp_path)
+    cfg = json.load(open(tmp_path / "config.json"))
+    ours = "modeling_kimi3.Kimi3ForConditionalGeneration"
+    assert cfg["auto_map"] == {"AutoConfig": "configuration_kimi3.Kimi3Config", "AutoModel": ours,
+                               "AutoModelForCausalLM": ours, "AutoModelForImageTextToText": ours}
+    assert "auto_map" not in cfg["text_config"]
+    for module in ("configuration_kimi3.py", "modeling_kimi3.py"):
+        assert os.path.exists(tmp_path / module)

@@ -317,7 +317,28 @@ def save_pretrained(model, save_directory, base_save_pretrained, *args, state_di
     saved_q = text_config.checkpoint_quantization_config
     if not any(k.endswith("weight_packed") for k in out):
         text_config.checkpoint_quantization_config = None
+    # our auto_map only: a folder loaded from Moonshot's release carries theirs, whose files we do not ship
+    saved_maps = (getattr(model.config, "auto_map", None), getattr(text_config, "auto_map", None))
+    model.config.auto_map = _auto_map(model)
+    if text_config is not model.config and hasattr(text_config, "auto_map"):
+        del text_config.auto_map
     try:
         return base_save_pretrained(save_directory, *args, state_dict=out, **kwargs)
     finally:
         text_config.checkpoint_quantization_config = saved_q
+        model.config.auto_map = saved_maps[0]
+        if text_config is not model.config and saved_maps[1] is not None:
+            text_config.auto_map = saved_maps[1]
+
+
+def _auto_map(model):
+    cls = type(model).__name__
+    auto = {"AutoConfig": f"configuration_kimi3.{type(model.config).__name__}"}
+    if hasattr(model, "language_model"):  # one class serves text and images, as for the official release
+        auto.update({k: f"modeling_kimi3.{cls}" for k in ("AutoModel", "AutoModelForCausalLM",
+                                                          "AutoModelForImageTextToText")})
+    elif hasattr(model, "lm_head"):
+        auto["AutoModelForCausalLM"] = f"modeling_kimi3.{cls}"
+    else:
+        auto["AutoModel"] = f"modeling_kimi3.{cls}"
+    return auto
