@@ -31,21 +31,10 @@ from transformers_kimi3 import (  # noqa: E402
 )
 from transformers_kimi3.checkpoint import to_official_layout  # noqa: E402
 from transformers_kimi3.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
+from _common import MXFP4_QUANTIZATION_CONFIG  # noqa: E402  (beside this script)
 
 SEED = 1234
 FP32_SUFFIXES = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score_correction_bias")
-MXFP4_QUANT_CONFIG = {
-    "config_groups": {"group_0": {
-        "format": "mxfp4-pack-quantized", "input_activations": None, "output_activations": None,
-        "targets": ["Linear"],
-        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
-                    "observer": "minmax", "observer_kwargs": {}, "scale_dtype": "torch.uint8", "strategy": "group",
-                    "symmetric": True, "type": "float", "zp_dtype": None}}},
-    "format": "mxfp4-pack-quantized", "global_compression_ratio": None,
-    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
-               "re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"],
-    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
-}
 
 
 def tiny_config(tok):
@@ -57,7 +46,7 @@ def tiny_config(tok):
         bos_token_id=tok["bos_token_id"], eos_token_id=tok["eos_token_id"], pad_token_id=tok["pad_token_id"],
         linear_attn_config=dict(num_heads=4, head_dim=32, short_conv_kernel_size=4, gate_lower_bound=-5.0,
                                 use_full_rank_gate=True, kda_layers=[1, 2, 3, 5, 6], full_attn_layers=[4, 7, 8]),
-        quantization_config=MXFP4_QUANT_CONFIG)
+        quantization_config=MXFP4_QUANTIZATION_CONFIG)
     vision = dict(init_pos_emb_height=8, init_pos_emb_width=8, vt_hidden_size=32, vt_intermediate_size=64,
                   vt_num_attention_heads=2, vt_num_hidden_layers=2, qkv_hidden_size=48, mm_hidden_size=32,
                   text_hidden_size=128)

@@ -60,3 +60,47 @@ def run_python(code, env=None, timeout=600):
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
                           timeout=timeout)
+
+
+NATIVE = "transformers.models.kimi_linear.modeling_kimi_linear"
+
+
+def native_kimi_linear_module():
+    """Transformers' native Kimi Linear module, imported with fla hidden: it binds fla's GPU-only kernels at
+    import when fla is installed, and on CPU we need its PyTorch path. fla is given back afterwards."""
+    import importlib
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    if getattr(transformers, "KimiLinearConfig", None) is None:
+        pytest.skip("this Transformers has no native Kimi Linear")
+    saved = {k: v for k, v in sys.modules.items() if k == "fla" or k.startswith("fla.") or k == NATIVE}
+    for k in saved:
+        del sys.modules[k]
+    sys.modules["fla"] = None
+    try:
+        return importlib.import_module(NATIVE)
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update({k: v for k, v in saved.items() if k != NATIVE})
+
+
+def native_kimi_linear(q_lora_rank=None):
+    """A tiny random native KimiLinearForCausalLM (5 layers, 2 MLA) with a non-zero router bias."""
+    from transformers import KimiLinearConfig
+
+    lib = native_kimi_linear_module()
+    torch.manual_seed(0)
+    cfg = KimiLinearConfig(
+        vocab_size=80, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=5,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=q_lora_rank, qk_rope_head_dim=8,
+        v_head_dim=16, qk_nope_head_dim=16, num_local_experts=6, num_experts_per_tok=2, linear_head_dim=16,
+        linear_num_heads=3, routed_scaling_factor=2.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse"])
+    model = lib.KimiLinearForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "e_score_correction_bias" in name:
+                p.normal_(0, 0.1)
+    return model

@@ -5,7 +5,6 @@ looks complete and resumes to a correct result; every bad input is refused with 
 the file, before anything reaches the output path; sources are never modified."""
 
 import hashlib
-import importlib
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kimi3_testing import ORACLE_A, ROOT, rel_err
+from kimi3_testing import ORACLE_A, ROOT, native_kimi_linear, rel_err
 
 sys.path.insert(0, os.path.join(ROOT, "conversion"))
 
@@ -372,42 +371,10 @@ def test_bad_input_is_refused_naming_tensor_and_file(tmp_path, kind, capsys):
 
 
 # ------------------------------------------------------------------------------------------ Kimi Linear
-NATIVE = "transformers.models.kimi_linear.modeling_kimi_linear"
-
-
-def _native_kimi_linear():
-    transformers = pytest.importorskip("transformers")
-    if getattr(transformers, "KimiLinearConfig", None) is None:
-        pytest.skip("this Transformers has no native Kimi Linear")
-    saved = {k: v for k, v in sys.modules.items() if k == "fla" or k.startswith("fla.") or k == NATIVE}
-    for k in saved:
-        del sys.modules[k]
-    sys.modules["fla"] = None  # the native module binds fla's GPU kernels when it can import fla
-    try:
-        lib = importlib.import_module(NATIVE)
-    finally:
-        del sys.modules["fla"]
-        sys.modules.update({k: v for k, v in saved.items() if k != NATIVE})
-    torch.manual_seed(0)
-    cfg = transformers.KimiLinearConfig(
-        vocab_size=80, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=5,
-        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-        v_head_dim=16, qk_nope_head_dim=16, num_local_experts=6, num_experts_per_tok=2, linear_head_dim=16,
-        linear_num_heads=3, routed_scaling_factor=2.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse"])
-    model = lib.KimiLinearForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "e_score_correction_bias" in name:
-                p.normal_(0, 0.1)
-    return model
-
-
 def test_convert_kimi_linear_from_native_save(tmp_path):
     from transformers_kimi3 import Kimi3ForCausalLM
 
-    native = _native_kimi_linear()
+    native = native_kimi_linear(q_lora_rank=24)
     native.save_pretrained(tmp_path / "native")
     before = snapshot(tmp_path / "native")
     out = tmp_path / "ours"
@@ -454,7 +421,7 @@ def test_quantize_and_kimi_linear_refuse_bad_inputs(tmp_path, capsys):
     assert "use convert_k3_to_hf.py" in capsys.readouterr().err
 
     native = tmp_path / "native"
-    _native_kimi_linear().save_pretrained(native)
+    native_kimi_linear(q_lora_rank=24).save_pretrained(native)
     sd = load_file(native / "model.safetensors")
     del sd["model.layers.1.self_attn.q_proj.weight"]
     sd["model.layers.1.self_attn.bogus.weight"] = torch.zeros(3)

@@ -8,47 +8,11 @@ transformers = pytest.importorskip("transformers")
 KimiLinearConfig = getattr(transformers, "KimiLinearConfig", None)
 pytestmark = pytest.mark.skipif(KimiLinearConfig is None, reason="this Transformers has no native Kimi Linear")
 
-import importlib  # noqa: E402
-import sys  # noqa: E402
-
-from kimi3_testing import rel_err  # noqa: E402
+from kimi3_testing import native_kimi_linear, native_kimi_linear_module, rel_err  # noqa: E402
 from transformers_kimi3 import Kimi3ForCausalLM  # noqa: E402
 
-NATIVE = "transformers.models.kimi_linear.modeling_kimi_linear"
-
-
-def _native_module_without_fla():
-    """The native model binds fla's GPU kernels at import when fla is installed; on CPU we need its PyTorch path,
-    so import it once with fla hidden, then give fla back to the rest of the process."""
-    saved = {k: v for k, v in sys.modules.items() if k == "fla" or k.startswith("fla.") or k == NATIVE}
-    for k in saved:
-        del sys.modules[k]
-    sys.modules["fla"] = None
-    try:
-        return importlib.import_module(NATIVE)
-    finally:
-        del sys.modules["fla"]
-        sys.modules.update({k: v for k, v in saved.items() if k != NATIVE})
-
-
-native_lib = _native_module_without_fla()
-
-
-def native_model(q_lora_rank=None):
-    torch.manual_seed(0)
-    cfg = KimiLinearConfig(
-        vocab_size=80, hidden_size=48, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=5,
-        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=q_lora_rank, qk_rope_head_dim=8,
-        v_head_dim=16, qk_nope_head_dim=16, num_local_experts=6, num_experts_per_tok=2, linear_head_dim=16,
-        linear_num_heads=3, routed_scaling_factor=2.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse"])
-    model = native_lib.KimiLinearForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "e_score_correction_bias" in name:
-                p.normal_(0, 0.1)
-    return model
+native_model = native_kimi_linear
+native_lib = native_kimi_linear_module()
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 24])

@@ -75,7 +75,7 @@ def main():
 def bench(args):
     from .benchmark import main as run, print_table
 
-    small = ["--tiny", "--prefill", "64,256", "--batches", "1,4", "--prompt", "32", "--new-tokens", "8"]
+    small = ["--tiny", "--prefill", "32", "--batches", "1", "--prompt", "16", "--new-tokens", "4"]
     if torch.cuda.is_available():
         small = ["--prefill", "2048,8192", "--batches", "1,8", "--prompt", "512", "--new-tokens", "32"]
     print_table(run(small + (["--out", args.out] if args.out else []) + ["--budget-s", "300"]))
