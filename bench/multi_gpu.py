@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT / "src", ROOT / "kernels"):
+for _p in (ROOT / "src", ROOT / "kernels"):  # after PYTHONPATH, so that another checkout can be pointed at
     if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+        sys.path.append(str(_p))
 
 T0 = time.time()
 
@@ -269,18 +269,22 @@ def worker(args):
     guard_kernels()
     from transformers.distributed import DistributedConfig
 
+    patch = not args.model_plans  # --model-plans: use the plans and the sentinel handling the model itself has
     if args.plan == "tp":
-        Kimi3TextConfig.base_model_tp_plan = TP_PLAN
+        if patch:
+            Kimi3TextConfig.base_model_tp_plan = TP_PLAN
         dist_config = DistributedConfig(tp_plan="auto")
     elif new_ep_api():
-        Kimi3TextConfig.base_model_ep_plan = EP_PLAN_DISPATCH
-        Kimi3TextConfig.base_model_tp_plan = TP_PLAN  # EP rules win on the experts; TP for the rest
+        if patch:
+            Kimi3TextConfig.base_model_ep_plan = EP_PLAN_DISPATCH
+            Kimi3TextConfig.base_model_tp_plan = TP_PLAN  # EP rules win on the experts; TP for the rest
         dist_config = DistributedConfig(tp_size=2, tp_plan="auto", ep_size=2, ep_implementation="all_reduce")
     else:
-        Kimi3TextConfig.base_model_ep_plan = EP_PLAN_ROUTER
-        Kimi3TextConfig.base_model_tp_plan = TP_PLAN
+        if patch:
+            Kimi3TextConfig.base_model_ep_plan = EP_PLAN_ROUTER
+            Kimi3TextConfig.base_model_tp_plan = TP_PLAN
         dist_config = DistributedConfig(tp_plan="auto", enable_expert_parallel=True)
-    if args.plan == "ep":
+    if args.plan == "ep" and patch:
         patch_sentinel_experts()
     refs = torch.load(Path(args.work) / "ref.pt")
     out = {}
@@ -321,13 +325,14 @@ def free_port():
 def torchrun(args, plan, results):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), __file__, "tp", "--plan", plan, "--folder", str(args.folder),
-           "--work", str(args.work), "--device", args.device, "--dtypes", args.dtypes]
+           "--work", str(args.work), "--device", args.device, "--dtypes", args.dtypes] + (
+               ["--model-plans"] if args.model_plans else [])
     results["commands"][plan] = " ".join(["torchrun", "--nproc_per_node", "2", "bench/multi_gpu.py", "tp",
                                            "--plan", plan, "--folder", "MODEL", "--work", "WORK", "--dtypes",
                                            args.dtypes])
     t = time.time()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "kernels"),
-                                                       os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.environ.get("PYTHONPATH", ""), str(ROOT / "src"),
+                                                       str(ROOT / "kernels")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.stage_timeout)
     (Path(args.out) / f"{plan}.log").write_text(proc.stdout[-200000:] + "\n--- stderr ---\n" + proc.stderr[-200000:])
     path = Path(args.work) / f"{plan}.json"
@@ -350,6 +355,8 @@ def main():
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     ap.add_argument("--stage-timeout", type=int, default=150)
     ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke test)")
+    ap.add_argument("--model-plans", action="store_true",
+                    help="use the model's own tp/ep plans and expert-parallel handling instead of installing them")
     args = ap.parse_args()
     if args.tiny or os.environ.get("KIMI3_BENCH_TINY"):
         MODEL.update(TINY)
@@ -403,8 +410,8 @@ def main():
             json.dump(results, open(Path(args.out) / "multi_gpu.json", "w"), indent=1, default=str)
     if "error" not in results and "skipped" not in results["device_map"]:
         t = time.time()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "kernels"),
-                                                           os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.environ.get("PYTHONPATH", ""), str(ROOT / "src"),
+                                                           str(ROOT / "kernels")]))
         cmd = [sys.executable, __file__, "dm", "--folder", str(args.folder), "--work", str(args.work),
                "--dtypes", args.dtypes]
         try:
