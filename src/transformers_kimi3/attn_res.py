@@ -2,17 +2,38 @@
 
 Each aggregation point owns a pseudo-query (`*_res_proj`, Linear d->1, checkpoint shape [1, d]) and an RMSNorm
 (`*_res_norm`) whose gain multiplies the query; sources are RMS-normalised for the scores only and mixed raw, in
-fp32 (SPEC 0.6 and 4). The modules keep the checkpoint's names on the layers; this is the math.
+fp32 (SPEC 0.6 and 4): score = (k * norm.weight * proj.weight[0]).sum(-1) = proj(norm(v)).
+Both run through their own modules' forward, so offloading hooks see every weight use.
 """
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norms import Kimi3RMSNorm
+
+
+class Kimi3AttnResNorm(Kimi3RMSNorm):
+    """The key norm: like Kimi3RMSNorm but kept in fp32 (the scores are computed in fp32)."""
+
+    def forward(self, x):
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * self.weight.float()
+
+
+class Kimi3AttnResProj(nn.Linear):
+    """The pseudo-query, applied in fp32."""
+
+    def __init__(self, hidden_size):
+        super().__init__(hidden_size, 1, bias=False)
+
+    def forward(self, x):
+        return F.linear(x.float(), self.weight.float())
 
 
 def attn_res_mix(bank, partial, proj, norm):
     """bank [B,T,n,d] (n >= 1 completed blocks), partial [B,T,d] or None -> mix [B,T,d] in bank's dtype."""
     sources = bank if partial is None else torch.cat([bank, partial[:, :, None].to(bank.dtype)], dim=2)
     v = sources.float()
-    keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    query = norm.weight.float() * proj.weight[0].float()
-    weights = torch.softmax(keys @ query, dim=-1)
+    weights = torch.softmax(proj(norm(v))[..., 0], dim=-1)
     return (weights[..., None] * v).sum(2).to(bank.dtype)

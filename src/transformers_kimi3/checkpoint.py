@@ -238,23 +238,36 @@ def load_pretrained(cls, name_or_path, base_from_pretrained, *model_args, **kwar
     return model
 
 
-def build_state_dict(cls, config, tensors):
-    text_config = _text_config(config)
+def _convert(cls, config, tensors, expected):
+    """name -> (tensor, file) in any supported layout -> the state dict of `cls` (keys of `expected`)."""
     text, vision = {}, {}
     for name, value in tensors.items():
         if name.startswith(VISION_PREFIXES):
             vision[name] = value
         else:
             text[name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name] = value
-    state_dict = to_memory_layout(text, text_config)
-    expected = _expected_shapes(cls, config)
     prefix = _text_prefix(expected)
-    state_dict = {_place(k, prefix): v for k, v in state_dict.items()}
+    state_dict = {_place(k, prefix): v for k, v in to_memory_layout(text, _text_config(config)).items()}
     state_dict = {k: v for k, v in state_dict.items() if k is not None}
     if any(k.startswith(VISION_PREFIXES) for k in expected):
         state_dict.update({k: v for k, (v, _) in vision.items()})
     elif vision:
         logger.warning(f"{cls.__name__} is text-only: skipped {len(vision)} vision tower / projector tensors")
+    return state_dict
+
+
+def state_dict_for_model(model, state_dict):
+    """`model.load_state_dict` input in any supported layout (e.g. what save_pretrained wrote, as Trainer reloads
+    it when resuming) -> the model's own keys. A state dict already in the model's layout passes unchanged."""
+    own = model.state_dict()
+    if set(state_dict) <= set(own) and all(state_dict[k].shape == own[k].shape for k in state_dict):
+        return state_dict
+    return _convert(type(model), model.config, {k: (v, "<state_dict>") for k, v in state_dict.items()}, own)
+
+
+def build_state_dict(cls, config, tensors):
+    expected = _expected_shapes(cls, config)
+    state_dict = _convert(cls, config, tensors, expected)
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
     if missing or unexpected:

@@ -137,6 +137,17 @@ def causal_conv(x, weight, state=None, seq_idx=None):
     return F.silu(y).to(x.dtype).transpose(1, 2), full[..., -W:].contiguous()
 
 
+class Kimi3ShortConv(nn.Conv1d):
+    """Depthwise causal conv (checkpoint shape [D, 1, W]); its weight is read only in its own forward, so
+    Accelerate's offload hooks see every use."""
+
+    def __init__(self, channels, kernel_size):
+        super().__init__(channels, channels, kernel_size, groups=channels, padding=kernel_size - 1, bias=False)
+
+    def forward(self, x, state=None, seq_idx=None):
+        return causal_conv(x, self.weight, state, seq_idx)
+
+
 class Kimi3DeltaAttention(nn.Module):
     """KDA: q/k/v projections -> short causal convs + SiLU -> gated delta rule -> per-head gated RMSNorm -> o_proj.
     Tensor names are the checkpoint's (separate q/k/v convs, f_a/f_b gate, b_proj, g_proj or g_a/g_b)."""
@@ -152,9 +163,9 @@ class Kimi3DeltaAttention(nn.Module):
         self.q_proj = nn.Linear(d, D, bias=False)
         self.k_proj = nn.Linear(d, D, bias=False)
         self.v_proj = nn.Linear(d, D, bias=False)
-        self.q_conv1d = nn.Conv1d(D, D, W, groups=D, padding=W - 1, bias=False)
-        self.k_conv1d = nn.Conv1d(D, D, W, groups=D, padding=W - 1, bias=False)
-        self.v_conv1d = nn.Conv1d(D, D, W, groups=D, padding=W - 1, bias=False)
+        self.q_conv1d = Kimi3ShortConv(D, W)
+        self.k_conv1d = Kimi3ShortConv(D, W)
+        self.v_conv1d = Kimi3ShortConv(D, W)
         self.f_a_proj = nn.Linear(d, K, bias=False)
         self.f_b_proj = nn.Linear(K, D, bias=False)
         self.b_proj = nn.Linear(d, H, bias=False)
@@ -182,9 +193,9 @@ class Kimi3DeltaAttention(nn.Module):
                              "they cannot be combined with a cache")
         states = cache.conv_states[self.layer_idx] if cache is not None else None
         states = states or (None, None, None)
-        q, sq = causal_conv(self.q_proj(x), self.q_conv1d.weight, states[0], seq_idx)
-        k, sk = causal_conv(self.k_proj(x), self.k_conv1d.weight, states[1], seq_idx)
-        v, sv = causal_conv(self.v_proj(x), self.v_conv1d.weight, states[2], seq_idx)
+        q, sq = self.q_conv1d(self.q_proj(x), states[0], seq_idx)
+        k, sk = self.k_conv1d(self.k_proj(x), states[1], seq_idx)
+        v, sv = self.v_conv1d(self.v_proj(x), states[2], seq_idx)
         q, k, v = (t.view(B, T, H, K) for t in (q, k, v))
         g = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         beta = self.b_proj(x)

@@ -14,6 +14,24 @@ from .norms import Kimi3RMSNorm
 MLA_LATENT_NORM_EPS = 1e-6
 
 
+class Kimi3KVBProj(nn.Linear):
+    """kv_b_proj [H*(nope+v), r]. Besides expanding latents, its forward folds the weight into queries
+    (`fold="k"`: q_nope -> latent space) and outputs (`fold="v"`: latent -> v), so that every use of the weight
+    goes through this module's forward (offloading hooks)."""
+
+    def __init__(self, rank, num_heads, nope, v_dim):
+        super().__init__(rank, num_heads * (nope + v_dim), bias=False)
+        self.num_heads, self.nope, self.v_dim = num_heads, nope, v_dim
+
+    def forward(self, x, fold=None):
+        if fold is None:
+            return super().forward(x)
+        w = self.weight.view(self.num_heads, self.nope + self.v_dim, -1)
+        if fold == "k":
+            return torch.einsum("bhtn,hnr->bhtr", x, w[:, : self.nope])
+        return torch.einsum("bhtr,hvr->bhtv", x, w[:, self.nope:])
+
+
 class Kimi3MLAAttention(nn.Module):
     ABSORB_MAX_QUERIES = 8  # decode and speculative verification read the cache; longer calls expand it
 
@@ -33,7 +51,7 @@ class Kimi3MLAAttention(nn.Module):
             self.q_b_proj = nn.Linear(config.q_lora_rank, H * (self.nope + self.rope), bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
         self.kv_a_layernorm = Kimi3RMSNorm(self.kv_lora_rank, eps=MLA_LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
+        self.kv_b_proj = Kimi3KVBProj(self.kv_lora_rank, H, self.nope, self.v_dim)
         if config.mla_use_output_gate:
             self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
@@ -49,7 +67,8 @@ class Kimi3MLAAttention(nn.Module):
         if cache is not None:
             latent = cache.update_latent(latent, self.layer_idx)
         Tk = latent.shape[1]
-        if cache is not None and T <= self.ABSORB_MAX_QUERIES and Tk > T:
+        # an adapter-wrapped kv_b_proj (PEFT) cannot be folded: it decodes in the expanded form
+        if cache is not None and T <= self.ABSORB_MAX_QUERIES and Tk > T and type(self.kv_b_proj) is Kimi3KVBProj:
             o = self._absorbed(q, latent, mask)
         else:
             o = self._expanded(q, latent, mask, T)
@@ -72,13 +91,11 @@ class Kimi3MLAAttention(nn.Module):
         """Decode: kv_b_proj folded into the query and the output, so attention runs over the cached latent
         itself (one shared 576-wide key and 512-wide value) instead of re-expanding every cached position."""
         H, r = self.num_heads, self.kv_lora_rank
-        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, r)
-        w_k, w_v = w[:, : self.nope], w[:, self.nope:]
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        q_lat = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, w_k), q_pe], dim=-1)
+        q_lat = torch.cat([self.kv_b_proj(q_nope, fold="k"), q_pe], dim=-1)
         k = latent[:, None].expand(-1, H, -1, -1)
         o_lat = F.scaled_dot_product_attention(q_lat, k, k[..., :r], attn_mask=mask, scale=self.scaling)
-        return torch.einsum("bhtr,hvr->bhtv", o_lat, w_v)
+        return self.kv_b_proj(o_lat, fold="v")
 
 
 def mla_mask(attention_mask, query_length, past_length, device, seq_idx=None):

@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
-from .checkpoint import load_pretrained, save_pretrained
-from .attn_res import attn_res_mix
+from .checkpoint import load_pretrained, save_pretrained, state_dict_for_model
+from .attn_res import Kimi3AttnResNorm, Kimi3AttnResProj, attn_res_mix
 from .cache import Kimi3Cache
 from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig
 from .kda import Kimi3DeltaAttention
@@ -42,10 +43,10 @@ class Kimi3DecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = Kimi3RMSNorm(d, eps=eps)
         self.attn_res_block_size = config.attn_res_block_size
         if config.use_attn_res:
-            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
-            self.self_attention_res_norm = Kimi3RMSNorm(d, eps=eps)
-            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
-            self.mlp_res_norm = Kimi3RMSNorm(d, eps=eps)
+            self.self_attention_res_proj = Kimi3AttnResProj(d)
+            self.self_attention_res_norm = Kimi3AttnResNorm(d, eps=eps)
+            self.mlp_res_proj = Kimi3AttnResProj(d)
+            self.mlp_res_norm = Kimi3AttnResNorm(d, eps=eps)
 
     def _attn(self, x, kda_mask, attn_mask, past_key_values, seq_idx):
         if self.is_kda:
@@ -95,49 +96,52 @@ class Kimi3PreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
+        # transformers.initialization skips tensors already loaded from a checkpoint (offloaded layers too)
         std = self.config.get_text_config().initializer_range
         if isinstance(module, nn.Linear):
             if module.out_features == 1:  # AttnRes pseudo-queries: zero = uniform averaging at the start
-                module.weight.zero_()
+                init.zeros_(module.weight)
             else:
-                module.weight.normal_(0.0, std)
+                init.normal_(module.weight, 0.0, std)
         elif isinstance(module, nn.Embedding):
-            module.weight.normal_(0.0, std)
+            init.normal_(module.weight, 0.0, std)
         elif isinstance(module, nn.Conv1d):
-            nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
-        elif isinstance(module, nn.Conv2d):
-            module.weight.normal_(0.0, std)
-        elif isinstance(module, Kimi3VisionPositionEmbedding):
-            module.weight.normal_(0.0, std)
+            init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+        elif isinstance(module, (nn.Conv2d, Kimi3VisionPositionEmbedding)):
+            init.normal_(module.weight, 0.0, std)
         elif isinstance(module, (Kimi3RMSNorm, Kimi3GatedRMSNorm, nn.RMSNorm)):
-            module.weight.fill_(1.0)
+            init.ones_(module.weight)
         elif isinstance(module, Kimi3TopkRouter):
-            module.weight.normal_(0.0, std)
-            module.e_score_correction_bias.zero_()
+            init.normal_(module.weight, 0.0, std)
+            init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, Kimi3Experts):
             for w in (module.w1, module.w2, module.w3):
-                w.normal_(0.0, std)
+                init.normal_(w, 0.0, std)
         elif isinstance(module, Kimi3DeltaAttention):
             # fla conventions: A_log = 0 with the bounded (safe) gate, else log U(1, 16);
             # dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1]
             if module.lower_bound is not None:
-                module.A_log.zero_()
+                init.zeros_(module.A_log)
             else:
-                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(1, 16).log())
+                init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1, 16).log())
             dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
-            module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
 
     # ---- one on-disk format: the official layout, whatever the layout in memory
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         if kwargs.get("state_dict") is not None or pretrained_model_name_or_path is None:
             return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        return load_pretrained(cls, pretrained_model_name_or_path, super().from_pretrained,
-                                          *model_args, **kwargs)
+        return load_pretrained(cls, pretrained_model_name_or_path, super().from_pretrained, *model_args,
+                               **kwargs)
 
     def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
-        return save_pretrained(self, save_directory, super().save_pretrained, *args,
-                                          state_dict=state_dict, **kwargs)
+        return save_pretrained(self, save_directory, super().save_pretrained, *args, state_dict=state_dict,
+                               **kwargs)
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        # also the official layout that save_pretrained writes (Trainer reloads it when resuming)
+        return super().load_state_dict(state_dict_for_model(self, state_dict), strict=strict, assign=assign)
 
 
 class Kimi3Model(Kimi3PreTrainedModel):
@@ -149,8 +153,8 @@ class Kimi3Model(Kimi3PreTrainedModel):
         self.layers = nn.ModuleList(Kimi3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Kimi3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if config.use_attn_res:
-            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
-            self.output_attn_res_norm = Kimi3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.output_attn_res_proj = Kimi3AttnResProj(config.hidden_size)
+            self.output_attn_res_norm = Kimi3AttnResNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
         self.post_init()
 
