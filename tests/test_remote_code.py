@@ -52,7 +52,7 @@ def test_text_model_remote_code_roundtrip(tmp_path):
     with torch.no_grad():
         expected = model(input_ids=ids).logits
     rel, cls, n = _roundtrip(tmp_path / "m", "AutoModelForCausalLM", ids, expected, tmp_path)
-    assert rel < 1e-6 and cls == "Kimi3ForCausalLM" and n == 9
+    assert rel < 1e-5 and cls == "Kimi3ForCausalLM" and n == 9  # fp32 rounding across processes (threads)
 
 
 @needs_oracle
@@ -65,7 +65,7 @@ def test_official_folder_remote_code_roundtrip(tmp_path):
     with torch.no_grad():
         expected = model(input_ids=ids).logits
     rel, cls, _ = _roundtrip(tmp_path / "k3", "AutoModelForImageTextToText", ids, expected, tmp_path)
-    assert rel < 1e-6 and cls == "Kimi3ForConditionalGeneration"
+    assert rel < 1e-5 and cls == "Kimi3ForConditionalGeneration"
 
 
 @needs_oracle
