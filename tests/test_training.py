@@ -67,39 +67,6 @@ def enable_checkpointing(model):
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
 
 
-def model_accepts_saved_state_dict():
-    """Trainer's resume_from_checkpoint / load_best_model_at_end read model.safetensors (the official layout that
-    save_pretrained writes) and call model.load_state_dict on it."""
-    import tempfile
-
-    model = tiny_model(**SMALL)
-    with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)
-        try:
-            model.load_state_dict(load_file(os.path.join(d, "model.safetensors")), False)
-            return True
-        except RuntimeError:
-            return False
-
-
-def load_saved_layout(model):
-    """Stand-in for the model-side fix (report: Kimi3PreTrainedModel.load_state_dict converting the official layout):
-    this model instance converts a state dict in the saved layout before loading it."""
-    from transformers_kimi3.checkpoint import build_state_dict
-
-    plain = model.load_state_dict
-
-    def load_state_dict(state_dict, strict=True, assign=False):
-        own = model.state_dict()
-        if any(k not in own or tuple(v.shape) != tuple(own[k].shape) for k, v in state_dict.items()):
-            state_dict = build_state_dict(type(model), model.config,
-                                          {k: (v, "<state dict>") for k, v in state_dict.items()})
-        return plain(state_dict, strict=strict, assign=assign)
-
-    model.load_state_dict = load_state_dict
-    return model
-
-
 # ----------------------------------------------------------------------------- Trainer: fp32, save, reload, resume
 def test_trainer_fp32_loss_save_reload_resume(tmp_path):
     data = as_tensors(corpus(96))  # 12 batches per epoch, 24 steps = 2 epochs
@@ -120,8 +87,6 @@ def test_trainer_fp32_loss_save_reload_resume(tmp_path):
     # resume from the step-12 checkpoint: the same final weights as the uninterrupted run (CPU fp32 is
     # deterministic; optimizer, scheduler and RNG states come from the checkpoint)
     resumed = tiny_model(seed=1, **SMALL).train()  # other initial weights: everything must come from the checkpoint
-    if not model_accepts_saved_state_dict():
-        load_saved_layout(resumed)  # see test_trainer_load_state_dict_reads_saved_checkpoint
     trainer2 = Trainer(model=resumed, args=args(tmp_path / "b", 24), train_dataset=data)
     trainer2.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-12"))
     final = dict(model.named_parameters())
@@ -131,13 +96,16 @@ def test_trainer_fp32_loss_save_reload_resume(tmp_path):
         assert torch.equal(b, b_ref), name
 
 
-def test_trainer_load_state_dict_reads_saved_checkpoint():
-    """Plain `Trainer.train(resume_from_checkpoint=...)` needs model.load_state_dict to take the official layout
-    that our save_pretrained writes (per-expert tensors, A_log padded to head_dim)."""
-    if not model_accepts_saved_state_dict():
-        pytest.xfail("model.load_state_dict cannot read the official layout of model.safetensors (A_log [head_dim] "
-                     "vs [heads], per-expert tensors): Trainer resume_from_checkpoint / load_best_model_at_end fail "
-                     "until Kimi3PreTrainedModel.load_state_dict converts it (docs/finetuning.md)")
+def test_load_state_dict_reads_the_saved_layout(tmp_path):
+    """Trainer's resume_from_checkpoint / load_best_model_at_end call model.load_state_dict on model.safetensors,
+    which holds the official layout (per-expert tensors, A_log padded to head_dim) that save_pretrained writes."""
+    model = tiny_model(**SMALL)
+    model.save_pretrained(tmp_path)
+    other = tiny_model(seed=1, **SMALL)
+    result = other.load_state_dict(load_file(os.path.join(tmp_path, "model.safetensors")), False)
+    assert not result.missing_keys and not result.unexpected_keys
+    for (name, a), (_, b) in zip(other.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name
 
 
 # ----------------------------------------------------------------------------- bf16, router logits
