@@ -8,6 +8,7 @@ serialized.
 """
 
 import copy
+import importlib.util
 
 from transformers import PretrainedConfig
 
@@ -30,6 +31,14 @@ def _fail(field, msg):
     raise ValueError(f"Kimi3 config: `{field}` {msg}")
 
 
+def _expert_parallel_plan():
+    experts = "layers.*.block_sparse_moe.experts"
+    plan = {f"{experts}.{w}": "grouped_gemm" for w in ("w1", "w3", "w2")}
+    if importlib.util.find_spec("transformers.distributed.expert_parallel") is not None:
+        return {experts: "ep_dispatch_experts", **plan}
+    return {"layers.*.block_sparse_moe.gate": "ep_router", **plan, experts: "moe_tp_experts"}
+
+
 class Kimi3TextConfig(PretrainedConfig):
     r"""Text model of Kimi K3 (and of Kimi Linear, which is the same family without AttnRes / latent MoE).
 
@@ -43,6 +52,23 @@ class Kimi3TextConfig(PretrainedConfig):
     model_type = "kimi_k3_text"
     base_config_key = "text_config"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # Tensor parallel (`tp_plan="auto"` under torchrun): dense MLP, shared experts and the routed experts' intermediate
+    # width are split; the experts' partial outputs are summed before routed_expert_norm. Attention is replicated.
+    base_model_tp_plan = {
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.block_sparse_moe.shared_experts.gate_proj": "colwise",
+        "layers.*.block_sparse_moe.shared_experts.up_proj": "colwise",
+        "layers.*.block_sparse_moe.shared_experts.down_proj": "rowwise",
+        "layers.*.block_sparse_moe.experts.w1": "colwise",
+        "layers.*.block_sparse_moe.experts.w3": "colwise",
+        "layers.*.block_sparse_moe.experts.w2": "rowwise",
+        "layers.*.block_sparse_moe.experts": "moe_tp_experts",
+    }
+    # Expert parallel: whole experts per rank. Transformers >= 5.21 dispatches with `ep_dispatch_experts`; 5.17-5.20
+    # masks with `ep_router` and sums with `moe_tp_experts`.
+    base_model_ep_plan = _expert_parallel_plan()
 
     def __init__(
         self,

@@ -94,7 +94,8 @@ def resolve_backend(device, requested=None, announce=True):
 
 def kda_chunk(q, k, v, g, beta, backend, **kw):
     if backend == "triton":
-        return _triton_kda.chunk_kda(q, k, v, g, beta, **kw)
+        with torch.cuda.device(q.device):  # Triton launches on the current device; under a device_map the layer
+            return _triton_kda.chunk_kda(q, k, v, g, beta, **kw)  # may live on another GPU
     if backend == "fla":
         return _fla_call(_fla()[0], q, k, v, g, beta, safe_gate=kw.get("lower_bound") is not None, **kw)
     return naive_chunk_kda(q, k, v, g, beta, **kw)
@@ -102,7 +103,8 @@ def kda_chunk(q, k, v, g, beta, backend, **kw):
 
 def kda_recurrent(q, k, v, g, beta, backend, **kw):
     if backend == "triton":
-        return _triton_kda.fused_recurrent_kda(q, k, v, g, beta, **kw)
+        with torch.cuda.device(q.device):
+            return _triton_kda.fused_recurrent_kda(q, k, v, g, beta, **kw)
     if backend == "fla":
         return _fla_call(_fla()[1], q, k, v, g, beta, **kw)
     return naive_recurrent_kda(q, k, v, g, beta, **kw)

@@ -99,6 +99,8 @@ class Kimi3Experts(nn.Module):
         self.act_fn = GLUActivation(config)
 
     def forward(self, x, topk_idx, topk_weights):
+        """Under expert parallelism (Transformers' `ep_router` / `ep_dispatch_experts`) `num_experts` is this rank's
+        count and a route to another rank's expert arrives as index `num_experts` with weight 0: it is skipped."""
         T, k = topk_idx.shape
         if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16:
             y = self._grouped_mm(x, topk_idx)
@@ -109,7 +111,7 @@ class Kimi3Experts(nn.Module):
         return (y.float().view(T, k, -1) * topk_weights.float()[..., None]).sum(1)
 
     def _gathered(self, x, topk_idx):
-        flat = topk_idx.reshape(-1)
+        flat = topk_idx.reshape(-1).clamp(max=self.num_experts - 1)  # off-rank routes (weight 0) read any expert
         xs = x.repeat_interleave(topk_idx.shape[1], dim=0)[:, :, None]
         h = self.act_fn(torch.bmm(self.w1[flat], xs)[..., 0], torch.bmm(self.w3[flat], xs)[..., 0])
         return torch.bmm(self.w2[flat], h[:, :, None])[..., 0]
@@ -118,13 +120,13 @@ class Kimi3Experts(nn.Module):
         flat = topk_idx.reshape(-1)
         order = flat.argsort(stable=True)
         # scatter_add, not bincount: bincount(minlength=...) copies to the host, which a CUDA graph cannot hold
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
+        counts = torch.zeros(self.num_experts + 1, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))[: self.num_experts]  # off-rank routes (index num_experts) sort last
         return order, counts, x[order // topk_idx.shape[1]]
 
     def _segments(self, x, topk_idx):
         order, counts, xs = self._sorted(x, topk_idx)
-        out = torch.empty(xs.shape[0], self.w2.shape[1], dtype=x.dtype, device=x.device)
+        out = torch.zeros(xs.shape[0], self.w2.shape[1], dtype=x.dtype, device=x.device)  # off-rank rows stay 0
         start = 0
         for e, n in enumerate(counts.tolist()):  # one host sync; experts with no token are skipped
             if n:
@@ -140,6 +142,8 @@ class Kimi3Experts(nn.Module):
         g = torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)
         u = torch._grouped_mm(xs, self.w3.transpose(1, 2), offs=offs)
         out = torch._grouped_mm(self.act_fn(g, u), self.w2.transpose(1, 2), offs=offs)
+        rows = torch.arange(out.shape[0], device=out.device)[:, None]
+        out = out.masked_fill(rows >= offs[-1], 0)  # off-rank routes sort last and are not computed
         return out.new_empty(out.shape).index_copy_(0, order, out)
 
 
