@@ -97,7 +97,7 @@ def test_offloaded_generate_with_cache_reused_across_calls(folder, plain, tmp_pa
 
 def test_tensor_and_expert_parallel_plans_on_cpu(tmp_path):
     """bench/multi_gpu.py's TP plan (MLPs, shared and routed experts) and EP plan (whole experts per rank, with
-    Kimi3Experts skipping the off-rank sentinel), installed on the config class, under torchrun with two CPU
+    Kimi3Experts skipping the off-rank sentinel), as Kimi3TextConfig defines them, under torchrun with two CPU
     processes (gloo): the same fp32 logits and greedy tokens as one process. The two-H200 run is in
     bench/results/multi_gpu.json."""
     import json
@@ -113,7 +113,7 @@ def test_tensor_and_expert_parallel_plans_on_cpu(tmp_path):
         [os.path.join(root, "src"), os.path.join(root, "kernels"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, os.path.join(root, "bench", "multi_gpu.py"), "all", "--tiny", "--device",
                            "cpu", "--dtypes", "float32", "--out", str(tmp_path / "out"), "--work",
-                           str(tmp_path / "work"), "--stage-timeout", "120"],
+                           str(tmp_path / "work"), "--stage-timeout", "120", "--model-plans"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.load(open(tmp_path / "out" / "multi_gpu.json"))
