@@ -449,6 +449,9 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
                 past_key_values=None, inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
                 output_router_logits=None, logits_to_keep=0, return_dict=None, image_grid_thw=None, **kwargs):
         grid_thws = grid_thws if grid_thws is not None else image_grid_thw
+        if _graph_decodable(past_key_values, input_ids, labels, output_hidden_states, output_router_logits):
+            return MoeCausalLMOutputWithPast(logits=decode_with_graph(self.language_model, past_key_values, input_ids),
+                                             past_key_values=past_key_values)
         n_source = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         cache_started = isinstance(past_key_values, Kimi3Cache) and past_key_values.seen_tokens > 0
         if pixel_values is not None and not cache_started:
