@@ -118,3 +118,14 @@ def test_static_cache_gives_the_same_tokens_and_logits(model):
         model(input_ids=x[:, :3], past_key_values=cache, use_cache=True)
         with pytest.raises(ValueError, match="static cache holds 4 positions"):
             model(input_ids=x[:, 3:5], past_key_values=cache, use_cache=True)
+
+
+def test_generate_with_chunked_prefill(model):
+    x = ids(2, 40, seed=8)
+    with torch.no_grad():
+        whole = model.generate(x, max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True,
+                               return_dict_in_generate=True)
+        chunked = model.generate(x, max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True,
+                                 return_dict_in_generate=True, prefill_chunk_size=16)
+    assert torch.equal(whole.sequences, chunked.sequences)
+    assert rel_err(torch.stack(chunked.logits), torch.stack(whole.logits)) < TOL

@@ -324,14 +324,17 @@ class Kimi3GenerationMixin(GenerationMixin):
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
         """`cache_implementation="static"` gives a fixed-size Kimi3Cache whose decode steps run as one CUDA graph
-        on GPU (captured at the first decode step, replayed after); any other value, the growing cache."""
-        impl = kwargs.pop("cache_implementation", None) or getattr(generation_config or self.generation_config,
-                                                                   "cache_implementation", None)
-        if impl == "static" and kwargs.get("past_key_values") is None:
+        on GPU (captured at the first decode step, replayed after); any other value, the growing cache.
+        `prefill_chunk_size=N` prefills long prompts N tokens at a time (KDA state and MLA latents carried)."""
+        config = generation_config or self.generation_config
+        impl = kwargs.pop("cache_implementation", None) or getattr(config, "cache_implementation", None)
+        chunked = kwargs.get("prefill_chunk_size") or getattr(config, "prefill_chunk_size", None)
+        if (impl == "static" or chunked) and kwargs.get("past_key_values") is None:
+            # Transformers' chunked prefill needs a cache object up front; ours is never built by generate()
             ids = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-            max_new = kwargs.get("max_new_tokens") or getattr(generation_config or self.generation_config,
-                                                              "max_new_tokens", None) or 20
-            kwargs["past_key_values"] = Kimi3Cache(self.config.get_text_config(), max_length=ids.shape[1] + max_new)
+            max_new = kwargs.get("max_new_tokens") or getattr(config, "max_new_tokens", None) or 20
+            kwargs["past_key_values"] = Kimi3Cache(self.config.get_text_config(),
+                                                   max_length=ids.shape[1] + max_new if impl == "static" else None)
         if generation_config is not None and getattr(generation_config, "cache_implementation", None):
             generation_config = copy.deepcopy(generation_config)
             generation_config.cache_implementation = None
@@ -350,6 +353,8 @@ class Kimi3GenerationMixin(GenerationMixin):
         started = isinstance(past_key_values, Kimi3Cache) and past_key_values.seen_tokens > 0
         if started:
             new = input_ids.shape[1] - past_key_values.source_tokens
+            if new <= 0:  # chunked prefill hands over only the next chunk of ids
+                new = input_ids.shape[1]
             inputs = {"input_ids": input_ids[:, -new:],
                       "attention_mask": None if attention_mask is None else attention_mask[:, -new:]}
             for k in self._mm_keys:  # media is encoded once, at prefill
