@@ -13,6 +13,8 @@ This module has:
   it dequantises one expert at a time.
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -232,6 +234,11 @@ def _combine(pairs_out, topk_w, T, k, dtype):
     return torch.bmm(topk_w.float().reshape(T, 1, k), pairs_out.view(T, k, D)).view(T, D).to(dtype)
 
 
+def _on_device(t):
+    """Triton launches on the current CUDA device; under a device_map the layer may live on another GPU."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 class _PackedExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_w, topk_idx, mod):
@@ -239,7 +246,8 @@ class _PackedExpertsFunction(torch.autograd.Function):
         triton_path = mod._uses_triton(x)
         order, offsets = _route(topk_idx, mod.num_experts, sync_ok=not triton_path)
         if triton_path:
-            o = mod._forward_triton(x, order, offsets, k)
+            with _on_device(x):
+                o = mod._forward_triton(x, order, offsets, k)
         else:
             o = mod._forward_torch(x, order, offsets, k)
         ctx.mod, ctx.k, ctx.triton_path = mod, k, triton_path
@@ -252,7 +260,8 @@ class _PackedExpertsFunction(torch.autograd.Function):
         x, topk_w, order, offsets = ctx.saved_tensors
         mod, k = ctx.mod, ctx.k
         run = mod._backward_triton if ctx.triton_path else mod._backward_torch
-        dx_pairs, dw_pairs = run(x, topk_w, dy.contiguous(), order, offsets, k, ctx.needs_input_grad[0])
+        with _on_device(x):
+            dx_pairs, dw_pairs = run(x, topk_w, dy.contiguous(), order, offsets, k, ctx.needs_input_grad[0])
         T = topk_w.shape[0]
         dx = dx_pairs.view(T, k, -1).sum(1).to(x.dtype) if dx_pairs is not None else None
         dw = dw_pairs.view(T, k).to(topk_w.dtype) if ctx.needs_input_grad[1] else None
