@@ -10,11 +10,11 @@ in the official layout, and runs in order, each stage recorded even when it fail
   2. device_map: the same model split over cuda:0 / cuda:1 (layers 0..L/2-1 on 0, the rest on 1), with the KDA
      kernels launched under `torch.cuda.device(tensor.device)`, and last, in its own process, as loaded (Triton
      launches on the current device, so layers on cuda:1 may run their kernels against cuda:0).
-  3. tp: `torchrun --nproc_per_node 2 ... tp --plan tp`: the tensor-parallel plan TP_PLAN below (routed experts split
+  3. tp: `torchrun --nproc_per_node 2 ... tp --plan tp`: Kimi3TextConfig.base_model_tp_plan (routed experts split
      along the expert intermediate size, shared experts / dense MLP colwise-rowwise, attention replicated),
-     installed on the config class (what `base_model_tp_plan` would be), `tp_plan="auto"`.
-  4. ep: `--plan ep`: expert parallel (experts split over ranks, `ep_router`), with Kimi3Experts patched to skip
-     the sentinel index that `ep_router` gives tokens routed to another rank's experts.
+     `tp_plan="auto"`.
+  4. ep: `--plan ep`: Kimi3TextConfig.base_model_ep_plan (whole experts per rank; Kimi3Experts skips the index
+     that marks a route to another rank's experts).
 Results go to OUT/multi_gpu.json (bench/results/multi_gpu.json in the repo). `--device cpu` runs every stage on the
 CPU (gloo, two processes) as a smoke test of the script and of the plans under the local Transformers.
 """
@@ -39,38 +39,6 @@ for _p in (ROOT / "src", ROOT / "kernels"):  # after PYTHONPATH, so that another
 
 T0 = time.time()
 
-# base_model_tp_plan for Kimi3TextConfig (keys relative to Kimi3Model). Attention stays replicated: our KDA / MLA
-# code views q/k/v with the full head count and the KDA conv / A_log / dt_bias have no TP style that shards them in
-# Transformers 5.17 (see docs/finetuning.md for what sharding attention needs).
-TP_PLAN = {
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-    "layers.*.block_sparse_moe.shared_experts.gate_proj": "colwise",
-    "layers.*.block_sparse_moe.shared_experts.up_proj": "colwise",
-    "layers.*.block_sparse_moe.shared_experts.down_proj": "rowwise",
-    "layers.*.block_sparse_moe.experts.w1": "colwise",  # [E, I, D]: shards I
-    "layers.*.block_sparse_moe.experts.w3": "colwise",
-    "layers.*.block_sparse_moe.experts.w2": "rowwise",  # [E, D, I]: shards I
-    "layers.*.block_sparse_moe.experts": "moe_tp_experts",  # local shards in, all-reduce out (before the norm)
-}
-# base_model_ep_plan: whole experts per rank. Transformers 5.17-5.20: `ep_router` masks the routes to other ranks'
-# experts and `moe_tp_experts` sums the partial outputs. From 5.21: `ep_dispatch_experts` (the router needs no rule;
-# `ep_implementation="all_reduce"` is the same masking + all-reduce). Either way the experts receive the local index
-# `num_local_experts` (weight 0) for routes to another rank, which Kimi3Experts must skip.
-EP_PLAN_ROUTER = {
-    "layers.*.block_sparse_moe.gate": "ep_router",
-    "layers.*.block_sparse_moe.experts.w1": "grouped_gemm",
-    "layers.*.block_sparse_moe.experts.w3": "grouped_gemm",
-    "layers.*.block_sparse_moe.experts.w2": "grouped_gemm",
-    "layers.*.block_sparse_moe.experts": "moe_tp_experts",
-}
-EP_PLAN_DISPATCH = {
-    "layers.*.block_sparse_moe.experts": "ep_dispatch_experts",
-    "layers.*.block_sparse_moe.experts.w1": "grouped_gemm",
-    "layers.*.block_sparse_moe.experts.w3": "grouped_gemm",
-    "layers.*.block_sparse_moe.experts.w2": "grouped_gemm",
-}
 
 
 def new_ep_api():
@@ -237,30 +205,10 @@ def dm_worker(args):
 
 
 # ----------------------------------------------------------------------------- torchrun worker
-def patch_sentinel_experts():
-    """Kimi3Experts skipping index == num_experts (ep_router's "routed to another rank"), zero output there."""
-    from transformers_kimi3 import moe
-
-    E = moe.Kimi3Experts
-    if getattr(E, "_sentinel_patched", False):
-        return
-    orig_forward = E.forward
-
-    def forward(self, x, topk_idx, topk_weights):
-        valid = topk_idx < self.num_experts
-        if bool(valid.all()):
-            return orig_forward(self, x, topk_idx, topk_weights)
-        # sentinel slots carry weight 0: send them to expert 0 and zero their weight (exact, some wasted work)
-        return orig_forward(self, x, topk_idx.masked_fill(~valid, 0), topk_weights.masked_fill(~valid, 0))
-
-    E.forward = forward
-    E._sentinel_patched = True
-
-
 def worker(args):
     import torch.distributed as dist
 
-    from transformers_kimi3 import Kimi3ForCausalLM, Kimi3TextConfig
+    from transformers_kimi3 import Kimi3ForCausalLM
 
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.device == "cuda" else torch.device("cpu")
@@ -269,23 +217,13 @@ def worker(args):
     guard_kernels()
     from transformers.distributed import DistributedConfig
 
-    patch = not args.model_plans  # --model-plans: use the plans and the sentinel handling the model itself has
+    # the plans are Kimi3TextConfig's own (base_model_tp_plan / base_model_ep_plan, chosen by Transformers version)
     if args.plan == "tp":
-        if patch:
-            Kimi3TextConfig.base_model_tp_plan = TP_PLAN
         dist_config = DistributedConfig(tp_plan="auto")
     elif new_ep_api():
-        if patch:
-            Kimi3TextConfig.base_model_ep_plan = EP_PLAN_DISPATCH
-            Kimi3TextConfig.base_model_tp_plan = TP_PLAN  # EP rules win on the experts; TP for the rest
         dist_config = DistributedConfig(tp_size=2, tp_plan="auto", ep_size=2, ep_implementation="all_reduce")
     else:
-        if patch:
-            Kimi3TextConfig.base_model_ep_plan = EP_PLAN_ROUTER
-            Kimi3TextConfig.base_model_tp_plan = TP_PLAN
         dist_config = DistributedConfig(tp_plan="auto", enable_expert_parallel=True)
-    if args.plan == "ep" and patch:
-        patch_sentinel_experts()
     refs = torch.load(Path(args.work) / "ref.pt")
     out = {}
     for dtype_name in args.dtypes.split(","):
@@ -325,8 +263,7 @@ def free_port():
 def torchrun(args, plan, results):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), __file__, "tp", "--plan", plan, "--folder", str(args.folder),
-           "--work", str(args.work), "--device", args.device, "--dtypes", args.dtypes] + (
-               ["--model-plans"] if args.model_plans else [])
+           "--work", str(args.work), "--device", args.device, "--dtypes", args.dtypes]
     results["commands"][plan] = " ".join(["torchrun", "--nproc_per_node", "2", "bench/multi_gpu.py", "tp",
                                            "--plan", plan, "--folder", "MODEL", "--work", "WORK", "--dtypes",
                                            args.dtypes])
@@ -355,8 +292,6 @@ def main():
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     ap.add_argument("--stage-timeout", type=int, default=150)
     ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke test)")
-    ap.add_argument("--model-plans", action="store_true",
-                    help="use the model's own tp/ep plans and expert-parallel handling instead of installing them")
     args = ap.parse_args()
     if args.tiny or os.environ.get("KIMI3_BENCH_TINY"):
         MODEL.update(TINY)
@@ -371,14 +306,16 @@ def main():
 
     import transformers
 
+    from transformers_kimi3 import Kimi3TextConfig
+
     Path(args.out).mkdir(parents=True, exist_ok=True)
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if args.device == "cuda" else []
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "commit": args.commit, "device": args.device, "gpus": gpus, "torch": torch.__version__,
                "transformers": transformers.__version__, "python": platform.python_version(),
-               "model": MODEL, "new_tokens_per_generate_call": NEW_TOKENS, "tp_plan": TP_PLAN,
-               "ep_plan": EP_PLAN_DISPATCH if new_ep_api() else EP_PLAN_ROUTER,
+               "model": MODEL, "new_tokens_per_generate_call": NEW_TOKENS,
+               "tp_plan": Kimi3TextConfig.base_model_tp_plan, "ep_plan": Kimi3TextConfig.base_model_ep_plan,
                "commands": {"all": "PYTHONPATH=src:kernels python bench/multi_gpu.py all --out OUT"},
                "reference": {}, "device_map": {}}
     try:

@@ -113,7 +113,7 @@ def test_tensor_and_expert_parallel_plans_on_cpu(tmp_path):
         [os.path.join(root, "src"), os.path.join(root, "kernels"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, os.path.join(root, "bench", "multi_gpu.py"), "all", "--tiny", "--device",
                            "cpu", "--dtypes", "float32", "--out", str(tmp_path / "out"), "--work",
-                           str(tmp_path / "work"), "--stage-timeout", "120", "--model-plans"],
+                           str(tmp_path / "work"), "--stage-timeout", "120"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.load(open(tmp_path / "out" / "multi_gpu.json"))
