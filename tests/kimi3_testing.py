@@ -50,6 +50,23 @@ def tiny_model(seed=0, **overrides):
     return model
 
 
+# Prepended to subprocess code: transformers_kimi3 and kimi3_kernels cannot be imported there, and the code checks
+# that, so a test using it proves that remote code alone loads the model.
+BLOCK_PACKAGE = """
+import sys, importlib.abc
+class _Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('transformers_kimi3', 'kimi3_kernels'):
+            raise ImportError('blocked: ' + name)
+sys.meta_path.insert(0, _Block())
+try:
+    import transformers_kimi3
+    raise SystemExit('the package is importable: the test would prove nothing')
+except ImportError:
+    pass
+"""
+
+
 def rel_err(a, b):
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 

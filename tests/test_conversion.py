@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kimi3_testing import ORACLE_A, ROOT, native_kimi_linear, rel_err
+from kimi3_testing import BLOCK_PACKAGE, ORACLE_A, ROOT, native_kimi_linear, rel_err
 
 sys.path.insert(0, os.path.join(ROOT, "conversion"))
 
@@ -125,14 +125,6 @@ def test_oracle_a_converts_to_the_same_tensors_logits_code_and_card(converted_a,
     assert not os.path.exists(C.partial_dir(out))
 
 
-BLOCKER = """
-import sys, importlib.abc
-class _Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('transformers_kimi3', 'kimi3_kernels'):
-            raise ImportError('blocked: ' + name)
-sys.meta_path.insert(0, _Block())
-"""
 
 
 def test_converted_folders_load_without_the_package(converted_a, tmp_path, ref_logits):
@@ -140,7 +132,7 @@ def test_converted_folders_load_without_the_package(converted_a, tmp_path, ref_l
     tiny = tmp_path / "tiny"
     assert run(K3, TINY, tiny, "--no-verify", *FAST) == 0
     save_file({"ids": IDS, "a": ref_logits["A"], "tiny": ref_logits["tiny"]}, tmp_path / "io.safetensors")
-    code = BLOCKER + f"""
+    code = BLOCK_PACKAGE + f"""
 import torch, transformers
 from safetensors.torch import load_file
 torch.set_num_threads(1)

@@ -6,26 +6,13 @@ import os
 
 import torch
 
-from kimi3_testing import ORACLE_A, needs_oracle, run_python, tiny_model
+from kimi3_testing import BLOCK_PACKAGE, ORACLE_A, needs_oracle, run_python, tiny_model
 
-BLOCKER = """
-import sys, importlib.abc
-class _Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('transformers_kimi3', 'kimi3_kernels'):
-            raise ImportError('blocked: ' + name)
-sys.meta_path.insert(0, _Block())
-try:
-    import transformers_kimi3
-    raise SystemExit('the package is importable: the test would prove nothing')
-except ImportError:
-    pass
-"""
 
 
 def _roundtrip(folder, auto, ids, expected, tmp_path):
     torch.save({"ids": ids, "expected": expected}, tmp_path / "io.pt")
-    code = BLOCKER + f"""
+    code = BLOCK_PACKAGE + f"""
 import torch, transformers
 m = transformers.{auto}.from_pretrained({str(folder)!r}, trust_remote_code=True, dtype=torch.float32).eval()
 assert 'transformers_kimi3' not in type(m).__module__, type(m).__module__
