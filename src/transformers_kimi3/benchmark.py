@@ -180,6 +180,106 @@ def _decode_one(res, name, m, extra, ids, B, prompt, new_tokens, device):
             ms_per_step=(t_all - t_pre) / new_tokens * 1e3)
 
 
+def stage_profile(res, m, device, prompt, steps=8):
+    """Where a decode step's time goes (B=1): the replayed CUDA graph alone (no generate() around it), and the
+    CUDA kernels of eager steps grouped by name (torch.profiler)."""
+    from .cache import Kimi3Cache
+
+    ids = torch.randint(3, m.config.vocab_size, (1, prompt), device=device)
+    with torch.no_grad():
+        cache = Kimi3Cache(m.config, max_length=prompt + 64)
+        tok = m(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
+        m(input_ids=tok, past_key_values=cache)  # captures the graph
+        graph_ms = timed(lambda: m(input_ids=tok, past_key_values=cache), device, reps=20) * 1e3
+        cache = Kimi3Cache(m.config)
+        m(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        step = lambda: m(input_ids=tok, past_key_values=cache)  # noqa: E731
+        step()
+        eager_ms = timed(step, device, reps=5) * 1e3
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            sync(device)
+    kernels = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            k = kernels.setdefault(e.name[:90], [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    total_us = sum(v[1] for v in kernels.values()) / steps
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]
+    res.add(stage="profile", impl="ours", batch=1, prompt=prompt, graph_step_ms=graph_ms, eager_step_ms=eager_ms,
+            kernels_per_step=sum(v[0] for v in kernels.values()) / steps, kernel_us_per_step=total_us,
+            top_kernels=[dict(name=n, calls=c / steps, us=t / steps) for n, (c, t) in top])
+
+
+def stage_check_fp32(res, device, T):
+    """The same comparison as `check` with both models in fp32: separates implementation differences from bf16
+    rounding (on a random model many logits are near-ties)."""
+    native, ours = build_pair(BENCH_CONFIG, device, torch.float32)
+    ids = torch.randint(3, native.config.vocab_size, (1, T), device=device)
+    with torch.no_grad():
+        a = native(input_ids=ids, use_cache=False).logits.double()
+        b = ours(input_ids=ids, use_cache=False).logits.double()
+        g_ours = ours.generate(ids[:, :64], max_new_tokens=16, do_sample=False, pad_token_id=0)
+        g_native = native.generate(ids[:, :64], max_new_tokens=16, do_sample=False, pad_token_id=0)
+    res.add(stage="check_fp32", T=T, logits_rel_err_vs_native=float((a - b).abs().max() / a.abs().max()),
+            argmax_agree=float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+            tokens_equal_native=float((g_ours == g_native).float().mean()))
+    del native, ours
+    torch.cuda.empty_cache()
+
+
+def stage_longest(res, models, device, lengths, chunk, deadline):
+    """Largest prompt each model prefills: native in one pass, ours in `chunk`-token pieces through its cache
+    (KDA state and MLA latents carried); peak memory and time per length. The last logits of ours chunked vs one
+    pass are compared at the first length where both fit."""
+    from .cache import Kimi3Cache
+
+    for name, m in models.items():
+        for T in lengths:
+            if time.time() > deadline:
+                return
+            ids = torch.randint(3, m.config.vocab_size, (1, T), device=device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    if name == "native":
+                        m(input_ids=ids, use_cache=False, logits_to_keep=1)
+                    else:
+                        cache = Kimi3Cache(m.config)
+                        for s in range(0, T, chunk):
+                            m(input_ids=ids[:, s:s + chunk], past_key_values=cache, use_cache=True,
+                              logits_to_keep=1)
+                        del cache
+                sync(device)
+            except torch.OutOfMemoryError:
+                res.add(stage="longest", impl=name, T=T, chunk=chunk if name != "native" else None,
+                        error="out of memory")
+                break
+            dt = time.perf_counter() - t0
+            res.add(stage="longest", impl=name, T=T, chunk=chunk if name != "native" else None, s=dt,
+                    tok_s=T / dt, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+
+
+def stage_chunk_check(res, m, device, T, chunk):
+    from .cache import Kimi3Cache
+
+    ids = torch.randint(3, m.config.vocab_size, (1, T), device=device)
+    with torch.no_grad():
+        one = m(input_ids=ids, use_cache=False).logits[:, -1].double()
+        cache = Kimi3Cache(m.config)
+        for s in range(0, T, chunk):
+            last = m(input_ids=ids[:, s:s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        last = last[:, -1].double()
+    res.add(stage="chunk_check", T=T, chunk=chunk, last_logits_rel_err=float((one - last).abs().max() /
+                                                                          one.abs().max()),
+            argmax_equal=bool(one.argmax() == last.argmax()))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
@@ -190,6 +290,8 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--longest", default="131072,262144,524288,1048576")
+    ap.add_argument("--chunk", type=int, default=65536)
     args = ap.parse_args(argv)
     deadline = time.time() + args.budget_s
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -202,6 +304,18 @@ def main(argv=None):
     if "prefill" in stages:
         stage_prefill(res, {"native": native, "ours": ours}, device, [int(x) for x in args.prefill.split(",")],
                       deadline)
+    if "profile" in stages:
+        guarded(res, "profile", stage_profile, res, ours, device, args.prompt)
+    if "chunk_check" in stages:
+        guarded(res, "chunk_check", stage_chunk_check, res, ours, device, 4 * args.chunk // 16, args.chunk // 16)
+    if "longest" in stages:
+        guarded(res, "longest", stage_longest, res, {"ours": ours, "native": native}, device,
+                [int(x) for x in args.longest.split(",")], args.chunk, deadline)
+    if "check_fp32" in stages:
+        del native, ours
+        torch.cuda.empty_cache()
+        guarded(res, "check_fp32", stage_check_fp32, res, device, 512)
+        return res
     if "decode" in stages:
         static = {"cache_implementation": "static"}
         stage_decode(res, [("native", native, {}), ("ours", ours, {}), ("ours_static_graph", ours, static)],
@@ -219,6 +333,8 @@ def print_table(res):
                   f"eager: {r['static_graph_tokens_equal_eager']}, KDA backend {r['kernel_status']['kda']['kda_backend']}")
         elif r["stage"] == "prefill":
             print(f"prefill  {r['impl']:18s} T={r['T']:>6d}  {r['tok_s']:>10.0f} tok/s")
-        else:
+        elif r["stage"] == "decode":
             print(f"decode   {r['impl']:18s} B={r['batch']:>3d}  {r['tok_s']:>10.1f} tok/s "
                   f"({r['ms_per_step']:.2f} ms/step)")
+        else:
+            print(json.dumps(r)[:300])

@@ -7,6 +7,7 @@ The cache keeps only the latent [normalised c_kv | k_pe]; keys and values are ex
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from .norms import Kimi3RMSNorm
 
@@ -84,8 +85,7 @@ class Kimi3MLAAttention(nn.Module):
         kv = self.kv_b_proj(c_kv).view(B, Tk, H, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].expand(B, H, Tk, self.rope)], dim=-1)
-        is_causal = mask is None and T > 1 and Tk == T
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scaling)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_causal(mask, T, Tk), scale=self.scaling)
 
     def _absorbed(self, q, latent, mask):
         """Decode: kv_b_proj folded into the query and the output, so attention runs over the cached latent
@@ -94,8 +94,17 @@ class Kimi3MLAAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         q_lat = torch.cat([self.kv_b_proj(q_nope, fold="k"), q_pe], dim=-1)
         k = latent[:, None].expand(-1, H, -1, -1)
-        o_lat = F.scaled_dot_product_attention(q_lat, k, k[..., :r], attn_mask=mask, scale=self.scaling)
+        o_lat = F.scaled_dot_product_attention(q_lat, k, k[..., :r], attn_mask=_causal(mask, q.shape[2], k.shape[2]),
+                                               scale=self.scaling)
         return self.kv_b_proj(o_lat, fold="v")
+
+
+def _causal(mask, T, Tk):
+    """No explicit mask means causal over the cache: the T queries are the last T of the Tk keys. A lower-right
+    causal bias is never materialised, so a chunk of a long prompt does not build a [T, Tk] mask."""
+    if mask is not None or T == 1:
+        return mask
+    return causal_lower_right(T, Tk)
 
 
 def mla_mask(attention_mask, query_length, past_length, device, seq_idx=None):
@@ -109,10 +118,8 @@ def mla_mask(attention_mask, query_length, past_length, device, seq_idx=None):
         if attention_mask is not None:
             allowed = allowed & attention_mask.bool()[:, None, :]
         return (allowed | torch.eye(query_length, dtype=torch.bool, device=device))[:, None]
-    if attention_mask is None:
-        if query_length == 1 or past_length == 0:
-            return None
-        attention_mask = torch.ones(1, total, dtype=torch.bool, device=device)
+    if attention_mask is None:  # no padding: causal attention, applied without a mask tensor
+        return None
     if attention_mask.shape[-1] != total:
         raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} positions, but the cache holds "
                          f"{past_length} and this call adds {query_length}")
