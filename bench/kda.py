@@ -308,6 +308,49 @@ def timings():
     print(row, flush=True)
 
 
+def kernel_profile():
+    """Per-kernel CUDA time of one forward and one forward+backward (torch.profiler), ours (split and fused output)
+    and fla, at two shapes: where the time goes, for the roofline discussion."""
+    from torch.profiler import ProfilerActivity, profile
+    rows = RES.setdefault("kernel_profile", [])
+    for H, T, lb in ((32, 16384, None), (96, 16384, -5.0)):
+        q, k, v, f, beta, A_log, dtb = inputs(1, T, H, 128, 128, torch.bfloat16, seed=7)
+        qq, kk, vv, ff = (x.clone().requires_grad_() for x in (q, k, v, f))
+        variants = [("ours_split", "split"), ("ours_fused", "fused")] + ([("fla", None)] if HAVE_FLA else [])
+        for name, mode in variants:
+            if mode:
+                os.environ["KIMI3_KDA_FWD"] = mode
+
+            def run(bwd):
+                if mode:
+                    o, _ = chunk_kda(qq if bwd else q, kk if bwd else k, vv if bwd else v, ff if bwd else f, beta,
+                                     A_log=A_log, dt_bias=dtb, lower_bound=lb)
+                else:
+                    o, _ = fla_chunk(qq if bwd else q, kk if bwd else k, vv if bwd else v, ff if bwd else f, beta,
+                                     **fla_kw(lb, A_log, dtb))
+                if bwd:
+                    o.sum().backward()
+            for bwd in (False, True):
+                run(bwd)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        run(bwd)
+                    torch.cuda.synchronize()
+                ks = {}
+                for e in prof.events():
+                    if e.device_type.name == "CUDA":
+                        ks[e.name[:80]] = ks.get(e.name[:80], 0.0) + e.device_time_total / 3e3
+                row = dict(impl=name, H=H, T=T, gate="k3" if lb else "softplus", pass_="fwdbwd" if bwd else "fwd",
+                           total_ms=sum(ks.values()),
+                           kernels_ms={n: round(t, 4) for n, t in sorted(ks.items(), key=lambda kv: -kv[1])[:12]})
+                rows.append(row)
+                print("prof", json.dumps(row), flush=True)
+        os.environ.pop("KIMI3_KDA_FWD", None)
+        del q, k, v, f, qq, kk, vv, ff
+        torch.cuda.empty_cache()
+
+
 def graph_time(f):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -407,6 +450,8 @@ if __name__ == "__main__":
         section("ceilings", ceilings, ARGS.out)
     if "check" in secs:
         section("check", check, ARGS.out)
+    if "prof" in secs:
+        section("kernel_profile", kernel_profile, ARGS.out)
     if "decode" in secs:
         section("decode", decode, ARGS.out)
     if "time" in secs:

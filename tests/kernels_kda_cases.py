@@ -157,6 +157,20 @@ def test_chunk_forward(lb, dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("variant", ["split", "fused"])
+def test_chunk_forward_output_variants(variant, monkeypatch):
+    # the output computed by its own kernel from the chunk entry states ("split") or inside the scan ("fused");
+    # varlen with an empty and a one-token sequence, bf16 (entry states kept in bf16 for the split output)
+    monkeypatch.setenv("KIMI3_KDA_FWD", variant)
+    q, k, v, f, beta, A_log, dtb, _ = make(1, 150, 2, 32, 32, torch.bfloat16, seed=11)
+    cu = torch.tensor([0, 0, 1, 70, 150], dtype=torch.int32)
+    o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0, cu_seqlens=cu,
+                     output_final_state=True)
+    ro, rs = rec64(q, k, v, f, beta, A_log, dtb, -5.0, cu=cu)
+    assert rel(o, ro) < TOL[torch.bfloat16] and rel(s, rs) < TOL[torch.bfloat16]
+
+
+@needs_triton
 def test_chunk_forward_options():
     # K = V = 32, T = 1, no initial state, no l2norm, explicit scale, strong decay (per-column diagonal path)
     q, k, v, f, beta, A_log, dtb, _ = make(1, 1, 1, 32, 32)

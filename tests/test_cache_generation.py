@@ -45,6 +45,27 @@ def test_chunked_prefill_equals_one_pass(model, chunks):
     assert rel_err(torch.cat(outs, 1), full) < TOL
 
 
+@pytest.mark.parametrize("block", [7, 16])
+def test_chunked_prefill_over_key_blocks(model, monkeypatch, block):
+    # a chunk over a long cache attends the cached prefix in blocks merged by log-sum-exp (bounded memory):
+    # block 7 splits the prefix unevenly, and the 40-token chunk sees more than 2 blocks
+    from transformers_kimi3.mla import Kimi3MLAAttention
+
+    monkeypatch.setattr(Kimi3MLAAttention, "KEY_BLOCK", block)
+    calls = []
+    blockwise = Kimi3MLAAttention._blockwise
+    monkeypatch.setattr(Kimi3MLAAttention, "_blockwise", lambda self, *a: calls.append(1) or blockwise(self, *a))
+    x = ids(2, 70, seed=4)
+    with torch.no_grad():
+        full = model(input_ids=x, use_cache=False).logits
+        cache, outs, start = None, [], 0
+        for n in [20, 40, 10]:
+            out = model(input_ids=x[:, start:start + n], past_key_values=cache, use_cache=True)
+            cache, start = out.past_key_values, start + n
+            outs.append(out.logits)
+    assert calls and rel_err(torch.cat(outs, 1), full) < TOL
+
+
 def test_left_padding_is_exact(model):
     long, short = ids(1, 30, seed=2), ids(1, 19, seed=3)
     batch = torch.cat([long, torch.cat([torch.zeros(1, 11, dtype=torch.long), short], 1)])

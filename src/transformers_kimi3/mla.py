@@ -7,7 +7,7 @@ The cache keeps only the latent [normalised c_kv | k_pe]; keys and values are ex
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from .norms import Kimi3RMSNorm
 
@@ -35,6 +35,7 @@ class Kimi3KVBProj(nn.Linear):
 
 class Kimi3MLAAttention(nn.Module):
     ABSORB_MAX_QUERIES = 8  # decode and speculative verification read the cache; longer calls expand it
+    KEY_BLOCK = 131072  # cached positions expanded at once by a prefill chunk over a long cache
 
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -79,24 +80,71 @@ class Kimi3MLAAttention(nn.Module):
         return self.o_proj(o)
 
     def _expanded(self, q, latent, mask, T):
-        """Keys and values expanded per head from the latent (prefill: every position is queried)."""
+        """Keys and values expanded per head from the latent (prefill: every position is queried). A long cache
+        is expanded KEY_BLOCK positions at a time (bounded memory, 32-bit indexing inside the attention kernel)."""
+        Tk = latent.shape[1]
+        if mask is None and Tk - T > self.KEY_BLOCK and not torch.is_grad_enabled():
+            return self._blockwise(q, latent, T)
+        k, v = self._expand(latent)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_causal(mask, T, Tk), scale=self.scaling)
+
+    def _expand(self, latent):
         B, Tk, H = latent.shape[0], latent.shape[1], self.num_heads
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope], dim=-1)
         kv = self.kv_b_proj(c_kv).view(B, Tk, H, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, None].expand(B, H, Tk, self.rope)], dim=-1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=_causal(mask, T, Tk), scale=self.scaling)
+        return torch.cat([k_nope, k_pe[:, None].expand(B, H, Tk, self.rope)], dim=-1), v
+
+    def _blockwise(self, q, latent, T):
+        """Causal attention of the last T positions over a long unpadded cache: the cached prefix in blocks that
+        every query sees whole, then the chunk itself (causal), merged by their log-sum-exp."""
+        Tk = latent.shape[1]
+        bounds = list(range(0, Tk - T, self.KEY_BLOCK)) + [Tk - T, Tk]
+        out = lse = None
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            k, v = self._expand(latent[:, s:e])
+            o_b, l_b = _attention_lse(q, k, v, e == Tk, self.scaling)
+            if out is None:
+                out, lse = o_b, l_b
+            else:
+                new = torch.logaddexp(lse, l_b)
+                out = out * torch.exp(lse - new) + o_b * torch.exp(l_b - new)
+                lse = new
+        return out.to(q.dtype)
 
     def _absorbed(self, q, latent, mask):
         """Decode: kv_b_proj folded into the query and the output, so attention runs over the cached latent
-        itself (one shared 576-wide key and 512-wide value) instead of re-expanding every cached position."""
-        H, r = self.num_heads, self.kv_lora_rank
+        itself (one shared 576-wide key and 512-wide value) instead of re-expanding every cached position.
+        Two batched matmuls over all heads' queries read the latent once; an attention kernel would treat each
+        head as its own 576-wide problem and read the cache once per head."""
+        B, H, T, _ = q.shape
+        r = self.kv_lora_rank
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        q_lat = torch.cat([self.kv_b_proj(q_nope, fold="k"), q_pe], dim=-1)
-        k = latent[:, None].expand(-1, H, -1, -1)
-        o_lat = F.scaled_dot_product_attention(q_lat, k, k[..., :r], attn_mask=_causal(mask, q.shape[2], k.shape[2]),
-                                               scale=self.scaling)
+        q_lat = torch.cat([self.kv_b_proj(q_nope, fold="k"), q_pe], dim=-1)  # [B, H, T, r + rope]
+        scores = torch.matmul(q_lat.reshape(B, H * T, -1), latent.transpose(1, 2)).float() * self.scaling
+        scores = scores.view(B, H, T, -1)
+        mask = _causal(mask, T, latent.shape[1])
+        if mask is not None:
+            if isinstance(mask, CausalBias):  # lower-right causal (speculative verification)
+                mask = mask._materialize(q.device)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(-1).to(latent.dtype).view(B, H * T, -1)
+        o_lat = torch.matmul(probs, latent[..., :r]).view(B, H, T, r)
         return self.kv_b_proj(o_lat, fold="v")
+
+
+def _attention_lse(q, k, v, causal, scale):
+    """Attention output (fp32) and its log-sum-exp [..., T, 1]; `causal` for a square block."""
+    T = q.shape[2]
+    if q.is_cuda:
+        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                          scale=scale)[:2]
+        return o.float(), lse[..., :T, None].float()
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = s.logsumexp(-1, keepdim=True)
+    return torch.matmul(torch.exp(s - lse), v.float()), lse
 
 
 def _causal(mask, T, Tk):

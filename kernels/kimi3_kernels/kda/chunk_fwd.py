@@ -343,7 +343,8 @@ if TRITON_AVAILABLE:
             rows = t0 + o_t
             mr = rows < eos
             if STORE_STATES:
-                tl.store(hs + ((c0 + c) * H * K + i_h * K + o_k[:, None]) * V + o_v[None, :], S, mask=m_s)
+                tl.store(hs + ((c0 + c) * H * K + i_h * K + o_k[:, None]) * V + o_v[None, :],
+                         S.to(hs.dtype.element_ty), mask=m_s)
             mrk = mr[:, None] & mk[None, :]
             mrv = mr[:, None] & mv[None, :]
             offk = (rows[:, None] * H + i_h) * K + o_k[None, :]
@@ -367,6 +368,46 @@ if TRITON_AVAILABLE:
             S = S * tl.exp2(gl)[:, None] + tl.dot(tl.trans(kd), vd, input_precision=PREC)
         if STORE_FINAL:
             tl.store(ht + s_off, S, mask=m_s)
+
+
+    @triton.jit
+    def _output_fwd_kernel(Qg, Aqk, vn, hs, o, tab, cu, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                           BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+        """O = Qg S_c + Aqk Vn for one chunk, head and value tile; S_c = the state entering the chunk."""
+        i_v = tl.program_id(0)
+        i_c = tl.program_id(1).to(tl.int64)
+        i_h = tl.program_id(2)
+        n = tl.load(tab + 2 * i_c)
+        t0 = tl.load(tab + 2 * i_c + 1).to(tl.int64)
+        eos = tl.load(cu + n + 1).to(tl.int64)
+        o_t = tl.arange(0, BT)
+        rows = t0 + o_t
+        mr = rows < eos
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = o_v < V
+        DT = Qg.dtype.element_ty
+        acc = tl.zeros([BT, BV], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            mk = o_k < K
+            qg = tl.load(Qg + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mr[:, None] & mk[None, :], other=0.)
+            h = tl.load(hs + ((i_c * H + i_h) * K + o_k[:, None]) * V + o_v[None, :],
+                        mask=mk[:, None] & mv[None, :], other=0.)
+            acc += tl.dot(qg, h.to(DT), input_precision=PREC)
+        a = tl.load(Aqk + (rows[:, None] * H + i_h) * BT + o_t[None, :],
+                    mask=mr[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.)
+        offv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        vv = tl.load(vn + offv, mask=mr[:, None] & mv[None, :], other=0.)
+        acc += tl.dot(a.to(DT), vv, input_precision=PREC)
+        tl.store(o + offv, acc.to(o.dtype.element_ty), mask=mr[:, None] & mv[None, :])
+
+
+def _split_output():
+    # "split" (default): the sequential scan only carries the state and writes the state entering each chunk;
+    # the output is a separate kernel parallel over chunks. "fused": the scan also computes the output
+    # (fewer bytes, but a longer sequential critical path). KIMI3_KDA_FWD picks one for A/B timing.
+    import os
+    return os.environ.get("KIMI3_KDA_FWD", "split") != "fused"
 
 
 def _prec(dtype):
@@ -410,7 +451,11 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, store_states, s
     if compute_o and o is None:
         o = torch.zeros(TT, H, V, device=dev, dtype=out_dtype)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    hs = torch.empty(max(info.NC, 1), H, K, V, device=dev, dtype=torch.float32) if store_states else None
+    split = compute_o and _split_output()
+    if split:  # the output kernel reads the entry states (in the matmul dtype unless fp32 ones are asked for)
+        store_vn = True
+    hs = (torch.empty(max(info.NC, 1), H, K, V, device=dev, dtype=torch.float32 if store_states else W.dtype)
+          if store_states or split else None)
     vn = torch.empty(TT, H, V, device=dev, dtype=W.dtype) if store_vn else None
     if N > 0:
         BK = next_pow2(K)
@@ -421,8 +466,13 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, store_states, s
             h0 if h0 is not None else dummy, ht if ht is not None else dummy,
             hs if hs is not None else dummy, vn if vn is not None else dummy, info.cu, info.chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, BT=CHUNK_SIZE, HAS_H0=h0 is not None,
-            STORE_FINAL=output_final_state, STORE_STATES=store_states, STORE_VN=store_vn, COMPUTE_O=compute_o, PREC=_prec(W.dtype),
+            STORE_FINAL=output_final_state, STORE_STATES=hs is not None, STORE_VN=store_vn,
+            COMPUTE_O=compute_o and not split, PREC=_prec(W.dtype),
             num_warps=8 if BK >= 128 else 4, num_stages=2)
-    if hs is not None:
-        hs = hs[:info.NC]
+        if split and info.NC > 0:
+            BVo = min(64, next_pow2(V))
+            _output_fwd_kernel[(triton.cdiv(V, BVo), info.NC, H)](
+                I["Qg"], I["Aqk"], vn, hs, o, info.chunk_tab, info.cu, H=H, K=K, V=V, BK=min(64, next_pow2(K)),
+                BV=BVo, BT=CHUNK_SIZE, PREC=_prec(W.dtype), num_warps=4, num_stages=2)
+    hs = hs[:info.NC] if store_states else None
     return o, ht, hs, vn
