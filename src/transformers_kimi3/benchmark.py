@@ -280,6 +280,28 @@ def stage_chunk_check(res, m, device, T, chunk):
             argmax_equal=bool(one.argmax() == last.argmax()))
 
 
+def stage_block_check(res, m, device, T, chunk):
+    """Chunked prefill over a long cache: blockwise attention (KEY_BLOCK keys at a time, merged by log-sum-exp)
+    against expanding the whole cache at once, same weights and prompt."""
+    from .cache import Kimi3Cache
+    from .mla import Kimi3MLAAttention
+
+    ids = torch.randint(3, m.config.vocab_size, (1, T), device=device)
+    last = {}
+    for name, block in (("blockwise", chunk), ("whole", 1 << 40)):
+        Kimi3MLAAttention.KEY_BLOCK = block
+        with torch.no_grad():
+            cache = Kimi3Cache(m.config)
+            for s in range(0, T, chunk):
+                out = m(input_ids=ids[:, s:s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            last[name] = out.logits[:, -1].double()
+        del cache
+    Kimi3MLAAttention.KEY_BLOCK = 131072
+    a, b = last["blockwise"], last["whole"]
+    res.add(stage="block_check", T=T, chunk=chunk, key_block=chunk,
+            last_logits_rel_err=float((a - b).abs().max() / b.abs().max()), argmax_equal=bool(a.argmax() == b.argmax()))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
@@ -308,6 +330,8 @@ def main(argv=None):
         guarded(res, "profile", stage_profile, res, ours, device, args.prompt)
     if "chunk_check" in stages:
         guarded(res, "chunk_check", stage_chunk_check, res, ours, device, 4 * args.chunk // 16, args.chunk // 16)
+    if "block_check" in stages:
+        guarded(res, "block_check", stage_block_check, res, ours, device, 5 * args.chunk // 2, args.chunk // 2)
     if "longest" in stages:
         guarded(res, "longest", stage_longest, res, {"ours": ours, "native": native}, device,
                 [int(x) for x in args.longest.split(",")], args.chunk, deadline)
