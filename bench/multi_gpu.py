@@ -9,7 +9,8 @@ in the official layout, and runs in order, each stage recorded even when it fail
      `generate()` calls that reuse one cache.
   2. device_map: the same model split over cuda:0 / cuda:1 (layers 0..L/2-1 on 0, the rest on 1), with the KDA
      kernels launched under `torch.cuda.device(tensor.device)`, and last, in its own process, as loaded (Triton
-     launches on the current device, so layers on cuda:1 may run their kernels against cuda:0).
+     launches on the current device; kda.py now wraps its Triton calls in that guard itself, so this checks the
+     shipped guard: without it, layers on cuda:1 could run their kernels against cuda:0).
   3. tp: `torchrun --nproc_per_node 2 ... tp --plan tp`: Kimi3TextConfig.base_model_tp_plan (routed experts split
      along the expert intermediate size, shared experts / dense MLP colwise-rowwise, attention replicated),
      `tp_plan="auto"`.
@@ -232,12 +233,21 @@ def worker(args):
         try:
             model = Kimi3ForCausalLM.from_pretrained(args.folder, dtype=dtype, distributed_config=dist_config).eval()
             experts = model.model.layers[1].block_sparse_moe.experts
+            seen = {}
+
+            def probe(mod, args, _seen=seen):  # what the experts' forward sees (DTensor or local, strides)
+                for name in ("w1", "w2"):
+                    w = getattr(mod, name)
+                    _seen[name] = dict(type=type(w).__name__, shape=list(w.shape), stride=list(w.stride()),
+                                       contiguous=w.is_contiguous())
+                _seen["x"] = dict(type=type(args[0]).__name__, shape=list(args[0].shape))
+            experts.register_forward_pre_hook(probe)
             w1 = experts.w1
             local = w1.to_local() if hasattr(w1, "to_local") else w1
             got = run_model(model, device)
             out[f"torch.{dtype_name}"] = {"w1_local_shape": list(local.shape), "w1_global_shape": list(w1.shape),
                                           "experts_num_experts": experts.num_experts,
-                                          **compare(got, refs[f"torch.{dtype_name}"]),
+                                          **compare(got, refs[f"torch.{dtype_name}"]), "inside_forward": seen,
                                           "seconds": round(time.time() - t, 1)}
             del model
         except Exception as e:  # noqa: BLE001
@@ -292,6 +302,7 @@ def main():
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     ap.add_argument("--stage-timeout", type=int, default=150)
     ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke test)")
+    ap.add_argument("--skip-dm", action="store_true", help="only the 1-GPU reference and the torchrun plans")
     args = ap.parse_args()
     if args.tiny or os.environ.get("KIMI3_BENCH_TINY"):
         MODEL.update(TINY)
@@ -328,7 +339,9 @@ def main():
     log("built", results["parameters"], "parameters")
     try:
         refs = stage_single(args.folder, args.device, dtypes, results, args.work)
-        if args.device == "cuda" and torch.cuda.device_count() >= 2:
+        if args.skip_dm:
+            results["device_map"] = {"skipped": "--skip-dm"}
+        elif args.device == "cuda" and torch.cuda.device_count() >= 2:
             results["device_map"]["map"] = device_map_two_gpus()
             results["device_map"]["kernels_under_device_guard"] = stage_device_map(
                 args.folder, dtypes, refs, "kernels_under_device_guard")

@@ -141,6 +141,48 @@ def test_static_cache_gives_the_same_tokens_and_logits(model):
             model(input_ids=x[:, 3:5], past_key_values=cache, use_cache=True)
 
 
+def _hf_loop(model, *args, **kw):
+    model.fast_static_greedy = False
+    try:
+        return model.generate(*args, **kw)
+    finally:
+        model.fast_static_greedy = True
+
+
+def test_static_greedy_loop_equals_transformers_loop(model, monkeypatch):
+    # plain greedy + static cache takes our loop (no per-step host sync); it must return exactly what
+    # Transformers' loop returns, EOS handling included. EOS ids are picked from the free-running output so that
+    # row 0 finishes first (then pads) and, in the second case, every row finishes before max_new_tokens.
+    from transformers_kimi3.modeling_kimi3 import Kimi3GenerationMixin
+
+    calls = []
+    fast = Kimi3GenerationMixin._static_greedy
+    monkeypatch.setattr(Kimi3GenerationMixin, "_static_greedy", lambda *a: calls.append(1) or fast(*a))
+    x = ids(3, 9, seed=9)
+    with torch.no_grad():
+        free = model.generate(x, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert calls == [] and free.shape == (3, 21)  # dynamic cache: Transformers' loop
+        cases = [dict(eos_token_id=int(free[0, 12])),  # row 0 stops at step 4
+                 dict(eos_token_id=[int(free[r, 9 + 5 + r]) for r in range(3)], pad_token_id=1),
+                 dict(eos_token_id=int(free[0, 10]), min_new_tokens=3),  # EOS masked in the first 3 steps
+                 dict(max_new_tokens=1)]
+        for kw in cases:
+            kw = {"max_new_tokens": 12, "pad_token_id": 0, **kw}
+            want = _hf_loop(model, x, do_sample=False, cache_implementation="static", **kw)
+            got = model.generate(x, do_sample=False, cache_implementation="static", **kw)
+            assert torch.equal(got, want), kw
+    assert len(calls) == len(cases)
+    # anything the loop does not reproduce goes through Transformers: here a pad id inside the prompt (no mask)
+    with torch.no_grad():
+        model.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=int(x[1, 0]),
+                       cache_implementation="static")
+        model.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=0, cache_implementation="static",
+                       repetition_penalty=1.3)
+        model.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=0, cache_implementation="static",
+                       output_logits=True, return_dict_in_generate=True)
+    assert len(calls) == len(cases)
+
+
 def test_generate_with_chunked_prefill(model):
     x = ids(2, 40, seed=8)
     with torch.no_grad():

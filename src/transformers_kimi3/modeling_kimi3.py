@@ -329,6 +329,8 @@ class Kimi3GenerationMixin(GenerationMixin):
         config = generation_config or self.generation_config
         impl = kwargs.pop("cache_implementation", None) or getattr(config, "cache_implementation", None)
         chunked = kwargs.get("prefill_chunk_size") or getattr(config, "prefill_chunk_size", None)
+        if impl == "static" and self._plain_greedy(inputs, generation_config, kwargs):
+            return self._static_greedy(inputs if inputs is not None else kwargs["input_ids"], config, kwargs)
         if (impl == "static" or chunked) and kwargs.get("past_key_values") is None:
             # Transformers' chunked prefill needs a cache object up front; ours is never built by generate()
             ids = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
@@ -339,6 +341,79 @@ class Kimi3GenerationMixin(GenerationMixin):
             generation_config = copy.deepcopy(generation_config)
             generation_config.cache_implementation = None
         return super().generate(inputs, generation_config=generation_config, **kwargs)
+
+    # generate() arguments and generation-config fields the static greedy loop reproduces exactly (other config
+    # fields only while off: False/None/0); anything else (sampling, beams, logits processors, streamers, scores,
+    # padding, media) goes through Transformers' loop
+    _GREEDY_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "do_sample",
+                      "pad_token_id", "eos_token_id", "use_cache"}
+    _GREEDY_CONFIG = {"bos_token_id", "eos_token_id", "pad_token_id", "max_length", "max_new_tokens",
+                      "min_new_tokens", "do_sample", "use_cache", "cache_implementation", "transformers_version",
+                      "_from_model_config"}
+    fast_static_greedy = True
+
+    def _plain_greedy(self, inputs, generation_config, kwargs):
+        config = generation_config or self.generation_config
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        mask = kwargs.get("attention_mask")
+        return (self.fast_static_greedy and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 0
+                and set(kwargs) <= self._GREEDY_KWARGS and not kwargs.get("do_sample")
+                and kwargs.get("use_cache", True) is not False
+                and all(k in self._GREEDY_CONFIG or not v for k, v in config.to_diff_dict().items())
+                and not config.do_sample
+                and (bool(mask.all()) if mask is not None else not self._pad_in(ids, kwargs, config)))
+
+    @staticmethod
+    def _pad_in(ids, kwargs, config):
+        # without an attention_mask Transformers treats pad ids in the prompt as padding: its loop handles that
+        pad = kwargs.get("pad_token_id", config.pad_token_id)
+        return pad is not None and bool((ids == pad).any())
+
+    @torch.no_grad()
+    def _static_greedy(self, input_ids, config, kwargs):
+        """Greedy decoding through the static cache, token for token what Transformers' loop returns (EOS ->
+        padding for finished rows, min_new_tokens, stop once every row is done) without its per-step host
+        synchronisation: on CUDA each step is one graph replay plus a few queued tensor ops, and the host checks
+        for finished rows every `check_every` steps only."""
+        B, L = input_ids.shape
+        max_new = kwargs.get("max_new_tokens") or config.max_new_tokens
+        if max_new is None:
+            max_new = max(config.max_length - L, 0)
+        min_new = kwargs.get("min_new_tokens") or config.min_new_tokens or 0
+        eos = kwargs.get("eos_token_id", config.eos_token_id)
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        pad = kwargs.get("pad_token_id", config.pad_token_id)
+        pad = eos[0] if pad is None and eos else pad
+        if max_new == 0:
+            return input_ids
+        device = input_ids.device
+        eos_t = torch.tensor(eos, dtype=torch.long, device=device)
+        out = torch.full((B, max_new), pad if pad is not None else 0, dtype=torch.long, device=device)
+        unfinished = torch.ones(B, dtype=torch.bool, device=device)
+        cache = Kimi3Cache(self.config.get_text_config(), max_length=L + max_new)
+        logits = self(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        check_every = 16
+        for step in range(max_new):
+            scores = logits.float()
+            if step < min_new and eos:
+                scores.index_fill_(1, eos_t, float("-inf"))
+            tok = scores.argmax(-1)
+            if pad is not None:
+                tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
+            out[:, step] = tok
+            if eos:
+                unfinished &= ~torch.isin(tok, eos_t)
+                if (step + 1) % check_every == 0 or step + 1 == max_new:
+                    if not bool(unfinished.any()):
+                        break
+            if step + 1 < max_new:
+                logits = self(input_ids=tok[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+        if eos:  # Transformers stops at the step where the last row finished
+            done = torch.isin(out, eos_t).cumsum(1).clamp(max=1).bool()
+            all_done = done.all(0)
+            if bool(all_done.any()):
+                out = out[:, : int(all_done.nonzero()[0]) + 1]
+        return torch.cat([input_ids, out], dim=1)
 
     @classmethod
     def _supports_default_dynamic_cache(cls):

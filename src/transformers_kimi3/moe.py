@@ -4,7 +4,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import os
+
 from .mxfp4 import PackedMXFP4Experts
+
+# KIMI3_MOE_GROUPED_MM=0 computes bf16 CUDA experts as per-expert segments instead of torch._grouped_mm
+GROUPED_MM = os.environ.get("KIMI3_MOE_GROUPED_MM", "1") != "0"
 from .norms import Kimi3RMSNorm
 
 
@@ -102,7 +107,7 @@ class Kimi3Experts(nn.Module):
         """Under expert parallelism (Transformers' `ep_router` / `ep_dispatch_experts`) `num_experts` is this rank's
         count and a route to another rank's expert arrives as index `num_experts` with weight 0: it is skipped."""
         T, k = topk_idx.shape
-        if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16:
+        if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and GROUPED_MM:
             y = self._grouped_mm(x, topk_idx)
         elif T * k <= self.GATHER_MAX_ASSIGNMENTS:
             y = self._gathered(x, topk_idx)
@@ -139,9 +144,11 @@ class Kimi3Experts(nn.Module):
     def _grouped_mm(self, x, topk_idx):
         order, counts, xs = self._sorted(x, topk_idx)
         offs = counts.cumsum(0).to(torch.int32)
-        g = torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)
-        u = torch._grouped_mm(xs, self.w3.transpose(1, 2), offs=offs)
-        out = torch._grouped_mm(self.act_fn(g, u), self.w2.transpose(1, 2), offs=offs)
+        # the kernel assumes densely packed expert matrices; a sharded (tensor-parallel) weight may be a strided view
+        w1, w3, w2 = (w.contiguous() for w in (self.w1, self.w3, self.w2))
+        g = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)
+        u = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs)
+        out = torch._grouped_mm(self.act_fn(g, u), w2.transpose(1, 2), offs=offs)
         rows = torch.arange(out.shape[0], device=out.device)[:, None]
         out = out.masked_fill(rows >= offs[-1], 0)  # off-rank routes sort last and are not computed
         return out.new_empty(out.shape).index_copy_(0, order, out)

@@ -76,10 +76,11 @@ if TRITON_AVAILABLE:
         tl.store(ptr + (rows[:, None] * H + i_h) * D + c[None, :], X, mask=(rows < eos)[:, None])
 
     @triton.jit
-    def _intra_fwd_kernel(qn, kn, v, gc, bs, Aqk, W, U, Qg, Kd, Mo, Po, tab, cu, scale,
+    def _intra_fwd_kernel(qn, kn, v, gc, bs, Aqk, W, U, Qg, Kd, Mo, Po, Tm, tab, cu, scale,
                           H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          SAFE: tl.constexpr, STORE_BWD: tl.constexpr, PREC: tl.constexpr):
+                          SAFE: tl.constexpr, STORE_BWD: tl.constexpr, FUSE_WU: tl.constexpr,
+                          PREC: tl.constexpr):
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
         n = tl.load(tab + 2 * i_c)
@@ -255,64 +256,115 @@ if TRITON_AVAILABLE:
             _st_blk(Po, p31, r3, eos, H, i_h, BT, BC, BC)
             _st_blk(Po, p32, r3, eos, H, i_h, BT, 2 * BC, BC)
             _st_blk(Po, p33, r3, eos, H, i_h, BT, 3 * BC, BC)
-        # T = M Diag(beta), in the matmul dtype
-        t00 = (m00 * b0[None, :]).to(DT)
-        t10 = (m10 * b0[None, :]).to(DT)
-        t11 = (m11 * b1[None, :]).to(DT)
-        t20 = (m20 * b0[None, :]).to(DT)
-        t21 = (m21 * b1[None, :]).to(DT)
-        t22 = (m22 * b2[None, :]).to(DT)
-        t30 = (m30 * b0[None, :]).to(DT)
-        t31 = (m31 * b1[None, :]).to(DT)
-        t32 = (m32 * b2[None, :]).to(DT)
-        t33 = (m33 * b3[None, :]).to(DT)
+        if FUSE_WU:
+            # T = M Diag(beta), in the matmul dtype
+            t00 = (m00 * b0[None, :]).to(DT)
+            t10 = (m10 * b0[None, :]).to(DT)
+            t11 = (m11 * b1[None, :]).to(DT)
+            t20 = (m20 * b0[None, :]).to(DT)
+            t21 = (m21 * b1[None, :]).to(DT)
+            t22 = (m22 * b2[None, :]).to(DT)
+            t30 = (m30 * b0[None, :]).to(DT)
+            t31 = (m31 * b1[None, :]).to(DT)
+            t32 = (m32 * b2[None, :]).to(DT)
+            t33 = (m33 * b3[None, :]).to(DT)
 
+            for i_k in range(0, tl.cdiv(K, BK)):
+                cols = i_k * BK + tl.arange(0, BK)
+                mc = cols < K
+                gl = _ld_row(gc, last, eos, H, i_h, K, cols, mc)
+                k0 = _ld(kn, r0, eos, H, i_h, K, cols, mc)
+                k1 = _ld(kn, r1, eos, H, i_h, K, cols, mc)
+                k2 = _ld(kn, r2, eos, H, i_h, K, cols, mc)
+                k3 = _ld(kn, r3, eos, H, i_h, K, cols, mc)
+                g0 = _ld(gc, r0, eos, H, i_h, K, cols, mc)
+                g1 = _ld(gc, r1, eos, H, i_h, K, cols, mc)
+                g2 = _ld(gc, r2, eos, H, i_h, K, cols, mc)
+                g3 = _ld(gc, r3, eos, H, i_h, K, cols, mc)
+                kg0 = (k0 * tl.exp2(g0)).to(DT)
+                kg1 = (k1 * tl.exp2(g1)).to(DT)
+                kg2 = (k2 * tl.exp2(g2)).to(DT)
+                kg3 = (k3 * tl.exp2(g3)).to(DT)
+                _st_blk(W, tl.dot(t00, kg0, input_precision=PREC).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
+                _st_blk(W, (tl.dot(t10, kg0, input_precision=PREC) + tl.dot(t11, kg1, input_precision=PREC)).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
+                _st_blk(W, (tl.dot(t20, kg0, input_precision=PREC) + tl.dot(t21, kg1, input_precision=PREC) + tl.dot(t22, kg2, input_precision=PREC)).to(DT),
+                        r2, eos, H, i_h, K, i_k * BK, BK)
+                _st_blk(W, (tl.dot(t30, kg0, input_precision=PREC) + tl.dot(t31, kg1, input_precision=PREC) + tl.dot(t32, kg2, input_precision=PREC) + tl.dot(t33, kg3, input_precision=PREC)).to(DT),
+                        r3, eos, H, i_h, K, i_k * BK, BK)
+                _st_blk(Kd, (k0 * tl.exp2(gl[None, :] - g0)).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
+                _st_blk(Kd, (k1 * tl.exp2(gl[None, :] - g1)).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
+                _st_blk(Kd, (k2 * tl.exp2(gl[None, :] - g2)).to(DT), r2, eos, H, i_h, K, i_k * BK, BK)
+                _st_blk(Kd, (k3 * tl.exp2(gl[None, :] - g3)).to(DT), r3, eos, H, i_h, K, i_k * BK, BK)
+                q0 = _ld(qn, r0, eos, H, i_h, K, cols, mc)
+                q1 = _ld(qn, r1, eos, H, i_h, K, cols, mc)
+                q2 = _ld(qn, r2, eos, H, i_h, K, cols, mc)
+                q3 = _ld(qn, r3, eos, H, i_h, K, cols, mc)
+                _st_blk(Qg, (q0 * tl.exp2(g0) * scale).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
+                _st_blk(Qg, (q1 * tl.exp2(g1) * scale).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
+                _st_blk(Qg, (q2 * tl.exp2(g2) * scale).to(DT), r2, eos, H, i_h, K, i_k * BK, BK)
+                _st_blk(Qg, (q3 * tl.exp2(g3) * scale).to(DT), r3, eos, H, i_h, K, i_k * BK, BK)
+            for i_v in range(0, tl.cdiv(V, BV)):
+                cols = i_v * BV + tl.arange(0, BV)
+                mc = cols < V
+                v0 = _ld(v, r0, eos, H, i_h, V, cols, mc).to(DT)
+                v1 = _ld(v, r1, eos, H, i_h, V, cols, mc).to(DT)
+                v2 = _ld(v, r2, eos, H, i_h, V, cols, mc).to(DT)
+                v3 = _ld(v, r3, eos, H, i_h, V, cols, mc).to(DT)
+                _st_blk(U, tl.dot(t00, v0, input_precision=PREC).to(DT), r0, eos, H, i_h, V, i_v * BV, BV)
+                _st_blk(U, (tl.dot(t10, v0, input_precision=PREC) + tl.dot(t11, v1, input_precision=PREC)).to(DT), r1, eos, H, i_h, V, i_v * BV, BV)
+                _st_blk(U, (tl.dot(t20, v0, input_precision=PREC) + tl.dot(t21, v1, input_precision=PREC) + tl.dot(t22, v2, input_precision=PREC)).to(DT), r2, eos, H, i_h, V, i_v * BV, BV)
+                _st_blk(U, (tl.dot(t30, v0, input_precision=PREC) + tl.dot(t31, v1, input_precision=PREC) + tl.dot(t32, v2, input_precision=PREC) + tl.dot(t33, v3, input_precision=PREC)).to(DT),
+                        r3, eos, H, i_h, V, i_v * BV, BV)
+        else:  # T = M Diag(beta) for _wu_fwd_kernel, block rows of [BT, BT] (zeros above the diagonal)
+            z = tl.zeros([BC, BC], dtype=tl.float32)
+            _st_blk(Tm, (m00 * b0[None, :]).to(DT), r0, eos, H, i_h, BT, 0, BC)
+            _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, BC, BC)
+            _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 2 * BC, BC)
+            _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 3 * BC, BC)
+            _st_blk(Tm, (m10 * b0[None, :]).to(DT), r1, eos, H, i_h, BT, 0, BC)
+            _st_blk(Tm, (m11 * b1[None, :]).to(DT), r1, eos, H, i_h, BT, BC, BC)
+            _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 2 * BC, BC)
+            _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 3 * BC, BC)
+            _st_blk(Tm, (m20 * b0[None, :]).to(DT), r2, eos, H, i_h, BT, 0, BC)
+            _st_blk(Tm, (m21 * b1[None, :]).to(DT), r2, eos, H, i_h, BT, BC, BC)
+            _st_blk(Tm, (m22 * b2[None, :]).to(DT), r2, eos, H, i_h, BT, 2 * BC, BC)
+            _st_blk(Tm, z.to(DT), r2, eos, H, i_h, BT, 3 * BC, BC)
+            _st_blk(Tm, (m30 * b0[None, :]).to(DT), r3, eos, H, i_h, BT, 0, BC)
+            _st_blk(Tm, (m31 * b1[None, :]).to(DT), r3, eos, H, i_h, BT, BC, BC)
+            _st_blk(Tm, (m32 * b2[None, :]).to(DT), r3, eos, H, i_h, BT, 2 * BC, BC)
+            _st_blk(Tm, (m33 * b3[None, :]).to(DT), r3, eos, H, i_h, BT, 3 * BC, BC)
+
+    @triton.jit
+    def _wu_fwd_kernel(qn, kn, v, gc, Tm, W, U, Qg, Kd, tab, cu, scale, H, K: tl.constexpr, V: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+        """W = T (k * exp(Gam)), U = T v, Qg, Kd for one chunk and head: whole-chunk [BT, BT] x [BT, BK] products
+        (the pairwise kernel above keeps only the 16-row tiles it must)."""
+        i_c = tl.program_id(0)
+        i_h = tl.program_id(1)
+        n = tl.load(tab + 2 * i_c)
+        t0 = tl.load(tab + 2 * i_c + 1).to(tl.int64)
+        eos = tl.load(cu + n + 1).to(tl.int64)
+        o_t = tl.arange(0, BT)
+        rows = t0 + o_t
+        last = tl.minimum(eos, t0 + BT) - 1
+        DT = W.dtype.element_ty
+        t = tl.load(Tm + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=(rows < eos)[:, None], other=0.)
+        t = t.to(DT)
         for i_k in range(0, tl.cdiv(K, BK)):
             cols = i_k * BK + tl.arange(0, BK)
             mc = cols < K
+            k = _ld(kn, rows, eos, H, i_h, K, cols, mc)
+            g = _ld(gc, rows, eos, H, i_h, K, cols, mc)
             gl = _ld_row(gc, last, eos, H, i_h, K, cols, mc)
-            k0 = _ld(kn, r0, eos, H, i_h, K, cols, mc)
-            k1 = _ld(kn, r1, eos, H, i_h, K, cols, mc)
-            k2 = _ld(kn, r2, eos, H, i_h, K, cols, mc)
-            k3 = _ld(kn, r3, eos, H, i_h, K, cols, mc)
-            g0 = _ld(gc, r0, eos, H, i_h, K, cols, mc)
-            g1 = _ld(gc, r1, eos, H, i_h, K, cols, mc)
-            g2 = _ld(gc, r2, eos, H, i_h, K, cols, mc)
-            g3 = _ld(gc, r3, eos, H, i_h, K, cols, mc)
-            kg0 = (k0 * tl.exp2(g0)).to(DT)
-            kg1 = (k1 * tl.exp2(g1)).to(DT)
-            kg2 = (k2 * tl.exp2(g2)).to(DT)
-            kg3 = (k3 * tl.exp2(g3)).to(DT)
-            _st_blk(W, tl.dot(t00, kg0, input_precision=PREC).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
-            _st_blk(W, (tl.dot(t10, kg0, input_precision=PREC) + tl.dot(t11, kg1, input_precision=PREC)).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
-            _st_blk(W, (tl.dot(t20, kg0, input_precision=PREC) + tl.dot(t21, kg1, input_precision=PREC) + tl.dot(t22, kg2, input_precision=PREC)).to(DT),
-                    r2, eos, H, i_h, K, i_k * BK, BK)
-            _st_blk(W, (tl.dot(t30, kg0, input_precision=PREC) + tl.dot(t31, kg1, input_precision=PREC) + tl.dot(t32, kg2, input_precision=PREC) + tl.dot(t33, kg3, input_precision=PREC)).to(DT),
-                    r3, eos, H, i_h, K, i_k * BK, BK)
-            _st_blk(Kd, (k0 * tl.exp2(gl[None, :] - g0)).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
-            _st_blk(Kd, (k1 * tl.exp2(gl[None, :] - g1)).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
-            _st_blk(Kd, (k2 * tl.exp2(gl[None, :] - g2)).to(DT), r2, eos, H, i_h, K, i_k * BK, BK)
-            _st_blk(Kd, (k3 * tl.exp2(gl[None, :] - g3)).to(DT), r3, eos, H, i_h, K, i_k * BK, BK)
-            q0 = _ld(qn, r0, eos, H, i_h, K, cols, mc)
-            q1 = _ld(qn, r1, eos, H, i_h, K, cols, mc)
-            q2 = _ld(qn, r2, eos, H, i_h, K, cols, mc)
-            q3 = _ld(qn, r3, eos, H, i_h, K, cols, mc)
-            _st_blk(Qg, (q0 * tl.exp2(g0) * scale).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
-            _st_blk(Qg, (q1 * tl.exp2(g1) * scale).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
-            _st_blk(Qg, (q2 * tl.exp2(g2) * scale).to(DT), r2, eos, H, i_h, K, i_k * BK, BK)
-            _st_blk(Qg, (q3 * tl.exp2(g3) * scale).to(DT), r3, eos, H, i_h, K, i_k * BK, BK)
+            eg = tl.exp2(g)
+            _st_blk(W, tl.dot(t, (k * eg).to(DT), input_precision=PREC).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
+            _st_blk(Kd, (k * tl.exp2(gl[None, :] - g)).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
+            q = _ld(qn, rows, eos, H, i_h, K, cols, mc)
+            _st_blk(Qg, (q * eg * scale).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
         for i_v in range(0, tl.cdiv(V, BV)):
             cols = i_v * BV + tl.arange(0, BV)
-            mc = cols < V
-            v0 = _ld(v, r0, eos, H, i_h, V, cols, mc).to(DT)
-            v1 = _ld(v, r1, eos, H, i_h, V, cols, mc).to(DT)
-            v2 = _ld(v, r2, eos, H, i_h, V, cols, mc).to(DT)
-            v3 = _ld(v, r3, eos, H, i_h, V, cols, mc).to(DT)
-            _st_blk(U, tl.dot(t00, v0, input_precision=PREC).to(DT), r0, eos, H, i_h, V, i_v * BV, BV)
-            _st_blk(U, (tl.dot(t10, v0, input_precision=PREC) + tl.dot(t11, v1, input_precision=PREC)).to(DT), r1, eos, H, i_h, V, i_v * BV, BV)
-            _st_blk(U, (tl.dot(t20, v0, input_precision=PREC) + tl.dot(t21, v1, input_precision=PREC) + tl.dot(t22, v2, input_precision=PREC)).to(DT), r2, eos, H, i_h, V, i_v * BV, BV)
-            _st_blk(U, (tl.dot(t30, v0, input_precision=PREC) + tl.dot(t31, v1, input_precision=PREC) + tl.dot(t32, v2, input_precision=PREC) + tl.dot(t33, v3, input_precision=PREC)).to(DT),
-                    r3, eos, H, i_h, V, i_v * BV, BV)
+            vv = _ld(v, rows, eos, H, i_h, V, cols, cols < V).to(DT)
+            _st_blk(U, tl.dot(t, vv, input_precision=PREC).to(DT), rows, eos, H, i_h, V, i_v * BV, BV)
 
     @triton.jit
     def _state_fwd_kernel(W, U, Qg, Kd, Aqk, gc, o, h0, ht, hs, vn, cu, chunk_off,
@@ -402,6 +454,13 @@ if TRITON_AVAILABLE:
         tl.store(o + offv, acc.to(o.dtype.element_ty), mask=mr[:, None] & mv[None, :])
 
 
+def _split_intra():
+    # "split" (default): the pairwise/solve kernel stores T = M Diag(beta) and _wu_fwd_kernel forms W, U, Qg, Kd
+    # with whole-chunk matmuls; "fused": one kernel does both (register pressure: ~4x slower on the H200).
+    import os
+    return os.environ.get("KIMI3_KDA_INTRA", "split") != "fused"
+
+
 def _split_output():
     # "split" (default): the sequential scan only carries the state and writes the state entering each chunk;
     # the output is a separate kernel parallel over chunks. "fused": the scan also computes the output
@@ -429,14 +488,21 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
     Mo = torch.empty(TT, H, BT, device=dev, dtype=torch.float32) if store_bwd else Aqk
     Po = torch.empty(TT, H, BT, device=dev, dtype=torch.float32) if store_bwd else Aqk
     safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
+    fuse_wu = not _split_intra()
+    Tm = Aqk if fuse_wu else torch.empty(TT, H, BT, device=dev, dtype=DT)
     if info.NC > 0:
         # 32-wide K/V slices: at K = V = 128 the 64-wide version spills 2.8 KB per thread (sm_90 ptxas), this 0.8 KB
         BK = min(32, next_pow2(K))
         BV = min(32, next_pow2(V))
         _intra_fwd_kernel[(info.NC, H)](
-            qn, kn, v, gc, bs, Aqk, W, U, Qg, Kd, Mo, Po, info.chunk_tab, info.cu, scale,
-            H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, BC=16, SAFE=safe, STORE_BWD=store_bwd, PREC=_prec(DT),
-            num_warps=4, num_stages=1)
+            qn, kn, v, gc, bs, Aqk, W, U, Qg, Kd, Mo, Po, Tm, info.chunk_tab, info.cu, scale,
+            H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, BC=16, SAFE=safe, STORE_BWD=store_bwd, FUSE_WU=fuse_wu,
+            PREC=_prec(DT), num_warps=4, num_stages=1)
+        if not fuse_wu:
+            _wu_fwd_kernel[(info.NC, H)](
+                qn, kn, v, gc, Tm, W, U, Qg, Kd, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
+                BK=min(64, next_pow2(K)), BV=min(64, next_pow2(V)), BT=BT, PREC=_prec(DT), num_warps=4,
+                num_stages=2)
     out = dict(Aqk=Aqk, W=W, U=U, Qg=Qg, Kd=Kd)
     if store_bwd:
         out.update(M=Mo, P=Po)
