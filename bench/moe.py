@@ -112,13 +112,19 @@ def ceilings():
     return out
 
 
-def make_weights(M, gen_seed=0):
+def make_mxfp4_weights(M, gen_seed=0):
+    """The packed experts alone (random codes, scales 2^-9..2^-6), without the bf16 copies."""
     g = torch.Generator(device=DEV).manual_seed(gen_seed)
     mod = M.PackedMXFP4Experts(E, D, INTER, M.silu_glu, device=DEV)
     for n in ("w1", "w3", "w2"):
         p, s = getattr(mod, f"{n}_packed"), getattr(mod, f"{n}_scale")
         p.copy_(torch.randint(0, 256, p.shape, device=DEV, dtype=torch.uint8, generator=g))
         s.copy_(torch.randint(118, 122, s.shape, device=DEV, dtype=torch.uint8, generator=g))
+    return mod
+
+
+def make_weights(M, gen_seed=0):
+    mod = make_mxfp4_weights(M, gen_seed)
     # bf16 baseline weights: exact dequantisation, chunked over experts
     w13 = torch.empty(E, 2 * INTER, D, device=DEV, dtype=torch.bfloat16)
     w2 = torch.empty(E, D, INTER, device=DEV, dtype=torch.bfloat16)

@@ -50,7 +50,9 @@ def _kernel_checks(G, R, torch):
     bp, bs = weights(E, N, K)
     common = dict(a_rows=tok, c_rows=order.to(torch.int32), num_c_rows=M, b_packed=bp, b_scale=bs)
     cfgs = {"bk64": dict(BM=16, BN=64, BK=64, DEQ=0), "bk32": dict(BM=16, BN=32, BK=32, DEQ=0),
-            "dot_scaled": dict(BM=16, BN=64, BK=64, DEQ=1)}
+            "dot_scaled": dict(BM=16, BN=64, BK=64, DEQ=1),
+            # parity split: even / odd weight columns as two half-width operands against strided activation halves
+            "split": dict(BM=16, BN=64, BK=64, DEQ=0, SPLIT=1)}
     for mode, kw in {"plain": {}, "dual_out": dict(dual="out"), "silu": dict(dual="out", act="silu"),
                      "situ": dict(dual="out", act="situ", act_params=(4.0, 25.0)),
                      "situ_linear_up": dict(dual="out", act="situ", act_params=(4.0, None))}.items():
@@ -72,6 +74,15 @@ def _kernel_checks(G, R, torch):
                                  config=dict(BM=16, BN=64, BK=64), **kw)
         r = R(a, wtp, wts, offs, trans_w=True, b_packed=btp, b_scale=bts, **kw)
         out[f"bwd_{mode}"] = _rel(c, r)
+        # parity split along n (the packing direction of the transposed layout): two half-height accumulators
+        c = G.mxfp4_grouped_gemm(a, wtp, wts, offs, trans_w=True, b_packed=btp, b_scale=bts,
+                                 config=dict(BM=16, BN=64, BK=64, SPLIT=1), **kw)
+        out[f"bwd_{mode}_split"] = _rel(c, r)
+    # parity split with the trans_w + dual="out" combination (two weights, four half accumulators)
+    c = G.mxfp4_grouped_gemm(a, wtp, wts, offs, trans_w=True, b_packed=btp, b_scale=bts, dual="out",
+                             config=dict(BM=16, BN=64, BK=64, SPLIT=1))
+    out["bwd_trans_dual_out_split"] = _rel(c, R(a, wtp, wts, offs, trans_w=True, b_packed=btp, b_scale=bts,
+                                                dual="out"))
     # default configuration (as the module calls it), and many rows per expert (several m-blocks)
     xm = torch.randn(70, K, generator=gen).bfloat16()
     offs2 = torch.tensor([0, 40, 40, 70, 70, 70], dtype=torch.int32)
@@ -83,6 +94,8 @@ def _kernel_checks(G, R, torch):
     ws_edge[1, :, 1] = 130
     c = G.mxfp4_grouped_gemm(xm, wp, ws_edge, offs2, config=dict(BM=16, BN=32, BK=32))
     out["fwd_scale_edges"] = _rel(c, R(xm, wp, ws_edge, offs2))
+    c = G.mxfp4_grouped_gemm(xm, wp, ws_edge, offs2, config=dict(BM=16, BN=32, BK=32, SPLIT=1))
+    out["fwd_scale_edges_split"] = _rel(c, R(xm, wp, ws_edge, offs2))
     return out
 
 
@@ -169,7 +182,7 @@ def test_interpreter_active(results):
 def test_kernel_matches_reference(results):
     # same bf16 operands, fp32 accumulation in another order; fused GLU outputs are fp32 here: 1e-5
     kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_"))}
-    assert len(kernel) == 16, sorted(kernel)
+    assert len(kernel) == 25, sorted(kernel)
     bad = {k: v for k, v in kernel.items() if not v < 1e-5}
     assert not bad, bad
 
@@ -184,6 +197,101 @@ def test_module_triton_path_matches_dequantise_then_matmul(results):
         # backward: the kernel also rounds dgate/dup (fp32) to bf16 operands (measured ~4e-3): bound 2e-2
         assert results[f"module_{name}_dx"] < 2e-2, results
         assert results[f"module_{name}_dw"] < 2e-2, results
+
+
+def _load_gemm_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_mxfp4_gemm_ptx_test", ROOT / "kernels/kimi3_kernels/mxfp4_gemm.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run_ptx(asm, x, scales):
+    """Execute the decode's inline PTX (its few opcodes) on one 32-bit word x and 4 scale words: returns $0..$3."""
+    import struct
+
+    import torch
+
+    def bf16(h):
+        return struct.unpack("<f", struct.pack("<I", h << 16))[0]
+
+    def to_bf16(v):
+        return torch.tensor(v, dtype=torch.float64).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
+
+    regs = {"$4": x, **{f"${5 + i}": sc for i, sc in enumerate(scales)}}
+    val = (lambda o: regs[o] if o in regs else int(o, 0) & 0xFFFFFFFF)
+    for ln in asm.strip("{}").split(";"):
+        ln = ln.strip()
+        if not ln or ln.startswith(".reg"):
+            continue
+        op, args = ln.split(None, 1)
+        d, *a = [t.strip() for t in args.split(",")]
+        v = [val(t) for t in a]
+        if op == "mov.b32":
+            r = v[0]
+        elif op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "shr.u32":
+            r = v[0] >> v[1]
+        elif op == "shl.b32":
+            r = (v[0] << v[1]) & 0xFFFFFFFF
+        elif op == "prmt.b32":  # default mode: selector nibble bit 3 = replicate the top bit of the picked byte
+            src = v[0] | (v[1] << 32)
+            r = 0
+            for i in range(4):
+                sel = (v[2] >> (4 * i)) & 15
+                byte = (src >> (8 * (sel & 7))) & 0xFF
+                r |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << (8 * i)
+        elif op == "lop3.b32":
+            r = 0
+            for bit in range(32):
+                i = (((v[0] >> bit) & 1) << 2) | (((v[1] >> bit) & 1) << 1) | ((v[2] >> bit) & 1)
+                r |= ((v[3] >> i) & 1) << bit
+        elif op == "fma.rn.bf16x2":  # the products here are exact: round once, as the hardware does
+            r = 0
+            for half in (0, 16):
+                f = [bf16((t >> half) & 0xFFFF) for t in v]
+                r |= to_bf16(f[0] * f[1] + f[2]) << half
+        else:
+            raise AssertionError(f"unexpected PTX opcode {op}")
+        regs[d] = r
+    return [regs[f"${i}"] for i in range(4)]
+
+
+def test_ptx_decode_emulated():
+    """The inline-PTX E2M1 decode (GPU-only, so the interpreter cannot run it), executed instruction by instruction
+    here, equals the exact decode for every byte value and the scale bytes that matter (subnormal 0 and 1,
+    overflow at 253 and 254), in both output forms. bench/mxfp4_decode_check.py runs the real thing on a GPU."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    import torch
+
+    G = _load_gemm_module()
+    lut = (0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6)
+
+    def want(code, s):
+        return torch.tensor(lut[code] * 2.0 ** (s - 127), dtype=torch.float64).to(torch.bfloat16).view(
+            torch.int16).item() & 0xFFFF
+
+    def scale_word(s):
+        b = max(s << 7, 0x40)  # as _e8m0_to_bf16x2
+        return b | (b << 16)
+
+    pairs, split = G._e2m1_ptx(True), G._e2m1_ptx(False)
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(0)).tolist()
+    for s0 in (0, 1, 2, 100, 127, 200, 252, 253, 254):
+        sc = [s0, (s0 + 1) % 255, (s0 + 77) % 255, 254 - s0 % 3]  # distinct scales per byte: checks the routing
+        for b in range(0, 256, 4):
+            byts = perm[b:b + 4]  # all 256 values, in unrelated groups of 4
+            x = sum(v << (8 * i) for i, v in enumerate(byts))
+            lo = [want(v & 15, s) for v, s in zip(byts, sc)]
+            hi = [want(v >> 4, s) for v, s in zip(byts, sc)]
+            out = _run_ptx(pairs, x, [scale_word(s) for s in sc])
+            assert out == [lo[i] | (hi[i] << 16) for i in range(4)], (s0, byts)
+            out = _run_ptx(split, x, [scale_word(s) for s in sc])
+            assert out == [lo[0] | lo[1] << 16, lo[2] | lo[3] << 16, hi[0] | hi[1] << 16, hi[2] | hi[3] << 16], \
+                (s0, byts)
 
 
 if __name__ == "__main__":

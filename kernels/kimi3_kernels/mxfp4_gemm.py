@@ -18,6 +18,10 @@ m-block) without a host synchronisation: a per-expert block count prefix sum is 
 Programs of one m-block and all n-tiles are adjacent in launch order, so an expert's weights are read from HBM
 about once per wave and activations are reused from L2.
 
+Weights are decoded in registers by inline PTX on CUDA (byte lookups into bf16x2 words, ~2.4 instructions per
+weight; `decode_mode`), or by fp32 bit arithmetic (~7 per weight; the interpreter's path, and
+KIMI3_MXFP4_DECODE=portable for A/B timing): both give the same bits (bench/mxfp4_decode_check.py checks it on a GPU).
+
 `mxfp4_grouped_gemm_ref` in `mxfp4_gemm_ref.py` has the same signature and semantics in PyTorch (one expert
 dequantised at a time). Runs under TRITON_INTERPRET=1 on CPU tensors (small shapes, for CI).
 """
@@ -44,6 +48,30 @@ def interpreter_enabled():
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def decode_mode(device):
+    """How weights are decoded in registers: "ptx" (inline-PTX byte lookups into bf16x2, CUDA sm_80+) or
+    "portable" (fp32 bit arithmetic, ~3x the instructions; the only one the interpreter runs). The environment
+    variable KIMI3_MXFP4_DECODE=portable|ptx, read at every launch, picks one on a GPU (A/B timing); both give
+    bit-identical weights (bench/mxfp4_decode_check.py)."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreter_enabled():
+        return "portable"
+    mode = os.environ.get("KIMI3_MXFP4_DECODE", "ptx").strip().lower() or "ptx"
+    if mode not in ("ptx", "portable"):
+        raise ValueError(f"KIMI3_MXFP4_DECODE must be 'ptx' or 'portable', not {mode!r}")
+    if mode == "ptx" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "portable"
+    return mode
+
+
+def _env_split():
+    # KIMI3_MXFP4_SPLIT=1: multiply the even / odd weight columns as two half-width operands against strided
+    # activation halves instead of interleaving them (for A/B timing; config={"SPLIT": 1} does the same per call).
+    # The interleave is free in the MMA operand layout, and the strided activation loads cannot use cp.async:
+    # sm_90 SASS of the split has more instructions per weight (bench/mxfp4_decode_check.py --count).
+    return os.environ.get("KIMI3_MXFP4_SPLIT", "0").strip() not in ("", "0")
+
+
 def available(device):
     """True when the Triton kernel can run on tensors of `device` (CUDA, or any device under TRITON_INTERPRET=1)."""
     if not HAS_TRITON:
@@ -68,15 +96,109 @@ if HAS_TRITON:
         bits = ((c & 7) << 22) | ((c & 8) << 28)
         return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37
 
+    # E2M1 -> bf16 for 4 packed bytes (8 weights) in 15 integer instructions + 4 bf16x2 multiplies (17-19 SASS
+    # instructions per 8 weights), against ~8 per weight for the fp32 route. prmt is a byte lookup: with the
+    # selector's bit 3 clear, each selector nibble picks one of the 8 bytes {a, b}, so a nibble's 3 magnitude bits
+    # index an 8-entry table of the bf16 high bytes (a=0x3F3F3F00, b=0x40404040: 0, .5, 1, 1.5 | 2, 3, 4, 6) and
+    # one of the low bytes (0xC0800000, 0xC0804000). With bit 3 set, prmt replicates the top bit of the byte it
+    # picks: that gives each nibble's sign as 0x00/0xFF (hi nibble: bit 7 of the byte; lo nibble: bit 7 of the
+    # byte shifted left by 4), or-ed into bit 7 of the high byte. A last prmt pairs (low, high) bytes into bf16x2
+    # words. The E8M0 scale is multiplied in bf16 as fma(w, scale, -0.0) (= w * scale, signed zeros included;
+    # fma.bf16x2 exists from sm_80, mul.bf16x2 only from sm_90; ptxas emits HMUL2.BF16_V2 for it): the bf16 forms
+    # have no .ftz (PTX ISA: bf16 arithmetic keeps subnormals; HMUL2 without .FTZ/.FMZ supports denormals), so
+    # s == 0 (2^-127, the bf16 subnormal 0x0040) and subnormal products are exact, as every product is (2
+    # significant bits), and overflow (6 * 2^127) is inf, as in the fp32 route. Each element carries its own scale
+    # word, so any assignment of elements to the 4-element packs (which Triton leaves unspecified) stays exact.
+    def _e2m1_ptx(pairs):
+        """The inline PTX: $4 = 4 packed bytes, $5..$8 = their scales (bf16x2 words). pairs: $0..$3 = bytes 0..3 as
+        bf16x2 (even, odd column); else $0, $1 = even columns of bytes 0,1 / 2,3 and $2, $3 = odd columns."""
+        lut = """
+        .reg .b32 m, m2, x4, sg0, sg1, h0, h1, l0, l1, s01, s23, t0, t1, t2, t3, nz;
+        mov.b32 nz, 0x80008000;
+        and.b32 m, $4, 0x77777777;
+        shr.u32 m2, m, 16;
+        shl.b32 x4, $4, 4;
+        prmt.b32 h0, 0x3F3F3F00, 0x40404040, m;
+        prmt.b32 h1, 0x3F3F3F00, 0x40404040, m2;
+        prmt.b32 l0, 0xC0800000, 0xC0804000, m;
+        prmt.b32 l1, 0xC0800000, 0xC0804000, m2;
+        prmt.b32 sg0, $4, x4, 0x9D8C;
+        prmt.b32 sg1, $4, x4, 0xBFAE;
+        lop3.b32 h0, h0, sg0, 0x80808080, 0xF8;
+        lop3.b32 h1, h1, sg1, 0x80808080, 0xF8;
+        """
+        if pairs:
+            out = """
+            prmt.b32 t0, l0, h0, 0x5140;
+            prmt.b32 t1, l0, h0, 0x7362;
+            prmt.b32 t2, l1, h1, 0x5140;
+            prmt.b32 t3, l1, h1, 0x7362;
+            fma.rn.bf16x2 $0, t0, $5, nz;
+            fma.rn.bf16x2 $1, t1, $6, nz;
+            fma.rn.bf16x2 $2, t2, $7, nz;
+            fma.rn.bf16x2 $3, t3, $8, nz;
+            """
+        else:
+            out = """
+            prmt.b32 t0, l0, h0, 0x6240;
+            prmt.b32 t1, l1, h1, 0x6240;
+            prmt.b32 t2, l0, h0, 0x7351;
+            prmt.b32 t3, l1, h1, 0x7351;
+            lop3.b32 s01, $5, $6, 0x0000FFFF, 0xE4;
+            lop3.b32 s23, $7, $8, 0x0000FFFF, 0xE4;
+            fma.rn.bf16x2 $0, t0, s01, nz;
+            fma.rn.bf16x2 $1, t1, s23, nz;
+            fma.rn.bf16x2 $2, t2, s01, nz;
+            fma.rn.bf16x2 $3, t3, s23, nz;
+            """
+        return "{" + "\n".join(ln.strip() for ln in (lut + out).splitlines() if ln.strip()) + "}"
+
+    _E2M1_PAIRS_PTX = tl.constexpr(_e2m1_ptx(True))
+    _E2M1_SPLIT_PTX = tl.constexpr(_e2m1_ptx(False))
+
     @triton.jit
-    def _dequant(p, s, R: tl.constexpr, C: tl.constexpr):
-        """p uint8 [R, C/2] (low nibble = even column), s uint8 [R, C/32] -> bf16 [R, C]."""
-        sf = _e8m0_to_f32(s)
-        sf = tl.reshape(tl.broadcast_to(sf[:, :, None], (R, C // 32, 16)), (R, C // 2))
-        pi = p.to(tl.int32)
-        lo = (_e2m1_to_f32(pi & 15) * sf).to(tl.bfloat16)
-        hi = (_e2m1_to_f32(pi >> 4) * sf).to(tl.bfloat16)
+    def _e8m0_to_bf16x2(s):
+        # bf16 bits of 2^(s-127) in both halves of an int32 (a mul.bf16x2 operand); s == 0 is the subnormal 0x0040
+        b = tl.maximum(s.to(tl.int32) << 7, 0x40)
+        return b | (b << 16)
+
+    @triton.jit
+    def _bcast_scale(sf, R: tl.constexpr, C: tl.constexpr):
+        """[R, C/32] -> [R, C/2]: one scale per packed byte (a scale covers 16 bytes)."""
+        return tl.reshape(tl.broadcast_to(sf[:, :, None], (R, C // 32, 16)), (R, C // 2))
+
+    @triton.jit
+    def _dequant(p, s, R: tl.constexpr, C: tl.constexpr, PTX: tl.constexpr):
+        """p uint8 [R, C/2] (low nibble = even column), s uint8 [R, C/32] -> bf16 [R, C]. In the MMA operand layout
+        a thread holds column pairs (2j, 2j+1), i.e. whole bytes, so the interleave costs no data movement."""
+        if PTX:
+            sb = _bcast_scale(_e8m0_to_bf16x2(s), R, C)
+            w = tl.inline_asm_elementwise(_E2M1_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r,r", [p, sb], dtype=tl.int32,
+                                          is_pure=True, pack=4)
+            lo = w.to(tl.int16).to(tl.bfloat16, bitcast=True)
+            hi = (w >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            sf = _bcast_scale(_e8m0_to_f32(s), R, C)
+            pi = p.to(tl.int32)
+            lo = (_e2m1_to_f32(pi & 15) * sf).to(tl.bfloat16)
+            hi = (_e2m1_to_f32(pi >> 4) * sf).to(tl.bfloat16)
         return tl.reshape(tl.join(lo, hi), (R, C))
+
+    @triton.jit
+    def _dequant_split(p, s, R: tl.constexpr, C: tl.constexpr, PTX: tl.constexpr):
+        """p uint8 [R, C/2] (low nibble = even column), s uint8 [R, C/32] -> (even columns, odd columns), each
+        bf16 [R, C/2]. Keeping the two parities apart avoids interleaving them in registers: the caller pairs them
+        with the even / odd rows of the other operand (a dot product does not depend on the order of k)."""
+        if PTX:
+            sb = _bcast_scale(_e8m0_to_bf16x2(s), R, C)
+            lo, hi = tl.inline_asm_elementwise(_E2M1_SPLIT_PTX, "=r,=r,=r,=r,r,r,r,r,r", [p, sb],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            sf = _bcast_scale(_e8m0_to_f32(s), R, C)
+            pi = p.to(tl.int32)
+            lo = (_e2m1_to_f32(pi & 15) * sf).to(tl.bfloat16)
+            hi = (_e2m1_to_f32(pi >> 4) * sf).to(tl.bfloat16)
+        return lo, hi
 
     @triton.jit
     def _load_s(s_ptr, e64, offs_n, n_mask, k0, N, K, stride_se, stride_sr, pid_n,
@@ -93,22 +215,60 @@ if HAS_TRITON:
                            mask=n_mask[:, None] & (sc[None, :] < K // 32), other=127)
 
     @triton.jit
-    def _load_w(w_ptr, s, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr,
-                pid_n, BN: tl.constexpr, BK: tl.constexpr, TRANS_W: tl.constexpr):
-        """Dequantised weight tile [BN, BK] from packed bytes and its scales `s` (from _load_s): element (n, k) is
-        W_e[n, k] (or W_e[k, n] with TRANS_W)."""
+    def _load_p(w_ptr, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n,
+                BN: tl.constexpr, BK: tl.constexpr, TRANS_W: tl.constexpr):
+        """Packed bytes of a weight tile: [BN, BK/2] from W_e [N, K/2], or [BK, BN/2] from W_e [K, N/2] (TRANS_W)."""
         if TRANS_W:
-            # stored [K, N/2]: rows k, packed along n
             offs_k = k0 + tl.arange(0, BK)
             pc = pid_n * (BN // 2) + tl.arange(0, BN // 2)
-            p = tl.load(w_ptr + e64 * stride_we + offs_k[:, None] * stride_wr + pc[None, :],
-                        mask=(offs_k[:, None] < K) & (pc[None, :] < N // 2), other=0)
-            return tl.trans(_dequant(p, s, BK, BN))
+            return tl.load(w_ptr + e64 * stride_we + offs_k[:, None] * stride_wr + pc[None, :],
+                           mask=(offs_k[:, None] < K) & (pc[None, :] < N // 2), other=0)
         else:
             pc = k0 // 2 + tl.arange(0, BK // 2)
-            p = tl.load(w_ptr + e64 * stride_we + offs_n[:, None] * stride_wr + pc[None, :],
-                        mask=n_mask[:, None] & (pc[None, :] < K // 2), other=0)
-            return _dequant(p, s, BN, BK)
+            return tl.load(w_ptr + e64 * stride_we + offs_n[:, None] * stride_wr + pc[None, :],
+                           mask=n_mask[:, None] & (pc[None, :] < K // 2), other=0)
+
+    @triton.jit
+    def _load_w(w_ptr, s, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n,
+                BN: tl.constexpr, BK: tl.constexpr, TRANS_W: tl.constexpr, PTX: tl.constexpr):
+        """Dequantised weight tile [BN, BK] from packed bytes and its scales `s` (from _load_s): element (n, k) is
+        W_e[n, k] (or W_e[k, n] with TRANS_W)."""
+        p = _load_p(w_ptr, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK, TRANS_W)
+        if TRANS_W:
+            return tl.trans(_dequant(p, s, BK, BN, PTX))
+        else:
+            return _dequant(p, s, BN, BK, PTX)
+
+    @triton.jit
+    def _load_w_split(w_ptr, s, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n,
+                      BN: tl.constexpr, BK: tl.constexpr, TRANS_W: tl.constexpr, PTX: tl.constexpr):
+        """The tile of _load_w as two parity halves: [BN, BK/2] each, (n, j) = W_e[n, k0 + 2j (+1)]; with TRANS_W
+        [BN/2, BK] each, (j, k) = W_e[k, pid_n*BN + 2j (+1)] (the packing runs along n there)."""
+        p = _load_p(w_ptr, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK, TRANS_W)
+        if TRANS_W:
+            lo, hi = _dequant_split(p, s, BK, BN, PTX)
+            return tl.trans(lo), tl.trans(hi)
+        else:
+            return _dequant_split(p, s, BN, BK, PTX)
+
+    @triton.jit
+    def _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK: tl.constexpr, STEP: tl.constexpr):
+        """Activation tile, transposed, bf16: [BK/STEP, BM] at k = k0 + STEP*j (STEP 2: the even k; the odd ones
+        are the same pointers + 1)."""
+        offs_k = k0 + STEP * tl.arange(0, BK // STEP)
+        mask = (offs_k[:, None] < K) & m_mask[None, :]
+        return tl.load(a_ptr + rows[None, :] * stride_am + offs_k[:, None], mask=mask, other=0.0).to(tl.bfloat16)
+
+    @triton.jit
+    def _dot(w, at, acc, OP_F32: tl.constexpr):
+        if OP_F32:  # the interpreter's dot mishandles bf16; bf16 values are exact in fp32
+            w, at = w.to(tl.float32), at.to(tl.float32)
+        return tl.dot(w, at, acc)
+
+    @triton.jit
+    def _interleave_rows(acc_e, acc_o, BN: tl.constexpr, BM: tl.constexpr):
+        """Rows of acc_e / acc_o [BN/2, BM] are the even / odd rows of the [BN, BM] result."""
+        return tl.trans(tl.reshape(tl.join(tl.trans(acc_e), tl.trans(acc_o)), (BM, BN)))
 
     @triton.jit
     def _scaled_dot(w_ptr, s, e64, offs_n, n_mask, k0, K, stride_we, stride_wr, at, acc, BK: tl.constexpr):
@@ -133,6 +293,7 @@ if HAS_TRITON:
         E_CHUNK: tl.constexpr, NUM_E_CHUNKS: tl.constexpr,
         TRANS_W: tl.constexpr, DUAL: tl.constexpr, ACT: tl.constexpr, LINEAR_UP: tl.constexpr,
         GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, DEQ: tl.constexpr, OP_F32: tl.constexpr,
+        PTX: tl.constexpr, SPLIT: tl.constexpr,
     ):
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BN)
@@ -160,8 +321,13 @@ if HAS_TRITON:
         n_mask = offs_n < N
         e64 = e.to(tl.int64)
 
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-        acc2 = tl.zeros((BN, BM), dtype=tl.float32)
+        # forward: acc (and acc2 for dual="out") [BN, BM]; TRANS_W: the even / odd output rows apart, [BN/2, BM]
+        # each (acc, acc_o, acc2, acc2_o), interleaved once after the loop
+        AR: tl.constexpr = BN // 2 if (TRANS_W and SPLIT) else BN
+        acc = tl.zeros((AR, BM), dtype=tl.float32)
+        acc_o = tl.zeros((AR, BM), dtype=tl.float32)
+        acc2 = tl.zeros((AR, BM), dtype=tl.float32)
+        acc2_o = tl.zeros((AR, BM), dtype=tl.float32)
         # the scale tiles are too narrow for Triton's cp.async pipelining: prefetch them one step ahead by hand
         s_nxt = _load_s(ws_ptr, e64, offs_n, n_mask, 0, N, K, stride_se, stride_sr, pid_n, BN, BK, TRANS_W)
         if DUAL != 0:
@@ -176,36 +342,60 @@ if HAS_TRITON:
             if DUAL != 0:
                 s2_nxt = _load_s(bs_ptr, e64, offs_n, n_mask, k0 + BK, N, K, stride_se, stride_sr, pid_n, BN, BK,
                                  TRANS_W)
-            offs_k = k0 + tl.arange(0, BK)
-            a_mask = (offs_k[:, None] < K) & m_mask[None, :]
-            at = tl.load(a_ptr + rows[None, :] * stride_am + offs_k[:, None], mask=a_mask, other=0.0)
-            at = at.to(tl.bfloat16)  # [BK, BM]
             if DEQ == 1:
+                at = _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK, 1)
                 acc = _scaled_dot(w_ptr, s_cur, e64, offs_n, n_mask, k0, K, stride_we, stride_wr, at, acc, BK)
                 if DUAL == 1:
                     acc2 = _scaled_dot(b_ptr, s2_cur, e64, offs_n, n_mask, k0, K, stride_we, stride_wr, at, acc2, BK)
-            else:
+            elif not SPLIT:
+                at = _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK, 1)
                 wt = _load_w(w_ptr, s_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK,
-                             TRANS_W)
-                if OP_F32:  # the interpreter's dot mishandles bf16; bf16 values are exact in fp32
-                    wt = wt.to(tl.float32)
-                    at = at.to(tl.float32)
-                acc = tl.dot(wt, at, acc)
-                if DUAL == 1:
+                             TRANS_W, PTX)
+                acc = _dot(wt, at, acc, OP_F32)
+                if DUAL != 0:
                     bt = _load_w(b_ptr, s2_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK,
-                                 TRANS_W)
-                    if OP_F32:
-                        bt = bt.to(tl.float32)
-                    acc2 = tl.dot(bt, at, acc2)
-                if DUAL == 2:
-                    at2 = tl.load(a2_ptr + rows[None, :] * stride_am + offs_k[:, None], mask=a_mask, other=0.0)
-                    at2 = at2.to(tl.bfloat16)
-                    bt = _load_w(b_ptr, s2_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK,
-                                 TRANS_W)
-                    if OP_F32:
-                        at2 = at2.to(tl.float32)
-                        bt = bt.to(tl.float32)
-                    acc = tl.dot(bt, at2, acc)
+                                 TRANS_W, PTX)
+                    if DUAL == 2:
+                        at2 = _load_at(a2_ptr, rows, m_mask, k0, K, stride_am, BK, 1)
+                        acc = _dot(bt, at2, acc, OP_F32)
+                    else:
+                        acc2 = _dot(bt, at, acc2, OP_F32)
+            elif TRANS_W:
+                # the weight halves are output rows: each multiplies the whole activation tile
+                at = _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK, 1)
+                we, wo = _load_w_split(w_ptr, s_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN,
+                                       BK, TRANS_W, PTX)
+                acc = _dot(we, at, acc, OP_F32)
+                acc_o = _dot(wo, at, acc_o, OP_F32)
+                if DUAL != 0:
+                    be, bo = _load_w_split(b_ptr, s2_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr,
+                                           pid_n, BN, BK, TRANS_W, PTX)
+                    if DUAL == 2:
+                        at2 = _load_at(a2_ptr, rows, m_mask, k0, K, stride_am, BK, 1)
+                        acc = _dot(be, at2, acc, OP_F32)
+                        acc_o = _dot(bo, at2, acc_o, OP_F32)
+                    else:
+                        acc2 = _dot(be, at, acc2, OP_F32)
+                        acc2_o = _dot(bo, at, acc2_o, OP_F32)
+            else:
+                # the weight halves are the even / odd k: they meet the even / odd k of the activations
+                ae = _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK, 2)
+                ao = _load_at(a_ptr + 1, rows, m_mask, k0, K, stride_am, BK, 2)
+                we, wo = _load_w_split(w_ptr, s_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN,
+                                       BK, TRANS_W, PTX)
+                acc = _dot(wo, ao, _dot(we, ae, acc, OP_F32), OP_F32)
+                if DUAL != 0:
+                    be, bo = _load_w_split(b_ptr, s2_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr,
+                                           pid_n, BN, BK, TRANS_W, PTX)
+                    if DUAL == 2:
+                        ae2 = _load_at(a2_ptr, rows, m_mask, k0, K, stride_am, BK, 2)
+                        ao2 = _load_at(a2_ptr + 1, rows, m_mask, k0, K, stride_am, BK, 2)
+                        acc = _dot(bo, ao2, _dot(be, ae2, acc, OP_F32), OP_F32)
+                    else:
+                        acc2 = _dot(bo, ao, _dot(be, ae, acc2, OP_F32), OP_F32)
+        if TRANS_W and SPLIT and DEQ == 0:
+            acc = _interleave_rows(acc, acc_o, BN, BM)
+            acc2 = _interleave_rows(acc2, acc2_o, BN, BM)
 
         if SCATTER_C:
             crow = tl.load(c_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
@@ -329,6 +519,7 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         BM=BM, BN=BN, BK=BK, E_CHUNK=e_chunk, NUM_E_CHUNKS=triton.cdiv(E, e_chunk),
         TRANS_W=bool(trans_w), DUAL=DUALS[dual], ACT=ACTS[act], LINEAR_UP=(act == "situ" and beta2 is None),
         GATHER_A=a_rows is not None, SCATTER_C=c_rows is not None, OP_F32=interpreter_enabled(),
+        PTX=decode_mode(a.device) == "ptx", SPLIT=bool(int(cfg.get("SPLIT", _env_split()))),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if int(cfg.get("DEQ", 0)) == 1:
         try:
