@@ -183,6 +183,23 @@ def test_static_greedy_loop_equals_transformers_loop(model, monkeypatch):
     assert len(calls) == len(cases)
 
 
+def test_static_greedy_reuses_its_cache(model):
+    # consecutive calls of the same batch size and length bucket share one static cache (and on CUDA its captured
+    # graph): the reset cache must give exactly the tokens of a fresh one, whatever ran before
+    x, y = ids(2, 9, seed=10), ids(2, 14, seed=11)
+    with torch.no_grad():
+        want_x = _hf_loop(model, x, max_new_tokens=7, do_sample=False, pad_token_id=0,
+                          cache_implementation="static")
+        want_y = _hf_loop(model, y, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                          cache_implementation="static")
+        pool = model.__dict__.get("_kimi3_static_caches", {})
+        pool.clear()
+        got = [model.generate(z, max_new_tokens=n, do_sample=False, pad_token_id=0, cache_implementation="static")
+               for z, n in ((x, 7), (y, 5), (x, 7))]
+    assert len(model._kimi3_static_caches) == 1  # 16 and 19 positions: one 256-position bucket
+    assert torch.equal(got[0], want_x) and torch.equal(got[1], want_y) and torch.equal(got[2], want_x)
+
+
 def test_generate_with_chunked_prefill(model):
     x = ids(2, 40, seed=8)
     with torch.no_grad():

@@ -6,6 +6,7 @@ State lives in `Kimi3Cache` only. Module names follow the official checkpoint, s
 the modules one to one except the routed experts, which are stacked per layer (see checkpoint.py).
 """
 
+import collections
 import copy
 import math
 
@@ -369,6 +370,27 @@ class Kimi3GenerationMixin(GenerationMixin):
         pad = kwargs.get("pad_token_id", config.pad_token_id)
         return pad is not None and bool((ids == pad).any())
 
+    STATIC_BUCKET = 256  # static caches are sized in steps of this many positions, so calls can share them
+    STATIC_POOL_SIZE = 4
+
+    def _pooled_static_cache(self, batch, length, device):
+        """A static cache (and the decode graph captured on it) kept between generate() calls of the same batch
+        size and length bucket: capturing a new graph per call costs tens of milliseconds. Keyed by the weights'
+        addresses too, since a captured graph reads the weights through the pointers it was captured with."""
+        length = -(-length // self.STATIC_BUCKET) * self.STATIC_BUCKET
+        weights = hash(tuple(p.data_ptr() for p in self.parameters()))
+        pool = self.__dict__.setdefault("_kimi3_static_caches", collections.OrderedDict())
+        key = (batch, length, str(device), weights)
+        cache = pool.pop(key, None)
+        if cache is None:
+            cache = Kimi3Cache(self.config.get_text_config(), max_length=length)
+        else:
+            cache.reset()
+        pool[key] = cache
+        while len(pool) > self.STATIC_POOL_SIZE:
+            pool.popitem(last=False)
+        return cache
+
     @torch.no_grad()
     def _static_greedy(self, input_ids, config, kwargs):
         """Greedy decoding through the static cache, token for token what Transformers' loop returns (EOS ->
@@ -390,7 +412,7 @@ class Kimi3GenerationMixin(GenerationMixin):
         eos_t = torch.tensor(eos, dtype=torch.long, device=device)
         out = torch.full((B, max_new), pad if pad is not None else 0, dtype=torch.long, device=device)
         unfinished = torch.ones(B, dtype=torch.bool, device=device)
-        cache = Kimi3Cache(self.config.get_text_config(), max_length=L + max_new)
+        cache = self._pooled_static_cache(B, L + max_new, device)
         logits = self(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         check_every = 16
         for step in range(max_new):
