@@ -70,7 +70,8 @@ class Results:
         self.path, self.rows = path, []
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         self.meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                     "commit": commit or os.environ.get("GIT_COMMIT", "unknown"),
+                     # a copied work tree may carry a stale .git: an explicit GIT_COMMIT wins
+                     "commit": os.environ.get("GIT_COMMIT") or commit or "unknown",
                      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      "torch": torch.__version__}
         import transformers
@@ -315,6 +316,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--longest", default="131072,262144,524288,1048576")
     ap.add_argument("--chunk", type=int, default=65536)
+    ap.add_argument("--impls", default=None, help="decode rows to run, e.g. ours_static_graph")
     args = ap.parse_args(argv)
     deadline = time.time() + args.budget_s
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -343,7 +345,10 @@ def main(argv=None):
         return res
     if "decode" in stages:
         static = {"cache_implementation": "static"}
-        stage_decode(res, [("native", native, {}), ("ours", ours, {}), ("ours_static_graph", ours, static)],
+        impls = [("native", native, {}), ("ours", ours, {}), ("ours_static_graph", ours, static)]
+        if args.impls:
+            impls = [i for i in impls if i[0] in args.impls.split(",")]
+        stage_decode(res, impls,
                      device, [int(x) for x in args.batches.split(",")], args.prompt, args.new_tokens, deadline)
     return res
 

@@ -456,7 +456,8 @@ if TRITON_AVAILABLE:
 
 def _split_intra():
     # "split" (default): the pairwise/solve kernel stores T = M Diag(beta) and _wu_fwd_kernel forms W, U, Qg, Kd
-    # with whole-chunk matmuls; "fused": one kernel does both (register pressure: ~4x slower on the H200).
+    # with whole-chunk matmuls; "fused": one kernel does both (H200: the split forward is 9% faster at H=32 and
+    # 21% at H=96, T=16K; bench/results/kda_h200.md).
     import os
     return os.environ.get("KIMI3_KDA_INTRA", "split") != "fused"
 

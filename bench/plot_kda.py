@@ -1,0 +1,62 @@
+"""Plot of the chunked KDA timings in bench/results/kda_h200.json: forward and forward+backward ms against T.
+
+    python bench/plot_kda.py [--json bench/results/kda_h200.json] [--out bench/results/kda_h200.png]
+
+H=32 (softplus gate): ours and fla from the same run. H=96 (K3 gate): ours against the fla anchor measured
+earlier (not the same run; "fla_anchors" in the JSON). Needs matplotlib (not a project requirement).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=os.path.join(HERE, "results", "kda_h200.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "kda_h200.png"))
+    args = ap.parse_args()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.load(open(args.json))
+    run = next(r for r in res["timings_runs"] if r.get("current_default"))
+    rows = [r for r in run["rows"] if "varlen" not in r]
+    anchor96 = sorted(res["fla_anchors"]["H96_k3_gate"], key=lambda r: r["T"])
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, key, title in ((axes[0], "fwd", "forward"), (axes[1], "fwdbwd", "forward + backward")):
+        for H, color in ((32, "tab:blue"), (96, "tab:red")):
+            rs = sorted((r for r in rows if r["H"] == H), key=lambda r: r["T"])
+            gate = "K3 gate" if rs[0]["gate"].startswith("k3") else "softplus gate"
+            ax.plot([r["T"] for r in rs], [r[f"ours_{key}_ms"] for r in rs], "o-", color=color,
+                    label=f"ours H={H} ({gate}), {run['commit']}")
+            fla = [r for r in rs if f"fla_{key}_ms" in r]
+            if fla:
+                ax.plot([r["T"] for r in fla], [r[f"fla_{key}_ms"] for r in fla], "s--", color=color, alpha=0.7,
+                        label=f"fla 0.6.0 H={H}, same run")
+            elif H == 96:
+                ax.plot([r["T"] for r in anchor96], [r[f"fla_{key}_ms"] for r in anchor96], "s:", color=color,
+                        alpha=0.7, mfc="none", label="fla 0.6.0 H=96, anchor (not same run)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ts = sorted({r["T"] for r in rows})
+        ax.set_xticks(ts)
+        ax.set_xticklabels([f"{t // 1024}K" for t in ts])
+        ax.set_xlabel("T (tokens, B=1)")
+        ax.set_ylabel("ms (log)")
+        ax.set_title(f"chunked KDA {title}, bf16, K=V=128")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{res['gpu']}, torch {res['torch']}, triton {res['triton']}: lower is better", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
