@@ -165,6 +165,7 @@ def test_static_greedy_loop_equals_transformers_loop(model, monkeypatch):
         cases = [dict(eos_token_id=int(free[0, 12])),  # row 0 stops at step 4
                  dict(eos_token_id=[int(free[r, 9 + 5 + r]) for r in range(3)], pad_token_id=1),
                  dict(eos_token_id=int(free[0, 10]), min_new_tokens=3),  # EOS masked in the first 3 steps
+                 dict(eos_token_id=[500, int(free[1, 11])], min_new_tokens=1),  # an id outside the vocabulary
                  dict(max_new_tokens=1)]
         for kw in cases:
             kw = {"max_new_tokens": 12, "pad_token_id": 0, **kw}

@@ -28,6 +28,41 @@ TINY_CONFIG = dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=2, n
                    qk_nope_head_dim=32, v_head_dim=32)
 
 
+# K3-shaped (issue 7): the released layer widths (hidden 7168, 96 KDA heads, MLA, SiTU LatentMoE in the 3584
+# latent, 2 shared experts, AttnRes) with 8 layers in the KDA x3 + MLA pattern and 64 routed experts (top-16) kept
+# as MXFP4, so it fits one GPU; the official remote code was measured on the same shape (../shared/anchors).
+K3_BENCH_CONFIG = dict(num_hidden_layers=8, num_experts=64, attn_res_block_size=4,
+                       linear_attn_config=dict(num_heads=96, head_dim=128, short_conv_kernel_size=4,
+                                               gate_lower_bound=-5.0, use_full_rank_gate=True,
+                                               full_attn_layers=[4, 8], kda_layers=[1, 2, 3, 5, 6, 7]))
+K3_TINY_CONFIG = dict(K3_BENCH_CONFIG, hidden_size=64, vocab_size=512, num_attention_heads=2, q_lora_rank=32,
+                      kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16, intermediate_size=96,
+                      moe_intermediate_size=64, routed_expert_hidden_size=32, num_experts=8,
+                      num_experts_per_token=2,
+                      linear_attn_config=dict(K3_BENCH_CONFIG["linear_attn_config"], num_heads=2, head_dim=32))
+# what Moonshot's remote code (with fla) reached on the K3-shaped config on an H200 (issue 7 / ../shared/anchors)
+K3_OFFICIAL_ANCHOR = {"prefill_tok_s": {2048: 9500, 8192: 17900}, "decode_tok_s_b1": 12.3}
+
+
+def build_k3(config_kwargs, device, dtype):
+    """Our model at the K3-shaped config with random weights and random MXFP4 experts (packed bytes uniform,
+    E8M0 scales 2^-8..2^-6): weights do not change the speed, and no 22B-parameter bf16 copy is ever built."""
+    from .configuration_kimi3 import Kimi3TextConfig
+    from .modeling_kimi3 import Kimi3ForCausalLM
+    from .mxfp4 import PackedMXFP4Experts
+
+    cfg = Kimi3TextConfig.k3(quantization_config={"quant_method": "compressed-tensors",
+                                                  "format": "mxfp4-pack-quantized"}, **config_kwargs)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Kimi3ForCausalLM(cfg).to(dtype).eval()
+    for mod in model.modules():
+        if isinstance(mod, PackedMXFP4Experts):
+            for name, buf in mod.named_buffers(recurse=False):
+                buf.random_(0, 256) if name.endswith("_packed") else buf.random_(119, 122)
+    return model
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -317,17 +352,25 @@ def main(argv=None):
     ap.add_argument("--longest", default="131072,262144,524288,1048576")
     ap.add_argument("--chunk", type=int, default=65536)
     ap.add_argument("--impls", default=None, help="decode rows to run, e.g. ours_static_graph")
+    ap.add_argument("--model", default="kimi_linear", choices=["kimi_linear", "k3"],
+                    help="kimi_linear: the 4.3B config vs native Transformers; k3: K3-shaped with MXFP4 experts, ours")
     args = ap.parse_args(argv)
     deadline = time.time() + args.budget_s
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     res = Results(args.out, device)
-    native, ours = build_pair(TINY_CONFIG if args.tiny else BENCH_CONFIG, device, dtype)
+    if args.model == "k3":  # ours only (no native K3); the official code's figures go into each row
+        native, ours = None, build_k3(K3_TINY_CONFIG if args.tiny else K3_BENCH_CONFIG, device, dtype)
+        res.meta.update(model="k3-shaped, MXFP4 experts", official_anchor=K3_OFFICIAL_ANCHOR,
+                        parameters=sum(p.numel() for p in ours.parameters()),
+                        packed_expert_bytes=sum(b.numel() for b in ours.buffers() if b.dtype == torch.uint8))
+    else:
+        native, ours = build_pair(TINY_CONFIG if args.tiny else BENCH_CONFIG, device, dtype)
     stages = args.stages.split(",")
     if "check" in stages:
         guarded(res, "check", stage_check, res, native, ours, device, 64 if args.tiny else 2048)
     if "prefill" in stages:
-        stage_prefill(res, {"native": native, "ours": ours}, device, [int(x) for x in args.prefill.split(",")],
+        stage_prefill(res, {k: v for k, v in (("native", native), ("ours", ours)) if v is not None}, device, [int(x) for x in args.prefill.split(",")],
                       deadline)
     if "profile" in stages:
         guarded(res, "profile", stage_profile, res, ours, device, args.prompt)
@@ -336,7 +379,8 @@ def main(argv=None):
     if "block_check" in stages:
         guarded(res, "block_check", stage_block_check, res, ours, device, 5 * args.chunk // 2, args.chunk // 2)
     if "longest" in stages:
-        guarded(res, "longest", stage_longest, res, {"ours": ours, "native": native}, device,
+        guarded(res, "longest", stage_longest, res, {k: v for k, v in (("ours", ours), ("native", native))
+                                                     if v is not None}, device,
                 [int(x) for x in args.longest.split(",")], args.chunk, deadline)
     if "check_fp32" in stages:
         del native, ours
@@ -346,6 +390,7 @@ def main(argv=None):
     if "decode" in stages:
         static = {"cache_implementation": "static"}
         impls = [("native", native, {}), ("ours", ours, {}), ("ours_static_graph", ours, static)]
+        impls = [i for i in impls if i[1] is not None]
         if args.impls:
             impls = [i for i in impls if i[0] in args.impls.split(",")]
         stage_decode(res, impls,

@@ -417,8 +417,9 @@ class Kimi3GenerationMixin(GenerationMixin):
         check_every = 16
         for step in range(max_new):
             scores = logits.float()
-            if step < min_new and eos:
-                scores.index_fill_(1, eos_t, float("-inf"))
+            if step < min_new and eos:  # as MinNewTokensLengthLogitsProcessor: ids outside the vocabulary ignored
+                scores = scores.masked_fill(torch.isin(torch.arange(scores.shape[-1], device=device), eos_t),
+                                            float("-inf"))
             tok = scores.argmax(-1)
             if pad is not None:
                 tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
