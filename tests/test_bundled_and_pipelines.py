@@ -102,3 +102,25 @@ def test_bench_entry_point_runs_on_cpu(tmp_path):
     assert check["logits_rel_err_vs_native"] < 1e-4 and check["static_graph_tokens_equal_eager"]
     assert {r["stage"] for r in rows} >= {"check", "prefill", "decode"}
     assert "decode   ours" in proc.stdout
+
+
+def test_bench_k3_shaped_mxfp4_runs_on_cpu(tmp_path):
+    # the K3-shaped benchmark (ours only, MXFP4 experts) at toy sizes: every prefill and decode row is measured,
+    # and the static greedy path returns the eager path's tokens on this model too
+    import json
+
+    from transformers_kimi3 import benchmark
+
+    res = benchmark.main(["--tiny", "--model", "k3", "--stages", "prefill,decode", "--prefill", "64",
+                          "--batches", "1,2", "--prompt", "16", "--new-tokens", "4", "--out", str(tmp_path / "k.json")])
+    rows = json.load(open(tmp_path / "k.json"))["rows"]
+    assert not [r for r in rows if "error" in r], rows
+    assert {(r["stage"], r.get("impl")) for r in rows} == {("prefill", "ours"), ("decode", "ours"),
+                                                           ("decode", "ours_static_graph")}
+    model = benchmark.build_k3(benchmark.K3_TINY_CONFIG, torch.device("cpu"), torch.float32)
+    assert type(model.model.layers[1].block_sparse_moe.experts).__name__ == "PackedMXFP4Experts"
+    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        eager = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        static = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation="static")
+    assert torch.equal(eager, static) and res.meta["model"].startswith("k3-shaped")
