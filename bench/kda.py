@@ -354,6 +354,27 @@ def kernel_profile():
         torch.cuda.empty_cache()
 
 
+def tile_sweep():
+    """Forward time for each pairwise-kernel tile (KIMI3_KDA_INTRA_TILE = "BK,warps"): the default (32,4) was
+    chosen from register/spill reports without a GPU; this picks it by measurement."""
+    rows = RES.setdefault("intra_tile_sweep", [])
+    for H, T, lb in ((32, 16384, None), (96, 16384, -5.0)):
+        q, k, v, f, beta, A_log, dtb = inputs(1, T, H, 128, 128, torch.bfloat16, seed=7)
+        ref = None
+        for tile in ("32,4", "16,4", "16,8", "32,8", "64,8"):
+            os.environ["KIMI3_KDA_INTRA_TILE"] = tile
+            try:
+                o, _ = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)
+                ref = o if ref is None else ref
+                ms = bench(lambda: chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb), rep=5)
+                row = dict(H=H, T=T, gate="k3" if lb else "softplus", tile=tile, fwd_ms=ms, rel_vs_default=rel(o, ref))
+            except Exception as ex:  # noqa: BLE001
+                row = dict(H=H, T=T, tile=tile, error=repr(ex)[:300])
+            rows.append(row)
+            print("sweep", json.dumps(row), flush=True)
+        os.environ.pop("KIMI3_KDA_INTRA_TILE", None)
+
+
 def graph_time(f):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -454,6 +475,8 @@ if __name__ == "__main__":
         section("ceilings", ceilings, ARGS.out)
     if "check" in secs:
         section("check", check, ARGS.out)
+    if "sweep" in secs:
+        section("intra_tile_sweep", tile_sweep, ARGS.out)
     if "prof" in secs:
         section("kernel_profile", kernel_profile, ARGS.out)
     if "decode" in secs:

@@ -174,6 +174,19 @@ def test_chunk_forward_kernel_variants(variant, intra, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("tile", ["16,4", "64,8"])
+def test_chunk_forward_intra_tiles(tile, monkeypatch):
+    # the pairwise kernel's K slice and warps (bench/kda.py sweeps them on the GPU): same results, both gates
+    monkeypatch.setenv("KIMI3_KDA_INTRA_TILE", tile)
+    for lb in (-5.0, None):
+        q, k, v, f, beta, A_log, dtb, h0 = make(1, 100, 2, 64, 32, seed=12)
+        o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0[:1],
+                         output_final_state=True)
+        ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0[:1])
+        assert rel(o, ro) < TOL[torch.float32] and rel(s, rs) < TOL[torch.float32]
+
+
+@needs_triton
 def test_chunk_forward_options():
     # K = V = 32, T = 1, no initial state, no l2norm, explicit scale, strong decay (per-column diagonal path)
     q, k, v, f, beta, A_log, dtb, _ = make(1, 1, 1, 32, 32)

@@ -454,6 +454,12 @@ if TRITON_AVAILABLE:
         tl.store(o + offv, acc.to(o.dtype.element_ty), mask=mr[:, None] & mv[None, :])
 
 
+def _intra_tile():
+    import os
+    bk, warps = os.environ.get("KIMI3_KDA_INTRA_TILE", "32,4").split(",")
+    return int(bk), int(warps)
+
+
 def _split_intra():
     # "split" (default): the pairwise/solve kernel stores T = M Diag(beta) and _wu_fwd_kernel forms W, U, Qg, Kd
     # with whole-chunk matmuls; "fused": one kernel does both (H200: the split forward is 9% faster at H=32 and
@@ -492,13 +498,16 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
     fuse_wu = not _split_intra()
     Tm = Aqk if fuse_wu else torch.empty(TT, H, BT, device=dev, dtype=DT)
     if info.NC > 0:
-        # 32-wide K/V slices: at K = V = 128 the 64-wide version spills 2.8 KB per thread (sm_90 ptxas), this 0.8 KB
-        BK = min(32, next_pow2(K))
-        BV = min(32, next_pow2(V))
+        # K/V slice width and warps of the pairwise kernel. sm_90 ptxas at K = V = 128 (Triton 3.9, FUSE_WU off):
+        # every choice sits at the 255-register cap; spill per thread 0.9 KB (BK 32) / 2.3 KB (BK 64) / 0.3 KB
+        # (BK 16) with the bounded gate. KIMI3_KDA_INTRA_TILE="BK,warps" overrides, for sweeps (bench/kda.py sweep).
+        BK, warps = _intra_tile()
+        BK = min(BK, next_pow2(K))
+        BV = min(BK, next_pow2(V))
         _intra_fwd_kernel[(info.NC, H)](
             qn, kn, v, gc, bs, Aqk, W, U, Qg, Kd, Mo, Po, Tm, info.chunk_tab, info.cu, scale,
             H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, BC=16, SAFE=safe, STORE_BWD=store_bwd, FUSE_WU=fuse_wu,
-            PREC=_prec(DT), num_warps=4, num_stages=1)
+            PREC=_prec(DT), num_warps=warps, num_stages=1)
         if not fuse_wu:
             _wu_fwd_kernel[(info.NC, H)](
                 qn, kn, v, gc, Tm, W, U, Qg, Kd, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
