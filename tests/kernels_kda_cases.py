@@ -174,10 +174,12 @@ def test_chunk_forward_kernel_variants(variant, intra, monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("tile", ["16,4", "64,8"])
-def test_chunk_forward_intra_tiles(tile, monkeypatch):
-    # the pairwise kernel's K slice and warps (bench/kda.py sweeps them on the GPU): same results, both gates
+@pytest.mark.parametrize("tile,passes", [("16,4", "2"), ("64,8", "1")])
+def test_chunk_forward_intra_tiles(tile, passes, monkeypatch):
+    # the pairwise kernel's K slice, warps and one/two passes (bench/kda.py sweeps them on the GPU): same results,
+    # both gates
     monkeypatch.setenv("KIMI3_KDA_INTRA_TILE", tile)
+    monkeypatch.setenv("KIMI3_KDA_INTRA_PASSES", passes)
     for lb in (-5.0, None):
         q, k, v, f, beta, A_log, dtb, h0 = make(1, 100, 2, 64, 32, seed=12)
         o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0[:1],

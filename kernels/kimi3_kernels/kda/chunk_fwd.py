@@ -80,7 +80,7 @@ if TRITON_AVAILABLE:
                           H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                           SAFE: tl.constexpr, STORE_BWD: tl.constexpr, FUSE_WU: tl.constexpr,
-                          PREC: tl.constexpr):
+                          PREC: tl.constexpr, DO_QK: tl.constexpr, DO_KK: tl.constexpr):
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
         n = tl.load(tab + 2 * i_c)
@@ -122,10 +122,16 @@ if TRITON_AVAILABLE:
             k1 = _ld(kn, r1, eos, H, i_h, K, cols, mc)
             k2 = _ld(kn, r2, eos, H, i_h, K, cols, mc)
             k3 = _ld(kn, r3, eos, H, i_h, K, cols, mc)
-            q0 = _ld(qn, r0, eos, H, i_h, K, cols, mc)
-            q1 = _ld(qn, r1, eos, H, i_h, K, cols, mc)
-            q2 = _ld(qn, r2, eos, H, i_h, K, cols, mc)
-            q3 = _ld(qn, r3, eos, H, i_h, K, cols, mc)
+            if DO_QK:
+                q0 = _ld(qn, r0, eos, H, i_h, K, cols, mc)
+                q1 = _ld(qn, r1, eos, H, i_h, K, cols, mc)
+                q2 = _ld(qn, r2, eos, H, i_h, K, cols, mc)
+                q3 = _ld(qn, r3, eos, H, i_h, K, cols, mc)
+            else:  # key-key pass only: stand-ins, their products are never used
+                q0 = k0
+                q1 = k1
+                q2 = k2
+                q3 = k3
             g0 = _ld(gc, r0, eos, H, i_h, K, cols, mc)
             g1 = _ld(gc, r1, eos, H, i_h, K, cols, mc)
             g2 = _ld(gc, r2, eos, H, i_h, K, cols, mc)
@@ -148,191 +154,222 @@ if TRITON_AVAILABLE:
             ke3 = k3 * e3
             # off-diagonal tiles: column sides exp(Gam_ref - Gam_j) <= 1
             kt = tl.trans(k0 * tl.exp2(n1[None, :] - g0))
-            a10 += tl.dot(qe1, kt, input_precision=PREC)
-            p10 += tl.dot(ke1, kt, input_precision=PREC)
+            if DO_QK:
+                a10 += tl.dot(qe1, kt, input_precision=PREC)
+            if DO_KK:
+                p10 += tl.dot(ke1, kt, input_precision=PREC)
             kt = tl.trans(k0 * tl.exp2(n2[None, :] - g0))
-            a20 += tl.dot(qe2, kt, input_precision=PREC)
-            p20 += tl.dot(ke2, kt, input_precision=PREC)
+            if DO_QK:
+                a20 += tl.dot(qe2, kt, input_precision=PREC)
+            if DO_KK:
+                p20 += tl.dot(ke2, kt, input_precision=PREC)
             kt = tl.trans(k1 * tl.exp2(n2[None, :] - g1))
-            a21 += tl.dot(qe2, kt, input_precision=PREC)
-            p21 += tl.dot(ke2, kt, input_precision=PREC)
+            if DO_QK:
+                a21 += tl.dot(qe2, kt, input_precision=PREC)
+            if DO_KK:
+                p21 += tl.dot(ke2, kt, input_precision=PREC)
             kt = tl.trans(k0 * tl.exp2(n3[None, :] - g0))
-            a30 += tl.dot(qe3, kt, input_precision=PREC)
-            p30 += tl.dot(ke3, kt, input_precision=PREC)
+            if DO_QK:
+                a30 += tl.dot(qe3, kt, input_precision=PREC)
+            if DO_KK:
+                p30 += tl.dot(ke3, kt, input_precision=PREC)
             kt = tl.trans(k1 * tl.exp2(n3[None, :] - g1))
-            a31 += tl.dot(qe3, kt, input_precision=PREC)
-            p31 += tl.dot(ke3, kt, input_precision=PREC)
+            if DO_QK:
+                a31 += tl.dot(qe3, kt, input_precision=PREC)
+            if DO_KK:
+                p31 += tl.dot(ke3, kt, input_precision=PREC)
             kt = tl.trans(k2 * tl.exp2(n3[None, :] - g2))
-            a32 += tl.dot(qe3, kt, input_precision=PREC)
-            p32 += tl.dot(ke3, kt, input_precision=PREC)
+            if DO_QK:
+                a32 += tl.dot(qe3, kt, input_precision=PREC)
+            if DO_KK:
+                p32 += tl.dot(ke3, kt, input_precision=PREC)
             if SAFE:
                 # bounded gate: exp(Gam_ref - Gam_j) inside one sub-tile stays < 2^116
                 kt = tl.trans(k0 * tl.exp2(n0[None, :] - g0))
-                a00 += tl.dot(q0 * e0, kt, input_precision=PREC)
-                p00 += tl.dot(k0 * e0, kt, input_precision=PREC)
+                if DO_QK:
+                    a00 += tl.dot(q0 * e0, kt, input_precision=PREC)
+                if DO_KK:
+                    p00 += tl.dot(k0 * e0, kt, input_precision=PREC)
                 kt = tl.trans(k1 * tl.exp2(n1[None, :] - g1))
-                a11 += tl.dot(qe1, kt, input_precision=PREC)
-                p11 += tl.dot(ke1, kt, input_precision=PREC)
+                if DO_QK:
+                    a11 += tl.dot(qe1, kt, input_precision=PREC)
+                if DO_KK:
+                    p11 += tl.dot(ke1, kt, input_precision=PREC)
                 kt = tl.trans(k2 * tl.exp2(n2[None, :] - g2))
-                a22 += tl.dot(qe2, kt, input_precision=PREC)
-                p22 += tl.dot(ke2, kt, input_precision=PREC)
+                if DO_QK:
+                    a22 += tl.dot(qe2, kt, input_precision=PREC)
+                if DO_KK:
+                    p22 += tl.dot(ke2, kt, input_precision=PREC)
                 kt = tl.trans(k3 * tl.exp2(n3[None, :] - g3))
-                a33 += tl.dot(qe3, kt, input_precision=PREC)
-                p33 += tl.dot(ke3, kt, input_precision=PREC)
+                if DO_QK:
+                    a33 += tl.dot(qe3, kt, input_precision=PREC)
+                if DO_KK:
+                    p33 += tl.dot(ke3, kt, input_precision=PREC)
             else:
                 x, y = _diag_loop(q0, k0, g0, kn, gc, t0, eos, H, i_h, K, cols, mc, BC)
-                a00 += x
-                p00 += y
+                if DO_QK:
+                    a00 += x
+                if DO_KK:
+                    p00 += y
                 x, y = _diag_loop(q1, k1, g1, kn, gc, t0 + BC, eos, H, i_h, K, cols, mc, BC)
-                a11 += x
-                p11 += y
+                if DO_QK:
+                    a11 += x
+                if DO_KK:
+                    p11 += y
                 x, y = _diag_loop(q2, k2, g2, kn, gc, t0 + 2 * BC, eos, H, i_h, K, cols, mc, BC)
-                a22 += x
-                p22 += y
+                if DO_QK:
+                    a22 += x
+                if DO_KK:
+                    p22 += y
                 x, y = _diag_loop(q3, k3, g3, kn, gc, t0 + 3 * BC, eos, H, i_h, K, cols, mc, BC)
-                a33 += x
-                p33 += y
+                if DO_QK:
+                    a33 += x
+                if DO_KK:
+                    p33 += y
 
-        incl = o_c[:, None] >= o_c[None, :]
-        strict = o_c[:, None] > o_c[None, :]
-        a00 = tl.where(incl, a00, 0.)
-        a11 = tl.where(incl, a11, 0.)
-        a22 = tl.where(incl, a22, 0.)
-        a33 = tl.where(incl, a33, 0.)
-        p00 = tl.where(strict, p00, 0.)
-        p11 = tl.where(strict, p11, 0.)
-        p22 = tl.where(strict, p22, 0.)
-        p33 = tl.where(strict, p33, 0.)
-        _st_blk(Aqk, a00 * scale, r0, eos, H, i_h, BT, 0, BC)
-        _st_blk(Aqk, a10 * scale, r1, eos, H, i_h, BT, 0, BC)
-        _st_blk(Aqk, a11 * scale, r1, eos, H, i_h, BT, BC, BC)
-        _st_blk(Aqk, a20 * scale, r2, eos, H, i_h, BT, 0, BC)
-        _st_blk(Aqk, a21 * scale, r2, eos, H, i_h, BT, BC, BC)
-        _st_blk(Aqk, a22 * scale, r2, eos, H, i_h, BT, 2 * BC, BC)
-        _st_blk(Aqk, a30 * scale, r3, eos, H, i_h, BT, 0, BC)
-        _st_blk(Aqk, a31 * scale, r3, eos, H, i_h, BT, BC, BC)
-        _st_blk(Aqk, a32 * scale, r3, eos, H, i_h, BT, 2 * BC, BC)
-        _st_blk(Aqk, a33 * scale, r3, eos, H, i_h, BT, 3 * BC, BC)
+        if DO_QK:
+            incl = o_c[:, None] >= o_c[None, :]
+            a00 = tl.where(incl, a00, 0.)
+            a11 = tl.where(incl, a11, 0.)
+            a22 = tl.where(incl, a22, 0.)
+            a33 = tl.where(incl, a33, 0.)
+            _st_blk(Aqk, a00 * scale, r0, eos, H, i_h, BT, 0, BC)
+            _st_blk(Aqk, a10 * scale, r1, eos, H, i_h, BT, 0, BC)
+            _st_blk(Aqk, a11 * scale, r1, eos, H, i_h, BT, BC, BC)
+            _st_blk(Aqk, a20 * scale, r2, eos, H, i_h, BT, 0, BC)
+            _st_blk(Aqk, a21 * scale, r2, eos, H, i_h, BT, BC, BC)
+            _st_blk(Aqk, a22 * scale, r2, eos, H, i_h, BT, 2 * BC, BC)
+            _st_blk(Aqk, a30 * scale, r3, eos, H, i_h, BT, 0, BC)
+            _st_blk(Aqk, a31 * scale, r3, eos, H, i_h, BT, BC, BC)
+            _st_blk(Aqk, a32 * scale, r3, eos, H, i_h, BT, 2 * BC, BC)
+            _st_blk(Aqk, a33 * scale, r3, eos, H, i_h, BT, 3 * BC, BC)
+        if DO_KK:
+            strict = o_c[:, None] > o_c[None, :]
+            p00 = tl.where(strict, p00, 0.)
+            p11 = tl.where(strict, p11, 0.)
+            p22 = tl.where(strict, p22, 0.)
+            p33 = tl.where(strict, p33, 0.)
 
-        b0 = tl.load(bs + r0 * H + i_h, mask=r0 < eos, other=0.)
-        b1 = tl.load(bs + r1 * H + i_h, mask=r1 < eos, other=0.)
-        b2 = tl.load(bs + r2 * H + i_h, mask=r2 < eos, other=0.)
-        b3 = tl.load(bs + r3 * H + i_h, mask=r3 < eos, other=0.)
-        # M = (I + Diag(beta) P)^-1, blockwise
-        m00 = _inv_unit_lower(b0[:, None] * p00, BC)
-        m11 = _inv_unit_lower(b1[:, None] * p11, BC)
-        m22 = _inv_unit_lower(b2[:, None] * p22, BC)
-        m33 = _inv_unit_lower(b3[:, None] * p33, BC)
-        l10 = b1[:, None] * p10
-        l20 = b2[:, None] * p20
-        l21 = b2[:, None] * p21
-        l30 = b3[:, None] * p30
-        l31 = b3[:, None] * p31
-        l32 = b3[:, None] * p32
-        m10 = -_mm(m11, _mm(l10, m00))
-        m21 = -_mm(m22, _mm(l21, m11))
-        m20 = -_mm(m22, _mm(l20, m00) + _mm(l21, m10))
-        m32 = -_mm(m33, _mm(l32, m22))
-        m31 = -_mm(m33, _mm(l31, m11) + _mm(l32, m21))
-        m30 = -_mm(m33, _mm(l30, m00) + _mm(l31, m10) + _mm(l32, m20))
-        if STORE_BWD:
-            _st_blk(Mo, m00, r0, eos, H, i_h, BT, 0, BC)
-            _st_blk(Mo, m10, r1, eos, H, i_h, BT, 0, BC)
-            _st_blk(Mo, m11, r1, eos, H, i_h, BT, BC, BC)
-            _st_blk(Mo, m20, r2, eos, H, i_h, BT, 0, BC)
-            _st_blk(Mo, m21, r2, eos, H, i_h, BT, BC, BC)
-            _st_blk(Mo, m22, r2, eos, H, i_h, BT, 2 * BC, BC)
-            _st_blk(Mo, m30, r3, eos, H, i_h, BT, 0, BC)
-            _st_blk(Mo, m31, r3, eos, H, i_h, BT, BC, BC)
-            _st_blk(Mo, m32, r3, eos, H, i_h, BT, 2 * BC, BC)
-            _st_blk(Mo, m33, r3, eos, H, i_h, BT, 3 * BC, BC)
-            _st_blk(Po, p00, r0, eos, H, i_h, BT, 0, BC)
-            _st_blk(Po, p10, r1, eos, H, i_h, BT, 0, BC)
-            _st_blk(Po, p11, r1, eos, H, i_h, BT, BC, BC)
-            _st_blk(Po, p20, r2, eos, H, i_h, BT, 0, BC)
-            _st_blk(Po, p21, r2, eos, H, i_h, BT, BC, BC)
-            _st_blk(Po, p22, r2, eos, H, i_h, BT, 2 * BC, BC)
-            _st_blk(Po, p30, r3, eos, H, i_h, BT, 0, BC)
-            _st_blk(Po, p31, r3, eos, H, i_h, BT, BC, BC)
-            _st_blk(Po, p32, r3, eos, H, i_h, BT, 2 * BC, BC)
-            _st_blk(Po, p33, r3, eos, H, i_h, BT, 3 * BC, BC)
-        if FUSE_WU:
-            # T = M Diag(beta), in the matmul dtype
-            t00 = (m00 * b0[None, :]).to(DT)
-            t10 = (m10 * b0[None, :]).to(DT)
-            t11 = (m11 * b1[None, :]).to(DT)
-            t20 = (m20 * b0[None, :]).to(DT)
-            t21 = (m21 * b1[None, :]).to(DT)
-            t22 = (m22 * b2[None, :]).to(DT)
-            t30 = (m30 * b0[None, :]).to(DT)
-            t31 = (m31 * b1[None, :]).to(DT)
-            t32 = (m32 * b2[None, :]).to(DT)
-            t33 = (m33 * b3[None, :]).to(DT)
+        if DO_KK:
+            b0 = tl.load(bs + r0 * H + i_h, mask=r0 < eos, other=0.)
+            b1 = tl.load(bs + r1 * H + i_h, mask=r1 < eos, other=0.)
+            b2 = tl.load(bs + r2 * H + i_h, mask=r2 < eos, other=0.)
+            b3 = tl.load(bs + r3 * H + i_h, mask=r3 < eos, other=0.)
+            # M = (I + Diag(beta) P)^-1, blockwise
+            m00 = _inv_unit_lower(b0[:, None] * p00, BC)
+            m11 = _inv_unit_lower(b1[:, None] * p11, BC)
+            m22 = _inv_unit_lower(b2[:, None] * p22, BC)
+            m33 = _inv_unit_lower(b3[:, None] * p33, BC)
+            l10 = b1[:, None] * p10
+            l20 = b2[:, None] * p20
+            l21 = b2[:, None] * p21
+            l30 = b3[:, None] * p30
+            l31 = b3[:, None] * p31
+            l32 = b3[:, None] * p32
+            m10 = -_mm(m11, _mm(l10, m00))
+            m21 = -_mm(m22, _mm(l21, m11))
+            m20 = -_mm(m22, _mm(l20, m00) + _mm(l21, m10))
+            m32 = -_mm(m33, _mm(l32, m22))
+            m31 = -_mm(m33, _mm(l31, m11) + _mm(l32, m21))
+            m30 = -_mm(m33, _mm(l30, m00) + _mm(l31, m10) + _mm(l32, m20))
+            if STORE_BWD:
+                _st_blk(Mo, m00, r0, eos, H, i_h, BT, 0, BC)
+                _st_blk(Mo, m10, r1, eos, H, i_h, BT, 0, BC)
+                _st_blk(Mo, m11, r1, eos, H, i_h, BT, BC, BC)
+                _st_blk(Mo, m20, r2, eos, H, i_h, BT, 0, BC)
+                _st_blk(Mo, m21, r2, eos, H, i_h, BT, BC, BC)
+                _st_blk(Mo, m22, r2, eos, H, i_h, BT, 2 * BC, BC)
+                _st_blk(Mo, m30, r3, eos, H, i_h, BT, 0, BC)
+                _st_blk(Mo, m31, r3, eos, H, i_h, BT, BC, BC)
+                _st_blk(Mo, m32, r3, eos, H, i_h, BT, 2 * BC, BC)
+                _st_blk(Mo, m33, r3, eos, H, i_h, BT, 3 * BC, BC)
+                _st_blk(Po, p00, r0, eos, H, i_h, BT, 0, BC)
+                _st_blk(Po, p10, r1, eos, H, i_h, BT, 0, BC)
+                _st_blk(Po, p11, r1, eos, H, i_h, BT, BC, BC)
+                _st_blk(Po, p20, r2, eos, H, i_h, BT, 0, BC)
+                _st_blk(Po, p21, r2, eos, H, i_h, BT, BC, BC)
+                _st_blk(Po, p22, r2, eos, H, i_h, BT, 2 * BC, BC)
+                _st_blk(Po, p30, r3, eos, H, i_h, BT, 0, BC)
+                _st_blk(Po, p31, r3, eos, H, i_h, BT, BC, BC)
+                _st_blk(Po, p32, r3, eos, H, i_h, BT, 2 * BC, BC)
+                _st_blk(Po, p33, r3, eos, H, i_h, BT, 3 * BC, BC)
+            if FUSE_WU:
+                # T = M Diag(beta), in the matmul dtype
+                t00 = (m00 * b0[None, :]).to(DT)
+                t10 = (m10 * b0[None, :]).to(DT)
+                t11 = (m11 * b1[None, :]).to(DT)
+                t20 = (m20 * b0[None, :]).to(DT)
+                t21 = (m21 * b1[None, :]).to(DT)
+                t22 = (m22 * b2[None, :]).to(DT)
+                t30 = (m30 * b0[None, :]).to(DT)
+                t31 = (m31 * b1[None, :]).to(DT)
+                t32 = (m32 * b2[None, :]).to(DT)
+                t33 = (m33 * b3[None, :]).to(DT)
 
-            for i_k in range(0, tl.cdiv(K, BK)):
-                cols = i_k * BK + tl.arange(0, BK)
-                mc = cols < K
-                gl = _ld_row(gc, last, eos, H, i_h, K, cols, mc)
-                k0 = _ld(kn, r0, eos, H, i_h, K, cols, mc)
-                k1 = _ld(kn, r1, eos, H, i_h, K, cols, mc)
-                k2 = _ld(kn, r2, eos, H, i_h, K, cols, mc)
-                k3 = _ld(kn, r3, eos, H, i_h, K, cols, mc)
-                g0 = _ld(gc, r0, eos, H, i_h, K, cols, mc)
-                g1 = _ld(gc, r1, eos, H, i_h, K, cols, mc)
-                g2 = _ld(gc, r2, eos, H, i_h, K, cols, mc)
-                g3 = _ld(gc, r3, eos, H, i_h, K, cols, mc)
-                kg0 = (k0 * tl.exp2(g0)).to(DT)
-                kg1 = (k1 * tl.exp2(g1)).to(DT)
-                kg2 = (k2 * tl.exp2(g2)).to(DT)
-                kg3 = (k3 * tl.exp2(g3)).to(DT)
-                _st_blk(W, tl.dot(t00, kg0, input_precision=PREC).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
-                _st_blk(W, (tl.dot(t10, kg0, input_precision=PREC) + tl.dot(t11, kg1, input_precision=PREC)).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
-                _st_blk(W, (tl.dot(t20, kg0, input_precision=PREC) + tl.dot(t21, kg1, input_precision=PREC) + tl.dot(t22, kg2, input_precision=PREC)).to(DT),
-                        r2, eos, H, i_h, K, i_k * BK, BK)
-                _st_blk(W, (tl.dot(t30, kg0, input_precision=PREC) + tl.dot(t31, kg1, input_precision=PREC) + tl.dot(t32, kg2, input_precision=PREC) + tl.dot(t33, kg3, input_precision=PREC)).to(DT),
-                        r3, eos, H, i_h, K, i_k * BK, BK)
-                _st_blk(Kd, (k0 * tl.exp2(gl[None, :] - g0)).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
-                _st_blk(Kd, (k1 * tl.exp2(gl[None, :] - g1)).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
-                _st_blk(Kd, (k2 * tl.exp2(gl[None, :] - g2)).to(DT), r2, eos, H, i_h, K, i_k * BK, BK)
-                _st_blk(Kd, (k3 * tl.exp2(gl[None, :] - g3)).to(DT), r3, eos, H, i_h, K, i_k * BK, BK)
-                q0 = _ld(qn, r0, eos, H, i_h, K, cols, mc)
-                q1 = _ld(qn, r1, eos, H, i_h, K, cols, mc)
-                q2 = _ld(qn, r2, eos, H, i_h, K, cols, mc)
-                q3 = _ld(qn, r3, eos, H, i_h, K, cols, mc)
-                _st_blk(Qg, (q0 * tl.exp2(g0) * scale).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
-                _st_blk(Qg, (q1 * tl.exp2(g1) * scale).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
-                _st_blk(Qg, (q2 * tl.exp2(g2) * scale).to(DT), r2, eos, H, i_h, K, i_k * BK, BK)
-                _st_blk(Qg, (q3 * tl.exp2(g3) * scale).to(DT), r3, eos, H, i_h, K, i_k * BK, BK)
-            for i_v in range(0, tl.cdiv(V, BV)):
-                cols = i_v * BV + tl.arange(0, BV)
-                mc = cols < V
-                v0 = _ld(v, r0, eos, H, i_h, V, cols, mc).to(DT)
-                v1 = _ld(v, r1, eos, H, i_h, V, cols, mc).to(DT)
-                v2 = _ld(v, r2, eos, H, i_h, V, cols, mc).to(DT)
-                v3 = _ld(v, r3, eos, H, i_h, V, cols, mc).to(DT)
-                _st_blk(U, tl.dot(t00, v0, input_precision=PREC).to(DT), r0, eos, H, i_h, V, i_v * BV, BV)
-                _st_blk(U, (tl.dot(t10, v0, input_precision=PREC) + tl.dot(t11, v1, input_precision=PREC)).to(DT), r1, eos, H, i_h, V, i_v * BV, BV)
-                _st_blk(U, (tl.dot(t20, v0, input_precision=PREC) + tl.dot(t21, v1, input_precision=PREC) + tl.dot(t22, v2, input_precision=PREC)).to(DT), r2, eos, H, i_h, V, i_v * BV, BV)
-                _st_blk(U, (tl.dot(t30, v0, input_precision=PREC) + tl.dot(t31, v1, input_precision=PREC) + tl.dot(t32, v2, input_precision=PREC) + tl.dot(t33, v3, input_precision=PREC)).to(DT),
-                        r3, eos, H, i_h, V, i_v * BV, BV)
-        else:  # T = M Diag(beta) for _wu_fwd_kernel, block rows of [BT, BT] (zeros above the diagonal)
-            z = tl.zeros([BC, BC], dtype=tl.float32)
-            _st_blk(Tm, (m00 * b0[None, :]).to(DT), r0, eos, H, i_h, BT, 0, BC)
-            _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, BC, BC)
-            _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 2 * BC, BC)
-            _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 3 * BC, BC)
-            _st_blk(Tm, (m10 * b0[None, :]).to(DT), r1, eos, H, i_h, BT, 0, BC)
-            _st_blk(Tm, (m11 * b1[None, :]).to(DT), r1, eos, H, i_h, BT, BC, BC)
-            _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 2 * BC, BC)
-            _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 3 * BC, BC)
-            _st_blk(Tm, (m20 * b0[None, :]).to(DT), r2, eos, H, i_h, BT, 0, BC)
-            _st_blk(Tm, (m21 * b1[None, :]).to(DT), r2, eos, H, i_h, BT, BC, BC)
-            _st_blk(Tm, (m22 * b2[None, :]).to(DT), r2, eos, H, i_h, BT, 2 * BC, BC)
-            _st_blk(Tm, z.to(DT), r2, eos, H, i_h, BT, 3 * BC, BC)
-            _st_blk(Tm, (m30 * b0[None, :]).to(DT), r3, eos, H, i_h, BT, 0, BC)
-            _st_blk(Tm, (m31 * b1[None, :]).to(DT), r3, eos, H, i_h, BT, BC, BC)
-            _st_blk(Tm, (m32 * b2[None, :]).to(DT), r3, eos, H, i_h, BT, 2 * BC, BC)
-            _st_blk(Tm, (m33 * b3[None, :]).to(DT), r3, eos, H, i_h, BT, 3 * BC, BC)
+                for i_k in range(0, tl.cdiv(K, BK)):
+                    cols = i_k * BK + tl.arange(0, BK)
+                    mc = cols < K
+                    gl = _ld_row(gc, last, eos, H, i_h, K, cols, mc)
+                    k0 = _ld(kn, r0, eos, H, i_h, K, cols, mc)
+                    k1 = _ld(kn, r1, eos, H, i_h, K, cols, mc)
+                    k2 = _ld(kn, r2, eos, H, i_h, K, cols, mc)
+                    k3 = _ld(kn, r3, eos, H, i_h, K, cols, mc)
+                    g0 = _ld(gc, r0, eos, H, i_h, K, cols, mc)
+                    g1 = _ld(gc, r1, eos, H, i_h, K, cols, mc)
+                    g2 = _ld(gc, r2, eos, H, i_h, K, cols, mc)
+                    g3 = _ld(gc, r3, eos, H, i_h, K, cols, mc)
+                    kg0 = (k0 * tl.exp2(g0)).to(DT)
+                    kg1 = (k1 * tl.exp2(g1)).to(DT)
+                    kg2 = (k2 * tl.exp2(g2)).to(DT)
+                    kg3 = (k3 * tl.exp2(g3)).to(DT)
+                    _st_blk(W, tl.dot(t00, kg0, input_precision=PREC).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
+                    _st_blk(W, (tl.dot(t10, kg0, input_precision=PREC) + tl.dot(t11, kg1, input_precision=PREC)).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
+                    _st_blk(W, (tl.dot(t20, kg0, input_precision=PREC) + tl.dot(t21, kg1, input_precision=PREC) + tl.dot(t22, kg2, input_precision=PREC)).to(DT),
+                            r2, eos, H, i_h, K, i_k * BK, BK)
+                    _st_blk(W, (tl.dot(t30, kg0, input_precision=PREC) + tl.dot(t31, kg1, input_precision=PREC) + tl.dot(t32, kg2, input_precision=PREC) + tl.dot(t33, kg3, input_precision=PREC)).to(DT),
+                            r3, eos, H, i_h, K, i_k * BK, BK)
+                    _st_blk(Kd, (k0 * tl.exp2(gl[None, :] - g0)).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
+                    _st_blk(Kd, (k1 * tl.exp2(gl[None, :] - g1)).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
+                    _st_blk(Kd, (k2 * tl.exp2(gl[None, :] - g2)).to(DT), r2, eos, H, i_h, K, i_k * BK, BK)
+                    _st_blk(Kd, (k3 * tl.exp2(gl[None, :] - g3)).to(DT), r3, eos, H, i_h, K, i_k * BK, BK)
+                    q0 = _ld(qn, r0, eos, H, i_h, K, cols, mc)
+                    q1 = _ld(qn, r1, eos, H, i_h, K, cols, mc)
+                    q2 = _ld(qn, r2, eos, H, i_h, K, cols, mc)
+                    q3 = _ld(qn, r3, eos, H, i_h, K, cols, mc)
+                    _st_blk(Qg, (q0 * tl.exp2(g0) * scale).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
+                    _st_blk(Qg, (q1 * tl.exp2(g1) * scale).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
+                    _st_blk(Qg, (q2 * tl.exp2(g2) * scale).to(DT), r2, eos, H, i_h, K, i_k * BK, BK)
+                    _st_blk(Qg, (q3 * tl.exp2(g3) * scale).to(DT), r3, eos, H, i_h, K, i_k * BK, BK)
+                for i_v in range(0, tl.cdiv(V, BV)):
+                    cols = i_v * BV + tl.arange(0, BV)
+                    mc = cols < V
+                    v0 = _ld(v, r0, eos, H, i_h, V, cols, mc).to(DT)
+                    v1 = _ld(v, r1, eos, H, i_h, V, cols, mc).to(DT)
+                    v2 = _ld(v, r2, eos, H, i_h, V, cols, mc).to(DT)
+                    v3 = _ld(v, r3, eos, H, i_h, V, cols, mc).to(DT)
+                    _st_blk(U, tl.dot(t00, v0, input_precision=PREC).to(DT), r0, eos, H, i_h, V, i_v * BV, BV)
+                    _st_blk(U, (tl.dot(t10, v0, input_precision=PREC) + tl.dot(t11, v1, input_precision=PREC)).to(DT), r1, eos, H, i_h, V, i_v * BV, BV)
+                    _st_blk(U, (tl.dot(t20, v0, input_precision=PREC) + tl.dot(t21, v1, input_precision=PREC) + tl.dot(t22, v2, input_precision=PREC)).to(DT), r2, eos, H, i_h, V, i_v * BV, BV)
+                    _st_blk(U, (tl.dot(t30, v0, input_precision=PREC) + tl.dot(t31, v1, input_precision=PREC) + tl.dot(t32, v2, input_precision=PREC) + tl.dot(t33, v3, input_precision=PREC)).to(DT),
+                            r3, eos, H, i_h, V, i_v * BV, BV)
+            else:  # T = M Diag(beta) for _wu_fwd_kernel, block rows of [BT, BT] (zeros above the diagonal)
+                z = tl.zeros([BC, BC], dtype=tl.float32)
+                _st_blk(Tm, (m00 * b0[None, :]).to(DT), r0, eos, H, i_h, BT, 0, BC)
+                _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, BC, BC)
+                _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 2 * BC, BC)
+                _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 3 * BC, BC)
+                _st_blk(Tm, (m10 * b0[None, :]).to(DT), r1, eos, H, i_h, BT, 0, BC)
+                _st_blk(Tm, (m11 * b1[None, :]).to(DT), r1, eos, H, i_h, BT, BC, BC)
+                _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 2 * BC, BC)
+                _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 3 * BC, BC)
+                _st_blk(Tm, (m20 * b0[None, :]).to(DT), r2, eos, H, i_h, BT, 0, BC)
+                _st_blk(Tm, (m21 * b1[None, :]).to(DT), r2, eos, H, i_h, BT, BC, BC)
+                _st_blk(Tm, (m22 * b2[None, :]).to(DT), r2, eos, H, i_h, BT, 2 * BC, BC)
+                _st_blk(Tm, z.to(DT), r2, eos, H, i_h, BT, 3 * BC, BC)
+                _st_blk(Tm, (m30 * b0[None, :]).to(DT), r3, eos, H, i_h, BT, 0, BC)
+                _st_blk(Tm, (m31 * b1[None, :]).to(DT), r3, eos, H, i_h, BT, BC, BC)
+                _st_blk(Tm, (m32 * b2[None, :]).to(DT), r3, eos, H, i_h, BT, 2 * BC, BC)
+                _st_blk(Tm, (m33 * b3[None, :]).to(DT), r3, eos, H, i_h, BT, 3 * BC, BC)
 
     @triton.jit
     def _wu_fwd_kernel(qn, kn, v, gc, Tm, W, U, Qg, Kd, tab, cu, scale, H, K: tl.constexpr, V: tl.constexpr,
@@ -460,6 +497,13 @@ def _intra_tile():
     return int(bk), int(warps)
 
 
+def _intra_passes():
+    # KIMI3_KDA_INTRA_PASSES=2: Aqk in one launch, the key-key products + solve in another (less register pressure,
+    # k and g read twice); 1 (default): one launch. For GPU A/B timing (bench/kda.py sweep).
+    import os
+    return int(os.environ.get("KIMI3_KDA_INTRA_PASSES", "1"))
+
+
 def _split_intra():
     # "split" (default): the pairwise/solve kernel stores T = M Diag(beta) and _wu_fwd_kernel forms W, U, Qg, Kd
     # with whole-chunk matmuls; "fused": one kernel does both (H200: the split forward is 9% faster at H=32 and
@@ -504,10 +548,13 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
         BK, warps = _intra_tile()
         BK = min(BK, next_pow2(K))
         BV = min(BK, next_pow2(V))
-        _intra_fwd_kernel[(info.NC, H)](
-            qn, kn, v, gc, bs, Aqk, W, U, Qg, Kd, Mo, Po, Tm, info.chunk_tab, info.cu, scale,
-            H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, BC=16, SAFE=safe, STORE_BWD=store_bwd, FUSE_WU=fuse_wu,
-            PREC=_prec(DT), num_warps=warps, num_stages=1)
+        # one pass (query-key and key-key products together) or two passes with half the live accumulators each
+        passes = [(True, True)] if _intra_passes() == 1 else [(True, False), (False, True)]
+        for do_qk, do_kk in passes:
+            _intra_fwd_kernel[(info.NC, H)](
+                qn, kn, v, gc, bs, Aqk, W, U, Qg, Kd, Mo, Po, Tm, info.chunk_tab, info.cu, scale,
+                H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, BC=16, SAFE=safe, STORE_BWD=store_bwd and do_kk,
+                FUSE_WU=fuse_wu and do_kk, PREC=_prec(DT), DO_QK=do_qk, DO_KK=do_kk, num_warps=warps, num_stages=1)
         if not fuse_wu:
             _wu_fwd_kernel[(info.NC, H)](
                 qn, kn, v, gc, Tm, W, U, Qg, Kd, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
