@@ -10,15 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norms import Kimi3RMSNorm
+from .norms import Kimi3RMSNorm, rms
 
 
 class Kimi3AttnResNorm(Kimi3RMSNorm):
     """The key norm: like Kimi3RMSNorm but kept in fp32 (the scores are computed in fp32)."""
 
     def forward(self, x):
-        x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * self.weight.float()
+        return rms(x, self.variance_epsilon) * self.weight.float()
 
 
 class Kimi3AttnResProj(nn.Linear):

@@ -1,7 +1,14 @@
 """RMS norms as Moonshot's code computes them (fp32 statistics; the plain norm casts back before the gain)."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+
+def rms(x, eps):
+    """x / sqrt(mean(x^2) + eps) in fp32. F.rms_norm without a gain is exactly this op chain on CPU (checked bit for
+    bit) and may dispatch to PyTorch's fused kernel on GPUs; a decode step runs dozens of norms."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
 
 
 class Kimi3RMSNorm(nn.Module):
@@ -11,10 +18,7 @@ class Kimi3RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        return self.weight * rms(x, self.variance_epsilon).to(x.dtype)
 
     def extra_repr(self):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
@@ -29,7 +33,4 @@ class Kimi3GatedRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x, gate):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (x * self.weight.float() * torch.sigmoid(gate.float())).to(dtype)
+        return (rms(x, self.variance_epsilon) * self.weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
