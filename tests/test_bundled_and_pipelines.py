@@ -117,6 +117,7 @@ def test_bench_k3_shaped_mxfp4_runs_on_cpu(tmp_path):
     assert not [r for r in rows if "error" in r], rows
     assert {(r["stage"], r.get("impl")) for r in rows} == {("prefill", "ours"), ("decode", "ours"),
                                                            ("decode", "ours_static_graph")}
+    assert all(r["tokens_equal_to_ours"] == 1.0 for r in rows if r.get("impl") == "ours_static_graph")
     model = benchmark.build_k3(benchmark.K3_TINY_CONFIG, torch.device("cpu"), torch.float32)
     assert type(model.model.layers[1].block_sparse_moe.experts).__name__ == "PackedMXFP4Experts"
     ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -195,14 +195,15 @@ def stage_prefill(res, models, device, lengths, deadline):
 
 def stage_decode(res, models, device, batches, prompt, new_tokens, deadline):
     for B in batches:
+        ids = torch.randint(3, models[0][1].config.vocab_size, (B, prompt), device=device)
+        first = {}  # tokens of the rows so far: each row says which fraction of its tokens equals theirs
         for name, m, extra in models:
             if time.time() > deadline:
                 return
-            ids = torch.randint(3, m.config.vocab_size, (B, prompt), device=device)
-            guarded(res, "decode", _decode_one, res, name, m, extra, ids, B, prompt, new_tokens, device)
+            guarded(res, "decode", _decode_one, res, name, m, extra, ids, B, prompt, new_tokens, device, first)
 
 
-def _decode_one(res, name, m, extra, ids, B, prompt, new_tokens, device):
+def _decode_one(res, name, m, extra, ids, B, prompt, new_tokens, device, earlier):
     """generate(new + 1) minus generate(1): the decode steps as a user of generate() sees them."""
     def run(n):
         return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **extra)
@@ -211,9 +212,12 @@ def _decode_one(res, name, m, extra, ids, B, prompt, new_tokens, device):
         run(4)
         t_all = median_time(lambda: run(new_tokens + 1), device)
         t_pre = median_time(lambda: run(1), device)
+        tokens = run(new_tokens + 1)[:, ids.shape[1]:]
     rate = B * new_tokens / max(t_all - t_pre, 1e-9)
+    check = {f"tokens_equal_to_{n}": float((tokens == t).float().mean()) for n, t in earlier.items()}
+    earlier[name] = tokens
     res.add(stage="decode", impl=name, batch=B, prompt=prompt, tok_s=rate,
-            ms_per_step=(t_all - t_pre) / new_tokens * 1e3)
+            ms_per_step=(t_all - t_pre) / new_tokens * 1e3, **check)
 
 
 def stage_profile(res, m, device, prompt, steps=8):
