@@ -199,6 +199,8 @@ def test_static_greedy_reuses_its_cache(model):
                for z, n in ((x, 7), (y, 5), (x, 7))]
     assert len(model._kimi3_static_caches) == 1  # 16 and 19 positions: one 256-position bucket
     assert torch.equal(got[0], want_x) and torch.equal(got[1], want_y) and torch.equal(got[2], want_x)
+    model.release_static_caches()
+    assert "_kimi3_static_caches" not in model.__dict__
 
 
 def test_generate_with_chunked_prefill(model):

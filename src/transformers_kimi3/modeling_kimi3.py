@@ -371,7 +371,11 @@ class Kimi3GenerationMixin(GenerationMixin):
         return pad is not None and bool((ids == pad).any())
 
     STATIC_BUCKET = 256  # static caches are sized in steps of this many positions, so calls can share them
-    STATIC_POOL_SIZE = 4
+    STATIC_POOL_SIZE = 2  # caches (with their captured graphs) kept alive between calls; each holds GPU memory
+
+    def release_static_caches(self):
+        """Drop the static caches and decode graphs kept between generate() calls (frees their memory)."""
+        self.__dict__.pop("_kimi3_static_caches", None)
 
     def _pooled_static_cache(self, batch, length, device):
         """A static cache (and the decode graph captured on it) kept between generate() calls of the same batch
