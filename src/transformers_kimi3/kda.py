@@ -1,8 +1,10 @@
 """Kimi Delta Attention layer and the one place that picks its kernel backend.
 
 Backends, in order: our Triton kernels (`kimi3_kernels`, CUDA), flash-linear-attention (`fla`, only when asked
-for with `config.kda_backend="fla"` or KIMI3_KDA_BACKEND=fla), the PyTorch reference. The choice is logged once
-and reported by `kernel_status()`; asking for a backend that cannot run is an error, never a silent fallback.
+for with `config.kda_backend="fla"` or KIMI3_KDA_BACKEND=fla), the PyTorch reference. "fla_chunk" mixes them:
+fla's chunked kernels for prefill and training (faster than ours on the H200 today, bench/results/kda_h200.md)
+and our recurrent kernel for decode (faster than fla's). The choice is logged once and reported by
+`kernel_status()`; asking for a backend that cannot run is an error, never a silent fallback.
 """
 
 import importlib.util
@@ -44,7 +46,7 @@ def _fla():
 def _fla_installed():
     return importlib.util.find_spec("fla") is not None
 
-BACKENDS = ("triton", "fla", "torch")
+BACKENDS = ("triton", "fla", "fla_chunk", "torch")
 _announced = set()
 
 
@@ -68,16 +70,14 @@ def resolve_backend(device, requested=None, announce=True):
     if requested is not None and requested not in BACKENDS:
         raise ValueError(f"Unknown KDA backend {requested!r}; choose one of {BACKENDS}")
     on_cuda = device.type == "cuda"
-    if requested == "fla":
-        if not on_cuda or _fla() is None:
-            raise RuntimeError("KDA backend 'fla' was requested but flash-linear-attention is not importable "
-                               f"or the device is {device.type}; install fla-core or choose another backend")
-        backend = "fla"
-    elif requested == "triton":
-        if not (_TRITON_OK and on_cuda):
-            raise RuntimeError(f"KDA backend 'triton' was requested but kimi3_kernels/triton cannot run on "
-                               f"{device.type}")
-        backend = "triton"
+    if requested in ("fla", "fla_chunk") and (not on_cuda or _fla() is None):
+        raise RuntimeError(f"KDA backend {requested!r} was requested but flash-linear-attention is not importable "
+                           f"or the device is {device.type}; install fla-core or choose another backend")
+    if requested in ("triton", "fla_chunk") and not (_TRITON_OK and on_cuda):
+        raise RuntimeError(f"KDA backend {requested!r} was requested but kimi3_kernels/triton cannot run on "
+                           f"{device.type}")
+    if requested in ("fla", "triton", "fla_chunk"):
+        backend = requested
     elif requested == "torch":
         backend = "torch"
     else:
@@ -93,6 +93,8 @@ def resolve_backend(device, requested=None, announce=True):
 
 
 def kda_chunk(q, k, v, g, beta, backend, **kw):
+    if backend == "fla_chunk":
+        backend = "fla"
     if backend == "triton":
         with torch.cuda.device(q.device):  # Triton launches on the current device; under a device_map the layer
             return _triton_kda.chunk_kda(q, k, v, g, beta, **kw)  # may live on another GPU
@@ -102,6 +104,8 @@ def kda_chunk(q, k, v, g, beta, backend, **kw):
 
 
 def kda_recurrent(q, k, v, g, beta, backend, **kw):
+    if backend == "fla_chunk":
+        backend = "triton"
     if backend == "triton":
         with torch.cuda.device(q.device):
             return _triton_kda.fused_recurrent_kda(q, k, v, g, beta, **kw)

@@ -1,0 +1,70 @@
+"""The KDA backend choice: what runs by default, what an explicit request does when it cannot run (an error, never a
+silent fallback), and where the mixed "fla_chunk" backend sends each call."""
+
+import pytest
+import torch
+
+from transformers_kimi3 import kda
+
+
+def test_default_on_cpu_is_the_reference_and_is_reported(monkeypatch):
+    monkeypatch.delenv("KIMI3_KDA_BACKEND", raising=False)
+    assert kda.resolve_backend(torch.device("cpu"), announce=False) == "torch"
+    status = kda.kernel_status("cpu")
+    assert status["kda_backend"] == "torch" and status["available"] == {"triton": False, "fla": False, "torch": True}
+
+
+@pytest.mark.parametrize("requested", ["triton", "fla", "fla_chunk"])
+def test_a_backend_that_cannot_run_is_an_error(requested, monkeypatch):
+    monkeypatch.delenv("KIMI3_KDA_BACKEND", raising=False)
+    with pytest.raises(RuntimeError, match=f"'{requested}' was requested"):
+        kda.resolve_backend(torch.device("cpu"), requested, announce=False)
+    monkeypatch.setenv("KIMI3_KDA_BACKEND", requested)  # the environment variable asks the same way
+    with pytest.raises(RuntimeError, match=f"'{requested}' was requested"):
+        kda.resolve_backend(torch.device("cpu"), announce=False)
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="Unknown KDA backend 'cuda'"):
+        kda.resolve_backend(torch.device("cpu"), "cuda", announce=False)
+
+
+def test_fla_chunk_sends_prefill_to_fla_and_decode_to_our_kernel(monkeypatch):
+    # both libraries stubbed (neither runs on CPU): the mixed backend must route chunked calls to fla with fla's
+    # gate/beta-in-kernel flags, and recurrent calls to kimi3_kernels with our arguments untouched
+    calls = []
+
+    class Ours:
+        TRITON_AVAILABLE = True
+
+        @staticmethod
+        def fused_recurrent_kda(q, k, v, g, beta, **kw):
+            calls.append(("ours_recurrent", sorted(kw)))
+            return q, None
+
+        @staticmethod
+        def chunk_kda(q, k, v, g, beta, **kw):
+            calls.append(("ours_chunk", sorted(kw)))
+            return q, None
+
+    def fla_chunk(q, k, v, g, beta, **kw):
+        calls.append(("fla_chunk", kw["use_gate_in_kernel"], kw["use_beta_sigmoid_in_kernel"], kw["safe_gate"]))
+        return q, None
+
+    def fla_recurrent(*a, **kw):
+        calls.append(("fla_recurrent",))
+        return a[0], None
+
+    monkeypatch.setattr(kda, "_triton_kda", Ours)
+    monkeypatch.setattr(kda, "_TRITON_OK", True)
+    monkeypatch.setitem(kda._FLA, "ops", (fla_chunk, fla_recurrent))
+    monkeypatch.setattr(torch.cuda, "device", lambda d: torch.device("cpu"))  # a no-op context on CPU tensors
+    cuda = torch.device("cuda")
+    assert kda.resolve_backend(cuda, "fla_chunk", announce=False) == "fla_chunk"
+    assert kda.resolve_backend(cuda, None, announce=False) == "triton"  # the default is unchanged
+    x = torch.zeros(1, 2, 1, 4)
+    kw = dict(A_log=torch.zeros(1), dt_bias=torch.zeros(4), lower_bound=-5.0, initial_state=None)
+    kda.kda_chunk(x, x, x, x, x[..., 0], "fla_chunk", **kw)
+    kda.kda_recurrent(x, x, x, x, x[..., 0], "fla_chunk", **kw)
+    assert calls == [("fla_chunk", True, True, True),
+                     ("ours_recurrent", ["A_log", "dt_bias", "initial_state", "lower_bound"])]
