@@ -9,6 +9,7 @@ Each stage appends its rows to the JSON as soon as it finishes, so a run cut sho
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -175,16 +176,32 @@ def stage_check(res, native, ours, device, T):
             tokens_equal_native=float((g_eager == g_native).float().mean()), kernel_status=kernel_status(device))
 
 
+@contextlib.contextmanager
+def _kda_backend(backend):
+    saved = os.environ.get("KIMI3_KDA_BACKEND")
+    if backend:
+        os.environ["KIMI3_KDA_BACKEND"] = backend
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("KIMI3_KDA_BACKEND", None)
+        else:
+            os.environ["KIMI3_KDA_BACKEND"] = saved
+
+
 def stage_prefill(res, models, device, lengths, deadline):
+    """`models`: name -> model, or name -> (model, KDA backend to force through KIMI3_KDA_BACKEND)."""
     for T in lengths:
         for name, m in models.items():
+            m, backend = m if isinstance(m, tuple) else (m, None)
             if time.time() > deadline:
                 return
             ids = torch.randint(3, m.config.vocab_size, (1, T), device=device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             try:
-                with torch.no_grad():
+                with torch.no_grad(), _kda_backend(backend):
                     s = timed(lambda: m(input_ids=ids, use_cache=False, logits_to_keep=1), device, reps=2)
             except torch.OutOfMemoryError:
                 res.add(stage="prefill", impl=name, T=T, error="out of memory")
@@ -374,7 +391,11 @@ def main(argv=None):
     if "check" in stages:
         guarded(res, "check", stage_check, res, native, ours, device, 64 if args.tiny else 2048)
     if "prefill" in stages:
-        stage_prefill(res, {k: v for k, v in (("native", native), ("ours", ours)) if v is not None}, device, [int(x) for x in args.prefill.split(",")],
+        models = {k: v for k, v in (("native", native), ("ours", ours)) if v is not None}
+        from .kda import kernel_status
+        if kernel_status(device)["available"]["fla"] and kernel_status(device)["available"]["triton"]:
+            models["ours_fla_chunk"] = (ours, "fla_chunk")  # fla's chunked kernels inside our model
+        stage_prefill(res, models, device, [int(x) for x in args.prefill.split(",")],
                       deadline)
     if "profile" in stages:
         guarded(res, "profile", stage_profile, res, ours, device, args.prompt)
