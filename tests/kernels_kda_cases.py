@@ -174,12 +174,14 @@ def test_chunk_forward_kernel_variants(variant, intra, monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("tile,passes", [("16,4", "2"), ("64,8", "1")])
-def test_chunk_forward_intra_tiles(tile, passes, monkeypatch):
-    # the pairwise kernel's K slice, warps and one/two passes (bench/kda.py sweeps them on the GPU): same results,
-    # both gates
+@pytest.mark.parametrize("tile,passes,diag", [("16,4", "2", "0"), ("64,8", "1", "0"), ("16,4", "1", "1"),
+                                              ("32,4", "2", "1")])
+def test_chunk_forward_intra_tiles(tile, passes, diag, monkeypatch):
+    # the pairwise kernel's K slice, warps, one/two passes and the diagonal tiles inside it or in their own kernel
+    # (bench/kda.py sweeps them on the GPU): same results, both gates, with a partial last chunk
     monkeypatch.setenv("KIMI3_KDA_INTRA_TILE", tile)
     monkeypatch.setenv("KIMI3_KDA_INTRA_PASSES", passes)
+    monkeypatch.setenv("KIMI3_KDA_INTRA_DIAG", diag)
     for lb in (-5.0, None):
         q, k, v, f, beta, A_log, dtb, h0 = make(1, 100, 2, 64, 32, seed=12)
         o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0[:1],
@@ -220,8 +222,12 @@ def test_chunk_varlen(lb):
 
 
 @needs_triton
-@pytest.mark.parametrize("lb", [-5.0, None])
-def test_chunk_gradients(lb):
+@pytest.mark.parametrize("lb,variant", [(-5.0, None), (None, None), (None, ("32,4", "2", "1"))])
+def test_chunk_gradients(lb, variant, monkeypatch):
+    # the backward recomputes the forward's pairwise tiles: also with the separate diagonal kernel and two passes
+    if variant:
+        for name, value in zip(("KIMI3_KDA_INTRA_TILE", "KIMI3_KDA_INTRA_PASSES", "KIMI3_KDA_INTRA_DIAG"), variant):
+            monkeypatch.setenv(name, value)
     q, k, v, f, beta, A_log, dtb, h0 = make(1, 80, 2, 16, 32, seed=2)
     ins = [q, k, v, f, beta, A_log, dtb, h0]
     gen = torch.Generator().manual_seed(5)

@@ -80,7 +80,8 @@ if TRITON_AVAILABLE:
                           H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                           SAFE: tl.constexpr, STORE_BWD: tl.constexpr, FUSE_WU: tl.constexpr,
-                          PREC: tl.constexpr, DO_QK: tl.constexpr, DO_KK: tl.constexpr):
+                          PREC: tl.constexpr, DO_QK: tl.constexpr, DO_KK: tl.constexpr,
+                          DIAG_IN: tl.constexpr, Pd=None):
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
         n = tl.load(tab + 2 * i_c)
@@ -183,72 +184,76 @@ if TRITON_AVAILABLE:
                 a32 += tl.dot(qe3, kt, input_precision=PREC)
             if DO_KK:
                 p32 += tl.dot(ke3, kt, input_precision=PREC)
-            if SAFE:
-                # bounded gate: exp(Gam_ref - Gam_j) inside one sub-tile stays < 2^116
-                kt = tl.trans(k0 * tl.exp2(n0[None, :] - g0))
-                if DO_QK:
-                    a00 += tl.dot(q0 * e0, kt, input_precision=PREC)
-                if DO_KK:
-                    p00 += tl.dot(k0 * e0, kt, input_precision=PREC)
-                kt = tl.trans(k1 * tl.exp2(n1[None, :] - g1))
-                if DO_QK:
-                    a11 += tl.dot(qe1, kt, input_precision=PREC)
-                if DO_KK:
-                    p11 += tl.dot(ke1, kt, input_precision=PREC)
-                kt = tl.trans(k2 * tl.exp2(n2[None, :] - g2))
-                if DO_QK:
-                    a22 += tl.dot(qe2, kt, input_precision=PREC)
-                if DO_KK:
-                    p22 += tl.dot(ke2, kt, input_precision=PREC)
-                kt = tl.trans(k3 * tl.exp2(n3[None, :] - g3))
-                if DO_QK:
-                    a33 += tl.dot(qe3, kt, input_precision=PREC)
-                if DO_KK:
-                    p33 += tl.dot(ke3, kt, input_precision=PREC)
-            else:
-                x, y = _diag_loop(q0, k0, g0, kn, gc, t0, eos, H, i_h, K, cols, mc, BC)
-                if DO_QK:
-                    a00 += x
-                if DO_KK:
-                    p00 += y
-                x, y = _diag_loop(q1, k1, g1, kn, gc, t0 + BC, eos, H, i_h, K, cols, mc, BC)
-                if DO_QK:
-                    a11 += x
-                if DO_KK:
-                    p11 += y
-                x, y = _diag_loop(q2, k2, g2, kn, gc, t0 + 2 * BC, eos, H, i_h, K, cols, mc, BC)
-                if DO_QK:
-                    a22 += x
-                if DO_KK:
-                    p22 += y
-                x, y = _diag_loop(q3, k3, g3, kn, gc, t0 + 3 * BC, eos, H, i_h, K, cols, mc, BC)
-                if DO_QK:
-                    a33 += x
-                if DO_KK:
-                    p33 += y
+            if not DIAG_IN:  # diagonal tiles here (else _diag_fwd_kernel already wrote them)
+                if SAFE:
+                    # bounded gate: exp(Gam_ref - Gam_j) inside one sub-tile stays < 2^116
+                    kt = tl.trans(k0 * tl.exp2(n0[None, :] - g0))
+                    if DO_QK:
+                        a00 += tl.dot(q0 * e0, kt, input_precision=PREC)
+                    if DO_KK:
+                        p00 += tl.dot(k0 * e0, kt, input_precision=PREC)
+                    kt = tl.trans(k1 * tl.exp2(n1[None, :] - g1))
+                    if DO_QK:
+                        a11 += tl.dot(qe1, kt, input_precision=PREC)
+                    if DO_KK:
+                        p11 += tl.dot(ke1, kt, input_precision=PREC)
+                    kt = tl.trans(k2 * tl.exp2(n2[None, :] - g2))
+                    if DO_QK:
+                        a22 += tl.dot(qe2, kt, input_precision=PREC)
+                    if DO_KK:
+                        p22 += tl.dot(ke2, kt, input_precision=PREC)
+                    kt = tl.trans(k3 * tl.exp2(n3[None, :] - g3))
+                    if DO_QK:
+                        a33 += tl.dot(qe3, kt, input_precision=PREC)
+                    if DO_KK:
+                        p33 += tl.dot(ke3, kt, input_precision=PREC)
+                else:
+                    x, y = _diag_loop(q0, k0, g0, kn, gc, t0, eos, H, i_h, K, cols, mc, BC)
+                    if DO_QK:
+                        a00 += x
+                    if DO_KK:
+                        p00 += y
+                    x, y = _diag_loop(q1, k1, g1, kn, gc, t0 + BC, eos, H, i_h, K, cols, mc, BC)
+                    if DO_QK:
+                        a11 += x
+                    if DO_KK:
+                        p11 += y
+                    x, y = _diag_loop(q2, k2, g2, kn, gc, t0 + 2 * BC, eos, H, i_h, K, cols, mc, BC)
+                    if DO_QK:
+                        a22 += x
+                    if DO_KK:
+                        p22 += y
+                    x, y = _diag_loop(q3, k3, g3, kn, gc, t0 + 3 * BC, eos, H, i_h, K, cols, mc, BC)
+                    if DO_QK:
+                        a33 += x
+                    if DO_KK:
+                        p33 += y
 
         if DO_QK:
-            incl = o_c[:, None] >= o_c[None, :]
-            a00 = tl.where(incl, a00, 0.)
-            a11 = tl.where(incl, a11, 0.)
-            a22 = tl.where(incl, a22, 0.)
-            a33 = tl.where(incl, a33, 0.)
-            _st_blk(Aqk, a00 * scale, r0, eos, H, i_h, BT, 0, BC)
+            if not DIAG_IN:
+                incl = o_c[:, None] >= o_c[None, :]
+                _st_blk(Aqk, tl.where(incl, a00, 0.) * scale, r0, eos, H, i_h, BT, 0, BC)
+                _st_blk(Aqk, tl.where(incl, a11, 0.) * scale, r1, eos, H, i_h, BT, BC, BC)
+                _st_blk(Aqk, tl.where(incl, a22, 0.) * scale, r2, eos, H, i_h, BT, 2 * BC, BC)
+                _st_blk(Aqk, tl.where(incl, a33, 0.) * scale, r3, eos, H, i_h, BT, 3 * BC, BC)
             _st_blk(Aqk, a10 * scale, r1, eos, H, i_h, BT, 0, BC)
-            _st_blk(Aqk, a11 * scale, r1, eos, H, i_h, BT, BC, BC)
             _st_blk(Aqk, a20 * scale, r2, eos, H, i_h, BT, 0, BC)
             _st_blk(Aqk, a21 * scale, r2, eos, H, i_h, BT, BC, BC)
-            _st_blk(Aqk, a22 * scale, r2, eos, H, i_h, BT, 2 * BC, BC)
             _st_blk(Aqk, a30 * scale, r3, eos, H, i_h, BT, 0, BC)
             _st_blk(Aqk, a31 * scale, r3, eos, H, i_h, BT, BC, BC)
             _st_blk(Aqk, a32 * scale, r3, eos, H, i_h, BT, 2 * BC, BC)
-            _st_blk(Aqk, a33 * scale, r3, eos, H, i_h, BT, 3 * BC, BC)
         if DO_KK:
-            strict = o_c[:, None] > o_c[None, :]
-            p00 = tl.where(strict, p00, 0.)
-            p11 = tl.where(strict, p11, 0.)
-            p22 = tl.where(strict, p22, 0.)
-            p33 = tl.where(strict, p33, 0.)
+            if DIAG_IN:  # strictly lower diagonal key-key tiles from _diag_fwd_kernel, [TT, H, BC]
+                p00 = _ld(Pd, r0, eos, H, i_h, BC, o_c, o_c < BC)
+                p11 = _ld(Pd, r1, eos, H, i_h, BC, o_c, o_c < BC)
+                p22 = _ld(Pd, r2, eos, H, i_h, BC, o_c, o_c < BC)
+                p33 = _ld(Pd, r3, eos, H, i_h, BC, o_c, o_c < BC)
+            else:
+                strict = o_c[:, None] > o_c[None, :]
+                p00 = tl.where(strict, p00, 0.)
+                p11 = tl.where(strict, p11, 0.)
+                p22 = tl.where(strict, p22, 0.)
+                p33 = tl.where(strict, p33, 0.)
 
         if DO_KK:
             b0 = tl.load(bs + r0 * H + i_h, mask=r0 < eos, other=0.)
@@ -370,6 +375,44 @@ if TRITON_AVAILABLE:
                 _st_blk(Tm, (m31 * b1[None, :]).to(DT), r3, eos, H, i_h, BT, BC, BC)
                 _st_blk(Tm, (m32 * b2[None, :]).to(DT), r3, eos, H, i_h, BT, 2 * BC, BC)
                 _st_blk(Tm, (m33 * b3[None, :]).to(DT), r3, eos, H, i_h, BT, 3 * BC, BC)
+
+    @triton.jit
+    def _diag_fwd_kernel(qn, kn, gc, Aqk, Pd, tab, cu, scale, H, K: tl.constexpr, BK: tl.constexpr,
+                         BT: tl.constexpr, BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
+        """The four diagonal 16x16 tiles of a chunk, one program per tile (4x the parallelism of the pairwise
+        kernel, a fraction of its registers): Aqk's go straight to Aqk, the key-key ones to Pd [TT, H, BC]."""
+        i_s = tl.program_id(0)
+        i_h = tl.program_id(1)
+        i_c = i_s // (BT // BC)
+        sub = i_s % (BT // BC)
+        n = tl.load(tab + 2 * i_c)
+        t0 = tl.load(tab + 2 * i_c + 1).to(tl.int64) + sub * BC
+        eos = tl.load(cu + n + 1).to(tl.int64)
+        o_c = tl.arange(0, BC)
+        rows = t0 + o_c
+        last = tl.maximum(tl.minimum(eos, t0 + BC) - 1, t0)
+        acc_a = tl.zeros([BC, BC], dtype=tl.float32)
+        acc_k = tl.zeros([BC, BC], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            cols = i_k * BK + tl.arange(0, BK)
+            mc = cols < K
+            q = _ld(qn, rows, eos, H, i_h, K, cols, mc)
+            k = _ld(kn, rows, eos, H, i_h, K, cols, mc)
+            g = _ld(gc, rows, eos, H, i_h, K, cols, mc)
+            if SAFE:
+                ref = _ld_row(gc, tl.minimum(t0, last), eos, H, i_h, K, cols, mc)
+                e = tl.exp2(tl.where((rows < eos)[:, None], g - ref[None, :], 0.))
+                kt = tl.trans(k * tl.exp2(ref[None, :] - g))
+                acc_a += tl.dot(q * e, kt, input_precision=PREC)
+                acc_k += tl.dot(k * e, kt, input_precision=PREC)
+            else:
+                x, y = _diag_loop(q, k, g, kn, gc, t0, eos, H, i_h, K, cols, mc, BC)
+                acc_a += x
+                acc_k += y
+        incl = o_c[:, None] >= o_c[None, :]
+        strict = o_c[:, None] > o_c[None, :]
+        _st_blk(Aqk, tl.where(incl, acc_a, 0.) * scale, rows, eos, H, i_h, BT, sub * BC, BC)
+        _st_blk(Pd, tl.where(strict, acc_k, 0.), rows, eos, H, i_h, BC, 0, BC)
 
     @triton.jit
     def _wu_fwd_kernel(qn, kn, v, gc, Tm, W, U, Qg, Kd, tab, cu, scale, H, K: tl.constexpr, V: tl.constexpr,
@@ -497,6 +540,13 @@ def _intra_tile():
     return int(bk), int(warps)
 
 
+def _separate_diag():
+    # KIMI3_KDA_INTRA_DIAG=1: the diagonal 16x16 tiles by their own kernel (_diag_fwd_kernel), the pairwise kernel
+    # keeps only the off-diagonal tiles and the solve. For GPU A/B timing (bench/kda.py sweep).
+    import os
+    return os.environ.get("KIMI3_KDA_INTRA_DIAG", "0") == "1"
+
+
 def _intra_passes():
     # KIMI3_KDA_INTRA_PASSES=2: Aqk in one launch, the key-key products + solve in another (less register pressure,
     # k and g read twice); 1 (default): one launch. For GPU A/B timing (bench/kda.py sweep).
@@ -548,13 +598,20 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
         BK, warps = _intra_tile()
         BK = min(BK, next_pow2(K))
         BV = min(BK, next_pow2(V))
+        diag_in = _separate_diag()
+        Pd = torch.empty(TT, H, 16, device=dev, dtype=torch.float32) if diag_in else Aqk
+        if diag_in:
+            _diag_fwd_kernel[(info.NC * (BT // 16), H)](
+                qn, kn, gc, Aqk, Pd, info.chunk_tab, info.cu, scale, H=H, K=K, BK=min(32, next_pow2(K)), BT=BT,
+                BC=16, SAFE=safe, PREC=_prec(DT), num_warps=4, num_stages=1)
         # one pass (query-key and key-key products together) or two passes with half the live accumulators each
         passes = [(True, True)] if _intra_passes() == 1 else [(True, False), (False, True)]
         for do_qk, do_kk in passes:
             _intra_fwd_kernel[(info.NC, H)](
                 qn, kn, v, gc, bs, Aqk, W, U, Qg, Kd, Mo, Po, Tm, info.chunk_tab, info.cu, scale,
                 H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, BC=16, SAFE=safe, STORE_BWD=store_bwd and do_kk,
-                FUSE_WU=fuse_wu and do_kk, PREC=_prec(DT), DO_QK=do_qk, DO_KK=do_kk, num_warps=warps, num_stages=1)
+                FUSE_WU=fuse_wu and do_kk, PREC=_prec(DT), DO_QK=do_qk, DO_KK=do_kk, DIAG_IN=diag_in, Pd=Pd,
+                num_warps=warps, num_stages=1)
         if not fuse_wu:
             _wu_fwd_kernel[(info.NC, H)](
                 qn, kn, v, gc, Tm, W, U, Qg, Kd, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
