@@ -7,12 +7,14 @@ Per 64-token chunk (rows i, j), with Gam = chunk-local cumsum of the log decay, 
   W = T (k * exp(Gam)),  U = T v,  Qg = scale q * exp(Gam),  Kd = k * exp(Gam_last - Gam)
   Vn = U - W S;  O = Qg S + Aqk Vn;  S <- Diag(exp(Gam_last)) S + Kd^T Vn
 
-`intra_fwd` computes the per-chunk quantities (fully parallel over chunks and heads); the pairwise
-products are formed on 16-row sub-tiles, each relative to its sub-tile's first row, so no
-exponential ever exceeds 1 off the diagonal. Diagonal 16x16 tiles use one dense matmul when the
-gate is bounded (lower_bound >= SAFE_LOWER_BOUND: |Gam| span < 80 nats inside a sub-tile, inside
-fp32 range) and a per-column loop otherwise. `state_fwd` runs the sequential scan over chunks
-(parallel over sequences, heads and value tiles) and fuses the output.
+`intra_fwd` computes the per-chunk quantities (fully parallel over chunks and heads): the pairwise kernel
+`_intra_fwd_kernel` (Aqk, P, the blockwise inverse, T = M Diag(beta)) and `_wu_fwd_kernel` (W, U, Qg, Kd). The
+pairwise products are formed on 16-row sub-tiles, each relative to its sub-tile's first row, so no exponential
+ever exceeds 1 off the diagonal. Diagonal 16x16 tiles use one dense matmul when the gate is bounded
+(lower_bound >= SAFE_LOWER_BOUND: |Gam| span < 80 nats inside a sub-tile, inside fp32 range) and a per-column
+loop otherwise; `_diag_fwd_kernel` can take them out of the pairwise kernel (an option, see _separate_diag).
+`state_fwd` runs the sequential scan over chunks (parallel over sequences, heads and value tiles) and writes the
+state entering each chunk; `_output_fwd_kernel` then forms the output, parallel over chunks.
 The PyTorch reference is `reference.naive_chunk_kda`.
 """
 from __future__ import annotations
