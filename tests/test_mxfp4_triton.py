@@ -62,6 +62,14 @@ def _kernel_checks(G, R, torch):
             c = G.mxfp4_grouped_gemm(x, wp, ws, offs, config=cfg, **common, **kw)
             r = R(x, wp, ws, offs, **common, **kw)
             out[f"fwd_{mode}_{cname}"] = _rel(c, r)
+    # the decode-size grouped GEMV (one row per program, CUDA-core FMAs): gathered rows, scattered outputs, an
+    # unused expert, gate and up in one launch, K not a multiple of its 128-wide step
+    V = _gemv_module()
+    for mode, kw in {"plain": {}, "dual_out": dict(dual="out")}.items():
+        gkw = dict(b_packed=bp, b_scale=bs) if mode == "dual_out" else {}
+        c = V.mxfp4_grouped_gemv(x, wp, ws, offs, a_rows=tok, c_rows=order.to(torch.int32), num_c_rows=M, **gkw)
+        r = R(x, wp, ws, offs, **common, **kw)
+        out[f"gemv_{mode}"] = _rel(c, r)
     # backward layouts: weights stored [E, K, N/2], used untransposed; sorted (non-gathered) rows
     wtp, wts = weights(E, K, N)
     btp, bts = weights(E, K, N)
@@ -99,6 +107,12 @@ def _kernel_checks(G, R, torch):
     return out
 
 
+def _gemv_module():
+    import importlib
+
+    return importlib.import_module("kimi3_kernels.mxfp4_gemv")
+
+
 def _module_checks(mxfp4, torch):
     """PackedMXFP4Experts on the Triton path (interpreted) vs dequantise-then-matmul, forward and grads."""
     out = {}
@@ -110,8 +124,14 @@ def _module_checks(mxfp4, torch):
     tw = torch.rand(T, k, generator=gen)
     x0 = torch.randn(T, D, generator=gen).bfloat16()
     dy = torch.randn(T, D, generator=gen).bfloat16()
+    V = _gemv_module()
+    gemv, calls = V.mxfp4_grouped_gemv, []
+    V.mxfp4_grouped_gemv = lambda *a, **kw: calls.append(1) or gemv(*a, **kw)
     for name, act in {"silu": mxfp4.silu_glu, "situ": mxfp4.SiTUGLU(4.0, 25.0),
-                      "unfused": lambda g, u: torch.relu(g) * u}.items():
+                      "unfused": lambda g, u: torch.relu(g) * u, "situ_gemv": mxfp4.SiTUGLU(4.0, 25.0)}.items():
+        # "situ_gemv": the decode-size GEMV forward (KIMI3_MXFP4_GEMV_MAX_ROWS above the 21 routed rows here)
+        os.environ["KIMI3_MXFP4_GEMV_MAX_ROWS"] = "64" if name.endswith("gemv") else "0"
+        calls.clear()
         mod = mxfp4.PackedMXFP4Experts.from_float(w1, w3, w2, act)
         out[f"path_{name}"] = mod.kernel_path
         d1, d3, d2 = mod.dequantize(torch.float32)
@@ -127,6 +147,7 @@ def _module_checks(mxfp4, torch):
             ref = ref + wr[:, j:j + 1] * torch.einsum("ti,tdi->td", h, d2[e])
         ref.backward(dy.float())
         out[f"module_{name}_y"] = _rel(y, ref)
+        out[f"launches_gemv_{name}"] = len(calls)
         out[f"module_{name}_dx"] = _rel(x.grad, xr.grad)
         out[f"module_{name}_dw"] = _rel(w.grad, wr.grad)
     return out
@@ -181,15 +202,16 @@ def test_interpreter_active(results):
 
 def test_kernel_matches_reference(results):
     # same bf16 operands, fp32 accumulation in another order; fused GLU outputs are fp32 here: 1e-5
-    kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_"))}
-    assert len(kernel) == 25, sorted(kernel)
+    kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_", "gemv_"))}
+    assert len(kernel) == 27, sorted(kernel)
     bad = {k: v for k, v in kernel.items() if not v < 1e-5}
     assert not bad, bad
 
 
 def test_module_triton_path_matches_dequantise_then_matmul(results):
-    for name in ("silu", "situ", "unfused"):
+    for name in ("silu", "situ", "unfused", "situ_gemv"):
         assert results[f"path_{name}"] == "triton"
+        assert (results[f"launches_gemv_{name}"] == 2) == name.endswith("gemv"), results  # gate+up, down
         # forward: fp32 products of the same bf16 operands; y is bf16 (RMS rounding ~1e-3 against the fp32
         # reference) and the fused GLU output is rounded to bf16 in the kernel, which the interpreter does by
         # truncation (up to one bf16 ulp, 2^-8; measured ~4e-3 in total): bound 1e-2

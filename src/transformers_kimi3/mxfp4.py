@@ -14,6 +14,7 @@ This module has:
 """
 
 import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +190,20 @@ def _gemm_module():
             mxfp4_gemm = None
         _GEMM.append(mxfp4_gemm)
     return _GEMM[0]
+
+
+def _gemv_module():
+    try:
+        from kimi3_kernels import mxfp4_gemv  # noqa: PLC0415
+    except Exception:  # noqa: BLE001 - an older kernels package without it: the grouped GEMM serves every size
+        return None
+    return mxfp4_gemv
+
+
+def gemv_max_rows():
+    """Routed (token, expert) rows up to which the forward uses the grouped GEMV instead of the tensor-core GEMM
+    (KIMI3_MXFP4_GEMV_MAX_ROWS; 0, the default, never). Off until timed on a GPU (bench/mxfp4_decode_check.py)."""
+    return int(os.environ.get("KIMI3_MXFP4_GEMV_MAX_ROWS", "0"))
 
 
 def kernel_path(device):
@@ -407,6 +422,13 @@ class PackedMXFP4Experts(nn.Module):
         I = self.intermediate_size
         x = x.contiguous()
         tok = (order // k).to(torch.int32)
+        V = _gemv_module() if order.numel() <= gemv_max_rows() else None
+        if V is not None:  # decode sizes: one program per routed row, weights streamed once, CUDA-core FMAs
+            gu = V.mxfp4_grouped_gemv(x, self.w1_packed, self.w1_scale, offsets, a_rows=tok, b_packed=self.w3_packed,
+                                      b_scale=self.w3_scale)
+            h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
+            return V.mxfp4_grouped_gemv(h, self.w2_packed, self.w2_scale, offsets, c_rows=order.to(torch.int32),
+                                        num_c_rows=order.numel())
         common = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, a_rows=tok, dual="out")
         fuse = self._fused is not None
         if fuse and self._fused[0] == "situ":
