@@ -382,6 +382,20 @@ def tile_sweep():
         os.environ.pop("KIMI3_KDA_INTRA_TILE", None)
         os.environ.pop("KIMI3_KDA_INTRA_PASSES", None)
         os.environ.pop("KIMI3_KDA_INTRA_DIAG", None)
+        # forward+backward recomputing the per-chunk quantities (default) or keeping them (KIMI3_KDA_SAVE_FWD=1)
+        qq, kk, vv, ff = (x.clone().requires_grad_() for x in (q, k, v, f))
+
+        def fb():
+            o, _ = chunk_kda(qq, kk, vv, ff, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)
+            o.sum().backward()
+        for save in ("0", "1"):
+            os.environ["KIMI3_KDA_SAVE_FWD"] = save
+            torch.cuda.reset_peak_memory_stats()
+            row = dict(H=H, T=T, gate="k3" if lb else "softplus", save_fwd=save, fwdbwd_ms=bench(fb, warm=1, rep=5),
+                       peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+            rows.append(row)
+            print("sweep", json.dumps(row), flush=True)
+        os.environ.pop("KIMI3_KDA_SAVE_FWD", None)
 
 
 def graph_time(f):

@@ -222,12 +222,19 @@ def test_chunk_varlen(lb):
 
 
 @needs_triton
-@pytest.mark.parametrize("lb,variant", [(-5.0, None), (None, None), (None, ("32,4", "2", "1"))])
-def test_chunk_gradients(lb, variant, monkeypatch):
-    # the backward recomputes the forward's pairwise tiles: also with the separate diagonal kernel and two passes
-    if variant:
-        for name, value in zip(("KIMI3_KDA_INTRA_TILE", "KIMI3_KDA_INTRA_PASSES", "KIMI3_KDA_INTRA_DIAG"), variant):
-            monkeypatch.setenv(name, value)
+@pytest.mark.parametrize("lb,env", [(-5.0, {}), (None, {}),
+                                    (None, dict(KIMI3_KDA_INTRA_TILE="32,4", KIMI3_KDA_INTRA_PASSES="2",
+                                                KIMI3_KDA_INTRA_DIAG="1")),
+                                    (-5.0, dict(KIMI3_KDA_SAVE_FWD="1"))])
+def test_chunk_gradients(lb, env, monkeypatch):
+    # the backward recomputes the forward's per-chunk quantities (also with the separate diagonal kernel and two
+    # passes) or, with KIMI3_KDA_SAVE_FWD=1, reuses the ones the forward kept
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    from kimi3_kernels.kda import chunk_fwd
+    intra_calls = []
+    intra = chunk_fwd.intra_fwd
+    monkeypatch.setattr(chunk_fwd, "intra_fwd", lambda *a, **kw: intra_calls.append(1) or intra(*a, **kw))
     q, k, v, f, beta, A_log, dtb, h0 = make(1, 80, 2, 16, 32, seed=2)
     ins = [q, k, v, f, beta, A_log, dtb, h0]
     gen = torch.Generator().manual_seed(5)
@@ -245,6 +252,7 @@ def test_chunk_gradients(lb, variant, monkeypatch):
         grads[name] = [x.grad for x in xs]
     for n, a, b in zip(["q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0"], grads["triton"], grads["fp64"]):
         assert rel(a, b) < GTOL[torch.float32], (n, rel(a, b))
+    assert len(intra_calls) == (1 if env.get("KIMI3_KDA_SAVE_FWD") == "1" else 2)  # forward (+ backward recompute)
 
 
 @needs_triton

@@ -31,6 +31,11 @@ def _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens):
         raise ValueError(f"initial_state must be [N={N}, H, K, V] = {(N, H, K, V)}, got {tuple(initial_state.shape)}")
 
 
+def _save_fwd():
+    import os
+    return os.environ.get("KIMI3_KDA_SAVE_FWD", "0") == "1"
+
+
 class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound, output_final_state,
@@ -48,10 +53,15 @@ class ChunkKDAFunction(torch.autograd.Function):
         # cannot multiply bf16 matrices, so it keeps them in fp32
         inter = torch.float32 if (interpret_mode() or q.dtype == torch.float32) else q.dtype
         qn, kn, gc, bs, rq, rk = prep_fwd(qf, kf, gf, bf, A_log_c, dt_c, lower_bound, use_l2, info, inter)
-        I = intra_fwd(qn, kn, vf, gc, bs, scale, lower_bound, info)
-        o, ht, hs, _ = state_fwd(I, gc, h0, info, V, q.dtype, output_final_state, return_chunk_states, False, True,
-                                 o=torch.zeros(B * T, H, V, device=q.device, dtype=q.dtype)
-                                 if cu_seqlens is not None else None)
+        # KIMI3_KDA_SAVE_FWD=1 keeps what the backward needs (per-chunk M, P, W, U, ..., fp32 chunk states and
+        # v_new) instead of recomputing it: less time, ~(2 * 64 * 4 + 8 K) bytes per token and head more memory
+        save = _save_fwd() and any(ctx.needs_input_grad)
+        I = intra_fwd(qn, kn, vf, gc, bs, scale, lower_bound, info, store_bwd=save)
+        o, ht, hs, vn = state_fwd(I, gc, h0, info, V, q.dtype, output_final_state, return_chunk_states or save, save,
+                                  True, o=torch.zeros(B * T, H, V, device=q.device, dtype=q.dtype)
+                                  if cu_seqlens is not None else None)
+        ctx.saved_fwd = (I, hs, vn) if save else None
+        hs = hs if return_chunk_states else None
         ctx.save_for_backward(qf, kf, vf, gf, bf, A_log_c, dt_c, h0, qn, kn, gc, bs, rq, rk)
         ctx.info = info
         ctx.meta = (B, T, H, K, V, scale, lower_bound, use_l2, initial_state is not None)
@@ -70,7 +80,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         info = ctx.info
         do = _flat(do).contiguous()
         dht = dht.contiguous().float() if dht is not None else None
-        dqn, dkn, dv, dG, db, dh0 = chunk_bwd_core(qn, kn, vf, gc, bs, scale, lower_bound, h0, do, dht, info)
+        dqn, dkn, dv, dG, db, dh0 = chunk_bwd_core(qn, kn, vf, gc, bs, scale, lower_bound, h0, do, dht, info,
+                                                   saved=ctx.saved_fwd)
+        ctx.saved_fwd = None
         dq, dk, df, dbeta, dA, ddt = prep_bwd(qf, kf, gf, A_log, dt_bias, bs, rq, rk, dG, dqn, dkn, db,
                                               lower_bound, use_l2, info, bf.dtype)
         tail = sum(info.lens)

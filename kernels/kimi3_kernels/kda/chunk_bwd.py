@@ -352,16 +352,20 @@ if TRITON_AVAILABLE:
         tl.store(dG + off, tl.load(dG + off, mask=m, other=0.) + q * dq + k * (dr - dc), mask=m)
 
 
-def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info):
+def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, saved=None):
     """Returns dqn, dkn (w.r.t. the normalised q, k), dv, dG (w.r.t. the chunk-local cumsum, natural
-    log units), dbeta (w.r.t. sigmoid(beta)) in fp32, and dh0."""
+    log units), dbeta (w.r.t. sigmoid(beta)) in fp32, and dh0. `saved` = (I, hs, vn) kept by the forward
+    (KIMI3_KDA_SAVE_FWD=1) skips recomputing the per-chunk quantities and the state scan."""
     from .chunk_fwd import intra_fwd, state_fwd
     TT, H, K = qn.shape
     V = v.shape[-1]
     dev = qn.device
     BT = CHUNK_SIZE
-    I = intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=True)
-    _, _, hs, vn = state_fwd(I, gc, h0, info, V, qn.dtype, False, True, True, False)
+    if saved is not None:
+        I, hs, vn = saved
+    else:
+        I = intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=True)
+        _, _, hs, vn = state_fwd(I, gc, h0, info, V, qn.dtype, False, True, True, False)
     dvn = torch.empty(TT, H, V, device=dev, dtype=torch.float32)
     dhs = torch.empty(max(info.NC, 1), H, K, V, device=dev, dtype=torch.float32)
     dh0 = torch.empty(info.N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
