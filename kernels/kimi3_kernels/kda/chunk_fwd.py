@@ -58,6 +58,23 @@ if TRITON_AVAILABLE:
         return acc_a, acc_k
 
     @triton.jit
+    def _acc_pair(a, p, qe, ke, kt, DO_QK: tl.constexpr, DO_KK: tl.constexpr, PREC: tl.constexpr):
+        """One tile pair's query-key (a) and key-key (p) products, as far as this launch computes them."""
+        if DO_QK:
+            a += tl.dot(qe, kt, input_precision=PREC)
+        if DO_KK:
+            p += tl.dot(ke, kt, input_precision=PREC)
+        return a, p
+
+    @triton.jit
+    def _add_pair(a, p, x, y, DO_QK: tl.constexpr, DO_KK: tl.constexpr):
+        if DO_QK:
+            a += x
+        if DO_KK:
+            p += y
+        return a, p
+
+    @triton.jit
     def _inv_unit_lower(L, BC: tl.constexpr):
         """(I + L)^-1 for strictly lower-triangular L [BC, BC], by forward substitution in fp32."""
         o = tl.arange(0, BC)
@@ -157,79 +174,37 @@ if TRITON_AVAILABLE:
             ke3 = k3 * e3
             # off-diagonal tiles: column sides exp(Gam_ref - Gam_j) <= 1
             kt = tl.trans(k0 * tl.exp2(n1[None, :] - g0))
-            if DO_QK:
-                a10 += tl.dot(qe1, kt, input_precision=PREC)
-            if DO_KK:
-                p10 += tl.dot(ke1, kt, input_precision=PREC)
+            a10, p10 = _acc_pair(a10, p10, qe1, ke1, kt, DO_QK, DO_KK, PREC)
             kt = tl.trans(k0 * tl.exp2(n2[None, :] - g0))
-            if DO_QK:
-                a20 += tl.dot(qe2, kt, input_precision=PREC)
-            if DO_KK:
-                p20 += tl.dot(ke2, kt, input_precision=PREC)
+            a20, p20 = _acc_pair(a20, p20, qe2, ke2, kt, DO_QK, DO_KK, PREC)
             kt = tl.trans(k1 * tl.exp2(n2[None, :] - g1))
-            if DO_QK:
-                a21 += tl.dot(qe2, kt, input_precision=PREC)
-            if DO_KK:
-                p21 += tl.dot(ke2, kt, input_precision=PREC)
+            a21, p21 = _acc_pair(a21, p21, qe2, ke2, kt, DO_QK, DO_KK, PREC)
             kt = tl.trans(k0 * tl.exp2(n3[None, :] - g0))
-            if DO_QK:
-                a30 += tl.dot(qe3, kt, input_precision=PREC)
-            if DO_KK:
-                p30 += tl.dot(ke3, kt, input_precision=PREC)
+            a30, p30 = _acc_pair(a30, p30, qe3, ke3, kt, DO_QK, DO_KK, PREC)
             kt = tl.trans(k1 * tl.exp2(n3[None, :] - g1))
-            if DO_QK:
-                a31 += tl.dot(qe3, kt, input_precision=PREC)
-            if DO_KK:
-                p31 += tl.dot(ke3, kt, input_precision=PREC)
+            a31, p31 = _acc_pair(a31, p31, qe3, ke3, kt, DO_QK, DO_KK, PREC)
             kt = tl.trans(k2 * tl.exp2(n3[None, :] - g2))
-            if DO_QK:
-                a32 += tl.dot(qe3, kt, input_precision=PREC)
-            if DO_KK:
-                p32 += tl.dot(ke3, kt, input_precision=PREC)
+            a32, p32 = _acc_pair(a32, p32, qe3, ke3, kt, DO_QK, DO_KK, PREC)
             if not DIAG_IN:  # diagonal tiles here (else _diag_fwd_kernel already wrote them)
                 if SAFE:
                     # bounded gate: exp(Gam_ref - Gam_j) inside one sub-tile stays < 2^116
                     kt = tl.trans(k0 * tl.exp2(n0[None, :] - g0))
-                    if DO_QK:
-                        a00 += tl.dot(q0 * e0, kt, input_precision=PREC)
-                    if DO_KK:
-                        p00 += tl.dot(k0 * e0, kt, input_precision=PREC)
+                    a00, p00 = _acc_pair(a00, p00, q0 * e0, k0 * e0, kt, DO_QK, DO_KK, PREC)
                     kt = tl.trans(k1 * tl.exp2(n1[None, :] - g1))
-                    if DO_QK:
-                        a11 += tl.dot(qe1, kt, input_precision=PREC)
-                    if DO_KK:
-                        p11 += tl.dot(ke1, kt, input_precision=PREC)
+                    a11, p11 = _acc_pair(a11, p11, qe1, ke1, kt, DO_QK, DO_KK, PREC)
                     kt = tl.trans(k2 * tl.exp2(n2[None, :] - g2))
-                    if DO_QK:
-                        a22 += tl.dot(qe2, kt, input_precision=PREC)
-                    if DO_KK:
-                        p22 += tl.dot(ke2, kt, input_precision=PREC)
+                    a22, p22 = _acc_pair(a22, p22, qe2, ke2, kt, DO_QK, DO_KK, PREC)
                     kt = tl.trans(k3 * tl.exp2(n3[None, :] - g3))
-                    if DO_QK:
-                        a33 += tl.dot(qe3, kt, input_precision=PREC)
-                    if DO_KK:
-                        p33 += tl.dot(ke3, kt, input_precision=PREC)
+                    a33, p33 = _acc_pair(a33, p33, qe3, ke3, kt, DO_QK, DO_KK, PREC)
                 else:
                     x, y = _diag_loop(q0, k0, g0, kn, gc, t0, eos, H, i_h, K, cols, mc, BC)
-                    if DO_QK:
-                        a00 += x
-                    if DO_KK:
-                        p00 += y
+                    a00, p00 = _add_pair(a00, p00, x, y, DO_QK, DO_KK)
                     x, y = _diag_loop(q1, k1, g1, kn, gc, t0 + BC, eos, H, i_h, K, cols, mc, BC)
-                    if DO_QK:
-                        a11 += x
-                    if DO_KK:
-                        p11 += y
+                    a11, p11 = _add_pair(a11, p11, x, y, DO_QK, DO_KK)
                     x, y = _diag_loop(q2, k2, g2, kn, gc, t0 + 2 * BC, eos, H, i_h, K, cols, mc, BC)
-                    if DO_QK:
-                        a22 += x
-                    if DO_KK:
-                        p22 += y
+                    a22, p22 = _add_pair(a22, p22, x, y, DO_QK, DO_KK)
                     x, y = _diag_loop(q3, k3, g3, kn, gc, t0 + 3 * BC, eos, H, i_h, K, cols, mc, BC)
-                    if DO_QK:
-                        a33 += x
-                    if DO_KK:
-                        p33 += y
+                    a33, p33 = _add_pair(a33, p33, x, y, DO_QK, DO_KK)
 
         if DO_QK:
             if not DIAG_IN:
