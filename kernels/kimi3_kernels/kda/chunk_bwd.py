@@ -29,8 +29,9 @@ if TRITON_AVAILABLE:
                           H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, BT: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
                           PREC: tl.constexpr):
-        i_v = tl.program_id(0)
-        i_nh = tl.program_id(1)
+        # one grid axis, value tiles fastest (the axes after the first stop at 65,535 programs)
+        i_v = tl.program_id(0) % tl.cdiv(V, BV)
+        i_nh = tl.program_id(0) // tl.cdiv(V, BV)
         n = i_nh // H
         i_h = i_nh % H
         bos = tl.load(cu + n).to(tl.int64)
@@ -373,7 +374,7 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
     prec = _prec(qn.dtype)
     if info.N > 0:
         BV = min(32, next_pow2(V)) if BK >= 128 else min(64, next_pow2(V))
-        _state_bwd_kernel[(triton.cdiv(V, BV), info.N * H)](
+        _state_bwd_kernel[(triton.cdiv(V, BV) * info.N * H,)](
             I["W"], I["Qg"], I["Kd"], I["Aqk"], gc, do, dht if dht is not None else do,
             dh0 if dh0 is not None else do, dhs, dvn, info.cu, info.chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_DHT=dht is not None, HAS_H0=h0 is not None,

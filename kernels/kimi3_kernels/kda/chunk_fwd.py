@@ -428,8 +428,9 @@ if TRITON_AVAILABLE:
                           H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
                           STORE_STATES: tl.constexpr, STORE_VN: tl.constexpr, COMPUTE_O: tl.constexpr, PREC: tl.constexpr):
-        i_v = tl.program_id(0)
-        i_nh = tl.program_id(1)
+        # one grid axis, value tiles fastest (the axes after the first stop at 65,535 programs)
+        i_v = tl.program_id(0) % tl.cdiv(V, BV)
+        i_nh = tl.program_id(0) // tl.cdiv(V, BV)
         n = i_nh // H
         i_h = i_nh % H
         bos = tl.load(cu + n).to(tl.int64)
@@ -483,8 +484,8 @@ if TRITON_AVAILABLE:
     def _output_fwd_kernel(Qg, Aqk, vn, hs, o, tab, cu, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                            BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
         """O = Qg S_c + Aqk Vn for one chunk, head and value tile; S_c = the state entering the chunk."""
-        i_v = tl.program_id(0)
-        i_c = tl.program_id(1).to(tl.int64)
+        i_c = tl.program_id(0).to(tl.int64)  # chunks on the first grid axis: the others stop at 65,535
+        i_v = tl.program_id(1)
         i_h = tl.program_id(2)
         n = tl.load(tab + 2 * i_c)
         t0 = tl.load(tab + 2 * i_c + 1).to(tl.int64)
@@ -618,7 +619,7 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, store_states, s
         BK = next_pow2(K)
         BV = min(32, next_pow2(V)) if BK >= 128 else min(64, next_pow2(V))
         dummy = W
-        _state_fwd_kernel[(triton.cdiv(V, BV), N * H)](
+        _state_fwd_kernel[(triton.cdiv(V, BV) * N * H,)](
             W, I["U"], I["Qg"], I["Kd"], I["Aqk"], gc, o if compute_o else dummy,
             h0 if h0 is not None else dummy, ht if ht is not None else dummy,
             hs if hs is not None else dummy, vn if vn is not None else dummy, info.cu, info.chunk_off,
@@ -628,7 +629,7 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, store_states, s
             num_warps=8 if BK >= 128 else 4, num_stages=2)
         if split and info.NC > 0:
             BVo = min(64, next_pow2(V))
-            _output_fwd_kernel[(triton.cdiv(V, BVo), info.NC, H)](
+            _output_fwd_kernel[(info.NC, triton.cdiv(V, BVo), H)](
                 I["Qg"], I["Aqk"], vn, hs, o, info.chunk_tab, info.cu, H=H, K=K, V=V, BK=min(64, next_pow2(K)),
                 BV=BVo, BT=CHUNK_SIZE, PREC=_prec(W.dtype), num_warps=4, num_stages=2)
     hs = hs[:info.NC] if store_states else None

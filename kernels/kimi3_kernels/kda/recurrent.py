@@ -21,8 +21,9 @@ if TRITON_AVAILABLE:
                                 H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                                 BV: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr,
                                 HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, VARLEN: tl.constexpr):
-        i_v = tl.program_id(0)
-        i_nh = tl.program_id(1)
+        # one grid axis, value tiles fastest (the axes after the first stop at 65,535 programs)
+        i_v = tl.program_id(0) % tl.cdiv(V, BV)
+        i_nh = tl.program_id(0) // tl.cdiv(V, BV)
         n = i_nh // H
         i_h = i_nh % H
         if VARLEN:
@@ -90,7 +91,7 @@ def fused_recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, in
     BK = next_pow2(K)
     BV = min(next_pow2(V), 16 if N * H < 256 else 32)
     if N > 0:
-        _fused_recurrent_kernel[(triton.cdiv(V, BV), N * H)](
+        _fused_recurrent_kernel[(triton.cdiv(V, BV) * N * H,)](
             q, k, v, g, beta, A_log, dt_bias, o, initial_state if initial_state is not None else o,
             ht if ht is not None else o, cu_seqlens if cu_seqlens is not None else o, T, scale,
             float(lower_bound) if lower_bound is not None else 0.0,
