@@ -12,6 +12,8 @@ def test_default_on_cpu_is_the_reference_and_is_reported(monkeypatch):
     assert kda.resolve_backend(torch.device("cpu"), announce=False) == "torch"
     status = kda.kernel_status("cpu")
     assert status["kda_backend"] == "torch" and status["available"] == {"triton": False, "fla": False, "torch": True}
+    monkeypatch.setenv("KIMI3_KDA_SAVE_FWD", "1")  # the chunk kernels' options in effect are reported too
+    assert kda.kernel_status("cpu")["kernel_options"] == {"KIMI3_KDA_SAVE_FWD": "1"}
 
 
 @pytest.mark.parametrize("requested", ["triton", "fla", "fla_chunk"])

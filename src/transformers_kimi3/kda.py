@@ -59,10 +59,14 @@ def kernel_status(device=None, requested=None):
         "fla": device.type == "cuda" and _fla_installed() and _fla() is not None,
         "torch": True,
     }
+    # the chunk kernels' A/B options (environment variables read at each call; bench/kda.py sweeps them)
+    options = {name: os.environ.get(name) for name in ("KIMI3_KDA_INTRA_TILE", "KIMI3_KDA_INTRA_PASSES",
+                                                        "KIMI3_KDA_INTRA_DIAG", "KIMI3_KDA_INTRA", "KIMI3_KDA_FWD",
+                                                        "KIMI3_KDA_SAVE_FWD") if os.environ.get(name)}
     return {"device": str(device), "available": available,
             "kda_backend": resolve_backend(device, requested, announce=False),
             "triton_kernels_installed": _triton_kda is not None, "triton_kernels_error": _KERNEL_IMPORT_ERROR,
-            "fla_installed": _fla_installed()}
+            "fla_installed": _fla_installed(), "kernel_options": options}
 
 
 def resolve_backend(device, requested=None, announce=True):

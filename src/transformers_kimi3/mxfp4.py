@@ -217,11 +217,14 @@ def kernel_path(device):
 
 def kernel_status(device="cuda" if torch.cuda.is_available() else "cpu"):
     g = _gemm_module()
+    path = kernel_path(device)
     return {
-        "mxfp4_experts": kernel_path(device),
+        "mxfp4_experts": path,
         "kimi3_kernels.mxfp4_gemm": g is not None,
         "triton": bool(g is not None and g.HAS_TRITON),
         "device": str(torch.device(device)),
+        "weight_decode": g.decode_mode(device) if path == "triton" and hasattr(g, "decode_mode") else None,
+        "gemv_max_rows": gemv_max_rows() if _gemv_module() is not None else None,
     }
 
 
