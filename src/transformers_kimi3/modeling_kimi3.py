@@ -254,6 +254,13 @@ def _graph_decodable(cache, input_ids, labels, output_hidden_states, output_rout
             and not output_router_logits and not torch.is_grad_enabled())
 
 
+def _one_device(model):
+    """A CUDA graph is captured on one device and cannot hold the weights Accelerate moves in at each forward
+    (CPU / disk offload): a model spread by a device_map decodes eagerly."""
+    placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+    return len(placed) <= 1 and not placed & {"cpu", "disk"}
+
+
 def decode_with_graph(model, cache, input_ids):
     """One decode step as a replayed CUDA graph: no Python per layer, no host synchronisation.
     Captured on the first call for this cache (warm-up runs are undone from a snapshot)."""
@@ -496,7 +503,8 @@ class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
                 output_router_logits=None, logits_to_keep=0, return_dict=None, **kwargs):
-        if _graph_decodable(past_key_values, input_ids, labels, output_hidden_states, output_router_logits):
+        if _graph_decodable(past_key_values, input_ids, labels, output_hidden_states, output_router_logits) and \
+                _one_device(self):
             return MoeCausalLMOutputWithPast(logits=decode_with_graph(self, past_key_values, input_ids),
                                              past_key_values=past_key_values)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -556,7 +564,8 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
                 past_key_values=None, inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
                 output_router_logits=None, logits_to_keep=0, return_dict=None, image_grid_thw=None, **kwargs):
         grid_thws = grid_thws if grid_thws is not None else image_grid_thw
-        if _graph_decodable(past_key_values, input_ids, labels, output_hidden_states, output_router_logits):
+        if _graph_decodable(past_key_values, input_ids, labels, output_hidden_states, output_router_logits) and \
+                _one_device(self):
             return MoeCausalLMOutputWithPast(logits=decode_with_graph(self.language_model, past_key_values, input_ids),
                                              past_key_values=past_key_values)
         n_source = (input_ids if input_ids is not None else inputs_embeds).shape[1]
