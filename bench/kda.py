@@ -312,20 +312,16 @@ def timings():
 
 
 def kernel_profile():
-    """Per-kernel CUDA time of one forward and one forward+backward (torch.profiler), ours (split and fused output)
-    and fla, at two shapes: where the time goes, for the roofline discussion."""
+    """Per-kernel CUDA time of one forward and one forward+backward (torch.profiler), ours and fla, at two shapes:
+    where the time goes, for the roofline discussion."""
     from torch.profiler import ProfilerActivity, profile
     rows = RES.setdefault("kernel_profile", [])
     for H, T, lb in ((32, 16384, None), (96, 16384, -5.0)):
         q, k, v, f, beta, A_log, dtb = inputs(1, T, H, 128, 128, torch.bfloat16, seed=7)
         qq, kk, vv, ff = (x.clone().requires_grad_() for x in (q, k, v, f))
-        variants = [("ours_split", "split"), ("ours_fused", "fused")] + ([("fla", None)] if HAVE_FLA else [])
-        for name, mode in variants:
-            if mode:
-                os.environ["KIMI3_KDA_FWD"] = mode
-
+        for name in ["ours"] + (["fla"] if HAVE_FLA else []):
             def run(bwd):
-                if mode:
+                if name == "ours":
                     o, _ = chunk_kda(qq if bwd else q, kk if bwd else k, vv if bwd else v, ff if bwd else f, beta,
                                      A_log=A_log, dt_bias=dtb, lower_bound=lb)
                 else:
@@ -349,7 +345,6 @@ def kernel_profile():
                            kernels_ms={n: round(t, 4) for n, t in sorted(ks.items(), key=lambda kv: -kv[1])[:12]})
                 rows.append(row)
                 print("prof", json.dumps(row), flush=True)
-        os.environ.pop("KIMI3_KDA_FWD", None)
         del q, k, v, f, qq, kk, vv, ff
         torch.cuda.empty_cache()
 

@@ -157,14 +157,9 @@ def test_chunk_forward(lb, dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("intra", ["split", "fused"])
-@pytest.mark.parametrize("variant", ["split", "fused"])
-def test_chunk_forward_kernel_variants(variant, intra, monkeypatch):
-    # output by its own kernel from the chunk entry states ("split") or inside the scan ("fused"); W/U by their
-    # own kernel from T ("split") or inside the pairwise kernel ("fused"); varlen with an empty and a one-token
-    # sequence, bf16 (entry states kept in bf16 for the split output)
-    monkeypatch.setenv("KIMI3_KDA_FWD", variant)
-    monkeypatch.setenv("KIMI3_KDA_INTRA", intra)
+def test_chunk_forward_varlen_bf16():
+    # the output kernel reads the chunk entry states kept in the matmul dtype: varlen with an empty and a
+    # one-token sequence, bf16
     q, k, v, f, beta, A_log, dtb, _ = make(1, 150, 2, 32, 32, torch.bfloat16, seed=11)
     cu = torch.tensor([0, 0, 1, 70, 150], dtype=torch.int32)
     o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0, cu_seqlens=cu,

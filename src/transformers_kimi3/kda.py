@@ -61,7 +61,7 @@ def kernel_status(device=None, requested=None):
     }
     # the chunk kernels' A/B options (environment variables read at each call; bench/kda.py sweeps them)
     options = {name: os.environ.get(name) for name in ("KIMI3_KDA_INTRA_TILE", "KIMI3_KDA_INTRA_PASSES",
-                                                        "KIMI3_KDA_INTRA_DIAG", "KIMI3_KDA_INTRA", "KIMI3_KDA_FWD",
+                                                        "KIMI3_KDA_INTRA_DIAG",
                                                         "KIMI3_KDA_SAVE_FWD") if os.environ.get(name)}
     return {"device": str(device), "available": available,
             "kda_backend": resolve_backend(device, requested, announce=False),

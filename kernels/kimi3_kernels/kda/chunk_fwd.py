@@ -95,12 +95,10 @@ if TRITON_AVAILABLE:
         tl.store(ptr + (rows[:, None] * H + i_h) * D + c[None, :], X, mask=(rows < eos)[:, None])
 
     @triton.jit
-    def _intra_fwd_kernel(qn, kn, v, gc, bs, Aqk, W, U, Qg, Kd, Mo, Po, Tm, tab, cu, scale,
-                          H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          SAFE: tl.constexpr, STORE_BWD: tl.constexpr, FUSE_WU: tl.constexpr,
-                          PREC: tl.constexpr, DO_QK: tl.constexpr, DO_KK: tl.constexpr,
-                          DIAG_IN: tl.constexpr, Pd=None):
+    def _intra_fwd_kernel(qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, tab, cu, scale,
+                          H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                          SAFE: tl.constexpr, STORE_BWD: tl.constexpr, PREC: tl.constexpr,
+                          DO_QK: tl.constexpr, DO_KK: tl.constexpr, DIAG_IN: tl.constexpr):
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
         n = tl.load(tab + 2 * i_c)
@@ -111,7 +109,7 @@ if TRITON_AVAILABLE:
         r1 = r0 + BC
         r2 = r1 + BC
         r3 = r2 + BC
-        DT = W.dtype.element_ty
+        DT = Tm.dtype.element_ty
 
         a00 = tl.zeros([BC, BC], dtype=tl.float32)
         a10 = tl.zeros([BC, BC], dtype=tl.float32)
@@ -275,83 +273,24 @@ if TRITON_AVAILABLE:
                 _st_blk(Po, p31, r3, eos, H, i_h, BT, BC, BC)
                 _st_blk(Po, p32, r3, eos, H, i_h, BT, 2 * BC, BC)
                 _st_blk(Po, p33, r3, eos, H, i_h, BT, 3 * BC, BC)
-            if FUSE_WU:
-                # T = M Diag(beta), in the matmul dtype
-                t00 = (m00 * b0[None, :]).to(DT)
-                t10 = (m10 * b0[None, :]).to(DT)
-                t11 = (m11 * b1[None, :]).to(DT)
-                t20 = (m20 * b0[None, :]).to(DT)
-                t21 = (m21 * b1[None, :]).to(DT)
-                t22 = (m22 * b2[None, :]).to(DT)
-                t30 = (m30 * b0[None, :]).to(DT)
-                t31 = (m31 * b1[None, :]).to(DT)
-                t32 = (m32 * b2[None, :]).to(DT)
-                t33 = (m33 * b3[None, :]).to(DT)
-
-                for i_k in range(0, tl.cdiv(K, BK)):
-                    cols = i_k * BK + tl.arange(0, BK)
-                    mc = cols < K
-                    gl = _ld_row(gc, last, eos, H, i_h, K, cols, mc)
-                    k0 = _ld(kn, r0, eos, H, i_h, K, cols, mc)
-                    k1 = _ld(kn, r1, eos, H, i_h, K, cols, mc)
-                    k2 = _ld(kn, r2, eos, H, i_h, K, cols, mc)
-                    k3 = _ld(kn, r3, eos, H, i_h, K, cols, mc)
-                    g0 = _ld(gc, r0, eos, H, i_h, K, cols, mc)
-                    g1 = _ld(gc, r1, eos, H, i_h, K, cols, mc)
-                    g2 = _ld(gc, r2, eos, H, i_h, K, cols, mc)
-                    g3 = _ld(gc, r3, eos, H, i_h, K, cols, mc)
-                    kg0 = (k0 * tl.exp2(g0)).to(DT)
-                    kg1 = (k1 * tl.exp2(g1)).to(DT)
-                    kg2 = (k2 * tl.exp2(g2)).to(DT)
-                    kg3 = (k3 * tl.exp2(g3)).to(DT)
-                    _st_blk(W, tl.dot(t00, kg0, input_precision=PREC).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
-                    _st_blk(W, (tl.dot(t10, kg0, input_precision=PREC) + tl.dot(t11, kg1, input_precision=PREC)).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
-                    _st_blk(W, (tl.dot(t20, kg0, input_precision=PREC) + tl.dot(t21, kg1, input_precision=PREC) + tl.dot(t22, kg2, input_precision=PREC)).to(DT),
-                            r2, eos, H, i_h, K, i_k * BK, BK)
-                    _st_blk(W, (tl.dot(t30, kg0, input_precision=PREC) + tl.dot(t31, kg1, input_precision=PREC) + tl.dot(t32, kg2, input_precision=PREC) + tl.dot(t33, kg3, input_precision=PREC)).to(DT),
-                            r3, eos, H, i_h, K, i_k * BK, BK)
-                    _st_blk(Kd, (k0 * tl.exp2(gl[None, :] - g0)).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
-                    _st_blk(Kd, (k1 * tl.exp2(gl[None, :] - g1)).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
-                    _st_blk(Kd, (k2 * tl.exp2(gl[None, :] - g2)).to(DT), r2, eos, H, i_h, K, i_k * BK, BK)
-                    _st_blk(Kd, (k3 * tl.exp2(gl[None, :] - g3)).to(DT), r3, eos, H, i_h, K, i_k * BK, BK)
-                    q0 = _ld(qn, r0, eos, H, i_h, K, cols, mc)
-                    q1 = _ld(qn, r1, eos, H, i_h, K, cols, mc)
-                    q2 = _ld(qn, r2, eos, H, i_h, K, cols, mc)
-                    q3 = _ld(qn, r3, eos, H, i_h, K, cols, mc)
-                    _st_blk(Qg, (q0 * tl.exp2(g0) * scale).to(DT), r0, eos, H, i_h, K, i_k * BK, BK)
-                    _st_blk(Qg, (q1 * tl.exp2(g1) * scale).to(DT), r1, eos, H, i_h, K, i_k * BK, BK)
-                    _st_blk(Qg, (q2 * tl.exp2(g2) * scale).to(DT), r2, eos, H, i_h, K, i_k * BK, BK)
-                    _st_blk(Qg, (q3 * tl.exp2(g3) * scale).to(DT), r3, eos, H, i_h, K, i_k * BK, BK)
-                for i_v in range(0, tl.cdiv(V, BV)):
-                    cols = i_v * BV + tl.arange(0, BV)
-                    mc = cols < V
-                    v0 = _ld(v, r0, eos, H, i_h, V, cols, mc).to(DT)
-                    v1 = _ld(v, r1, eos, H, i_h, V, cols, mc).to(DT)
-                    v2 = _ld(v, r2, eos, H, i_h, V, cols, mc).to(DT)
-                    v3 = _ld(v, r3, eos, H, i_h, V, cols, mc).to(DT)
-                    _st_blk(U, tl.dot(t00, v0, input_precision=PREC).to(DT), r0, eos, H, i_h, V, i_v * BV, BV)
-                    _st_blk(U, (tl.dot(t10, v0, input_precision=PREC) + tl.dot(t11, v1, input_precision=PREC)).to(DT), r1, eos, H, i_h, V, i_v * BV, BV)
-                    _st_blk(U, (tl.dot(t20, v0, input_precision=PREC) + tl.dot(t21, v1, input_precision=PREC) + tl.dot(t22, v2, input_precision=PREC)).to(DT), r2, eos, H, i_h, V, i_v * BV, BV)
-                    _st_blk(U, (tl.dot(t30, v0, input_precision=PREC) + tl.dot(t31, v1, input_precision=PREC) + tl.dot(t32, v2, input_precision=PREC) + tl.dot(t33, v3, input_precision=PREC)).to(DT),
-                            r3, eos, H, i_h, V, i_v * BV, BV)
-            else:  # T = M Diag(beta) for _wu_fwd_kernel, block rows of [BT, BT] (zeros above the diagonal)
-                z = tl.zeros([BC, BC], dtype=tl.float32)
-                _st_blk(Tm, (m00 * b0[None, :]).to(DT), r0, eos, H, i_h, BT, 0, BC)
-                _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, BC, BC)
-                _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 2 * BC, BC)
-                _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 3 * BC, BC)
-                _st_blk(Tm, (m10 * b0[None, :]).to(DT), r1, eos, H, i_h, BT, 0, BC)
-                _st_blk(Tm, (m11 * b1[None, :]).to(DT), r1, eos, H, i_h, BT, BC, BC)
-                _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 2 * BC, BC)
-                _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 3 * BC, BC)
-                _st_blk(Tm, (m20 * b0[None, :]).to(DT), r2, eos, H, i_h, BT, 0, BC)
-                _st_blk(Tm, (m21 * b1[None, :]).to(DT), r2, eos, H, i_h, BT, BC, BC)
-                _st_blk(Tm, (m22 * b2[None, :]).to(DT), r2, eos, H, i_h, BT, 2 * BC, BC)
-                _st_blk(Tm, z.to(DT), r2, eos, H, i_h, BT, 3 * BC, BC)
-                _st_blk(Tm, (m30 * b0[None, :]).to(DT), r3, eos, H, i_h, BT, 0, BC)
-                _st_blk(Tm, (m31 * b1[None, :]).to(DT), r3, eos, H, i_h, BT, BC, BC)
-                _st_blk(Tm, (m32 * b2[None, :]).to(DT), r3, eos, H, i_h, BT, 2 * BC, BC)
-                _st_blk(Tm, (m33 * b3[None, :]).to(DT), r3, eos, H, i_h, BT, 3 * BC, BC)
+            # T = M Diag(beta) for _wu_fwd_kernel, block rows of [BT, BT] (zeros above the diagonal)
+            z = tl.zeros([BC, BC], dtype=tl.float32)
+            _st_blk(Tm, (m00 * b0[None, :]).to(DT), r0, eos, H, i_h, BT, 0, BC)
+            _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, BC, BC)
+            _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 2 * BC, BC)
+            _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 3 * BC, BC)
+            _st_blk(Tm, (m10 * b0[None, :]).to(DT), r1, eos, H, i_h, BT, 0, BC)
+            _st_blk(Tm, (m11 * b1[None, :]).to(DT), r1, eos, H, i_h, BT, BC, BC)
+            _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 2 * BC, BC)
+            _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 3 * BC, BC)
+            _st_blk(Tm, (m20 * b0[None, :]).to(DT), r2, eos, H, i_h, BT, 0, BC)
+            _st_blk(Tm, (m21 * b1[None, :]).to(DT), r2, eos, H, i_h, BT, BC, BC)
+            _st_blk(Tm, (m22 * b2[None, :]).to(DT), r2, eos, H, i_h, BT, 2 * BC, BC)
+            _st_blk(Tm, z.to(DT), r2, eos, H, i_h, BT, 3 * BC, BC)
+            _st_blk(Tm, (m30 * b0[None, :]).to(DT), r3, eos, H, i_h, BT, 0, BC)
+            _st_blk(Tm, (m31 * b1[None, :]).to(DT), r3, eos, H, i_h, BT, BC, BC)
+            _st_blk(Tm, (m32 * b2[None, :]).to(DT), r3, eos, H, i_h, BT, 2 * BC, BC)
+            _st_blk(Tm, (m33 * b3[None, :]).to(DT), r3, eos, H, i_h, BT, 3 * BC, BC)
 
     @triton.jit
     def _diag_fwd_kernel(qn, kn, gc, Aqk, Pd, tab, cu, scale, H, K: tl.constexpr, BK: tl.constexpr,
@@ -424,10 +363,10 @@ if TRITON_AVAILABLE:
             _st_blk(U, tl.dot(t, vv, input_precision=PREC).to(DT), rows, eos, H, i_h, V, i_v * BV, BV)
 
     @triton.jit
-    def _state_fwd_kernel(W, U, Qg, Kd, Aqk, gc, o, h0, ht, hs, vn, cu, chunk_off,
+    def _state_fwd_kernel(W, U, Kd, gc, h0, ht, hs, vn, cu, chunk_off,
                           H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
-                          STORE_STATES: tl.constexpr, STORE_VN: tl.constexpr, COMPUTE_O: tl.constexpr, PREC: tl.constexpr):
+                          STORE_STATES: tl.constexpr, STORE_VN: tl.constexpr, PREC: tl.constexpr):
         # one grid axis, value tiles fastest (the axes after the first stop at 65,535 programs)
         i_v = tl.program_id(0) % tl.cdiv(V, BV)
         i_nh = tl.program_id(0) // tl.cdiv(V, BV)
@@ -466,12 +405,6 @@ if TRITON_AVAILABLE:
             if STORE_VN:
                 tl.store(vn + offv, vnew.to(vn.dtype.element_ty), mask=mrv)
             vd = vnew.to(DT)
-            if COMPUTE_O:
-                qg = tl.load(Qg + offk, mask=mrk, other=0.)
-                a = tl.load(Aqk + (rows[:, None] * H + i_h) * BT + o_t[None, :],
-                            mask=mr[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.)
-                ob = tl.dot(qg, Sd, input_precision=PREC) + tl.dot(a.to(DT), vd, input_precision=PREC)
-                tl.store(o + offv, ob.to(o.dtype.element_ty), mask=mrv)
             kd = tl.load(Kd + offk, mask=mrk, other=0.)
             last = tl.minimum(eos, t0 + BT) - 1
             gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=mk, other=0.)
@@ -532,22 +465,6 @@ def _intra_passes():
     return int(os.environ.get("KIMI3_KDA_INTRA_PASSES", "1"))
 
 
-def _split_intra():
-    # "split" (default): the pairwise/solve kernel stores T = M Diag(beta) and _wu_fwd_kernel forms W, U, Qg, Kd
-    # with whole-chunk matmuls; "fused": one kernel does both (H200: the split forward is 9% faster at H=32 and
-    # 21% at H=96, T=16K; bench/results/kda_h200.md).
-    import os
-    return os.environ.get("KIMI3_KDA_INTRA", "split") != "fused"
-
-
-def _split_output():
-    # "split" (default): the sequential scan only carries the state and writes the state entering each chunk;
-    # the output is a separate kernel parallel over chunks. "fused": the scan also computes the output
-    # (fewer bytes, but a longer sequential critical path). KIMI3_KDA_FWD picks one for A/B timing.
-    import os
-    return os.environ.get("KIMI3_KDA_FWD", "split") != "fused"
-
-
 def _prec(dtype):
     # fp32 inputs: 3xTF32 matmuls (about fp32 accuracy); bf16/fp16: one pass
     return "tf32x3" if dtype == torch.float32 else "tf32"
@@ -567,15 +484,13 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
     Mo = torch.empty(TT, H, BT, device=dev, dtype=torch.float32) if store_bwd else Aqk
     Po = torch.empty(TT, H, BT, device=dev, dtype=torch.float32) if store_bwd else Aqk
     safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
-    fuse_wu = not _split_intra()
-    Tm = Aqk if fuse_wu else torch.empty(TT, H, BT, device=dev, dtype=DT)
+    Tm = torch.empty(TT, H, BT, device=dev, dtype=DT)
     if info.NC > 0:
-        # K/V slice width and warps of the pairwise kernel. sm_90 ptxas at K = V = 128 (Triton 3.9, FUSE_WU off):
+        # K slice width and warps of the pairwise kernel. sm_90 ptxas at K = 128 (Triton 3.9):
         # every choice sits at the 255-register cap; spill per thread 0.9 KB (BK 32) / 2.3 KB (BK 64) / 0.3 KB
         # (BK 16) with the bounded gate. KIMI3_KDA_INTRA_TILE="BK,warps" overrides, for sweeps (bench/kda.py sweep).
         BK, warps = _intra_tile()
         BK = min(BK, next_pow2(K))
-        BV = min(BK, next_pow2(V))
         diag_in = _separate_diag()
         Pd = torch.empty(TT, H, 16, device=dev, dtype=torch.float32) if diag_in else Aqk
         if diag_in:
@@ -586,15 +501,12 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
         passes = [(True, True)] if _intra_passes() == 1 else [(True, False), (False, True)]
         for do_qk, do_kk in passes:
             _intra_fwd_kernel[(info.NC, H)](
-                qn, kn, v, gc, bs, Aqk, W, U, Qg, Kd, Mo, Po, Tm, info.chunk_tab, info.cu, scale,
-                H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, BC=16, SAFE=safe, STORE_BWD=store_bwd and do_kk,
-                FUSE_WU=fuse_wu and do_kk, PREC=_prec(DT), DO_QK=do_qk, DO_KK=do_kk, DIAG_IN=diag_in, Pd=Pd,
-                num_warps=warps, num_stages=1)
-        if not fuse_wu:
-            _wu_fwd_kernel[(info.NC, H)](
-                qn, kn, v, gc, Tm, W, U, Qg, Kd, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
-                BK=min(64, next_pow2(K)), BV=min(64, next_pow2(V)), BT=BT, PREC=_prec(DT), num_warps=4,
-                num_stages=2)
+                qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, info.chunk_tab, info.cu, scale,
+                H=H, K=K, BK=BK, BT=BT, BC=16, SAFE=safe, STORE_BWD=store_bwd and do_kk, PREC=_prec(DT),
+                DO_QK=do_qk, DO_KK=do_kk, DIAG_IN=diag_in, num_warps=warps, num_stages=1)
+        _wu_fwd_kernel[(info.NC, H)](
+            qn, kn, v, gc, Tm, W, U, Qg, Kd, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
+            BK=min(64, next_pow2(K)), BV=min(64, next_pow2(V)), BT=BT, PREC=_prec(DT), num_warps=4, num_stages=2)
     out = dict(Aqk=Aqk, W=W, U=U, Qg=Qg, Kd=Kd)
     if store_bwd:
         out.update(M=Mo, P=Po)
@@ -602,6 +514,9 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
 
 
 def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, store_states, store_vn, compute_o, o=None):
+    """The sequential scan over chunks (state entering each chunk, v_new), then, with compute_o, the output by
+    `_output_fwd_kernel`, parallel over chunks: the scan stays short. Computing the output inside the scan was
+    slower on the H200 (bench/results/kda_h200.md)."""
     W = I["W"]
     TT, H, K = W.shape
     dev = W.device
@@ -609,25 +524,22 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, store_states, s
     if compute_o and o is None:
         o = torch.zeros(TT, H, V, device=dev, dtype=out_dtype)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    split = compute_o and _split_output()
-    if split:  # the output kernel reads the entry states (in the matmul dtype unless fp32 ones are asked for)
-        store_vn = True
+    store_vn = store_vn or compute_o
+    # the output kernel reads the entry states in the matmul dtype unless fp32 ones are asked for
     hs = (torch.empty(max(info.NC, 1), H, K, V, device=dev, dtype=torch.float32 if store_states else W.dtype)
-          if store_states or split else None)
+          if store_states or compute_o else None)
     vn = torch.empty(TT, H, V, device=dev, dtype=W.dtype) if store_vn else None
     if N > 0:
         BK = next_pow2(K)
         BV = min(32, next_pow2(V)) if BK >= 128 else min(64, next_pow2(V))
         dummy = W
         _state_fwd_kernel[(triton.cdiv(V, BV) * N * H,)](
-            W, I["U"], I["Qg"], I["Kd"], I["Aqk"], gc, o if compute_o else dummy,
-            h0 if h0 is not None else dummy, ht if ht is not None else dummy,
+            W, I["U"], I["Kd"], gc, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
             hs if hs is not None else dummy, vn if vn is not None else dummy, info.cu, info.chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, BT=CHUNK_SIZE, HAS_H0=h0 is not None,
-            STORE_FINAL=output_final_state, STORE_STATES=hs is not None, STORE_VN=store_vn,
-            COMPUTE_O=compute_o and not split, PREC=_prec(W.dtype),
+            STORE_FINAL=output_final_state, STORE_STATES=hs is not None, STORE_VN=store_vn, PREC=_prec(W.dtype),
             num_warps=8 if BK >= 128 else 4, num_stages=2)
-        if split and info.NC > 0:
+        if compute_o and info.NC > 0:
             BVo = min(64, next_pow2(V))
             _output_fwd_kernel[(info.NC, triton.cdiv(V, BVo), H)](
                 I["Qg"], I["Aqk"], vn, hs, o, info.chunk_tab, info.cu, H=H, K=K, V=V, BK=min(64, next_pow2(K)),
