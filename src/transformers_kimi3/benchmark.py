@@ -289,12 +289,21 @@ def stage_check_fp32(res, device, T):
     torch.cuda.empty_cache()
 
 
-def stage_longest(res, models, device, lengths, chunk, deadline):
-    """Largest prompt each model prefills: native in one pass, ours in `chunk`-token pieces through its cache
-    (KDA state and MLA latents carried); peak memory and time per length. The last logits of ours chunked vs one
-    pass are compared at the first length where both fit."""
+@torch.no_grad()
+def chunked_prefill(m, ids, chunk):
+    """Prefill `ids` `chunk` tokens at a time through one cache (KDA state and MLA latents carried); the last
+    position's logits."""
     from .cache import Kimi3Cache
 
+    cache = Kimi3Cache(m.config)
+    for s in range(0, ids.shape[1], chunk):
+        out = m(input_ids=ids[:, s:s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+def stage_longest(res, models, device, lengths, chunk, deadline):
+    """Largest prompt each model prefills: native in one pass, ours in `chunk`-token pieces through its cache
+    (KDA state and MLA latents carried); peak memory and time per length (`chunk_check` compares the logits)."""
     for name, m in models.items():
         for T in lengths:
             if time.time() > deadline:
@@ -308,11 +317,7 @@ def stage_longest(res, models, device, lengths, chunk, deadline):
                     if name == "native":
                         m(input_ids=ids, use_cache=False, logits_to_keep=1)
                     else:
-                        cache = Kimi3Cache(m.config)
-                        for s in range(0, T, chunk):
-                            m(input_ids=ids[:, s:s + chunk], past_key_values=cache, use_cache=True,
-                              logits_to_keep=1)
-                        del cache
+                        chunked_prefill(m, ids, chunk)
                 sync(device)
             except torch.OutOfMemoryError:
                 res.add(stage="longest", impl=name, T=T, chunk=chunk if name != "native" else None,
@@ -324,15 +329,10 @@ def stage_longest(res, models, device, lengths, chunk, deadline):
 
 
 def stage_chunk_check(res, m, device, T, chunk):
-    from .cache import Kimi3Cache
-
     ids = torch.randint(3, m.config.vocab_size, (1, T), device=device)
     with torch.no_grad():
         one = m(input_ids=ids, use_cache=False).logits[:, -1].double()
-        cache = Kimi3Cache(m.config)
-        for s in range(0, T, chunk):
-            last = m(input_ids=ids[:, s:s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-        last = last[:, -1].double()
+    last = chunked_prefill(m, ids, chunk).double()
     res.add(stage="chunk_check", T=T, chunk=chunk, last_logits_rel_err=float((one - last).abs().max() /
                                                                           one.abs().max()),
             argmax_equal=bool(one.argmax() == last.argmax()))
@@ -341,20 +341,16 @@ def stage_chunk_check(res, m, device, T, chunk):
 def stage_block_check(res, m, device, T, chunk):
     """Chunked prefill over a long cache: blockwise attention (KEY_BLOCK keys at a time, merged by log-sum-exp)
     against expanding the whole cache at once, same weights and prompt."""
-    from .cache import Kimi3Cache
     from .mla import Kimi3MLAAttention
 
     ids = torch.randint(3, m.config.vocab_size, (1, T), device=device)
-    last = {}
-    for name, block in (("blockwise", chunk), ("whole", 1 << 40)):
-        Kimi3MLAAttention.KEY_BLOCK = block
-        with torch.no_grad():
-            cache = Kimi3Cache(m.config)
-            for s in range(0, T, chunk):
-                out = m(input_ids=ids[:, s:s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
-            last[name] = out.logits[:, -1].double()
-        del cache
-    Kimi3MLAAttention.KEY_BLOCK = 131072
+    last, default = {}, Kimi3MLAAttention.KEY_BLOCK
+    try:
+        for name, block in (("blockwise", chunk), ("whole", 1 << 40)):
+            Kimi3MLAAttention.KEY_BLOCK = block
+            last[name] = chunked_prefill(m, ids, chunk).double()
+    finally:
+        Kimi3MLAAttention.KEY_BLOCK = default
     a, b = last["blockwise"], last["whole"]
     res.add(stage="block_check", T=T, chunk=chunk, key_block=chunk,
             last_logits_rel_err=float((a - b).abs().max() / b.abs().max()), argmax_equal=bool(a.argmax() == b.argmax()))

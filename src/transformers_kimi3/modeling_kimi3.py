@@ -425,12 +425,13 @@ class Kimi3GenerationMixin(GenerationMixin):
         unfinished = torch.ones(B, dtype=torch.bool, device=device)
         cache = self._pooled_static_cache(B, L + max_new, device)
         logits = self(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        # as MinNewTokensLengthLogitsProcessor: EOS ids outside the vocabulary are ignored
+        eos_columns = torch.isin(torch.arange(logits.shape[-1], device=device), eos_t)
         check_every = 16
         for step in range(max_new):
             scores = logits.float()
-            if step < min_new and eos:  # as MinNewTokensLengthLogitsProcessor: ids outside the vocabulary ignored
-                scores = scores.masked_fill(torch.isin(torch.arange(scores.shape[-1], device=device), eos_t),
-                                            float("-inf"))
+            if step < min_new and eos:
+                scores = scores.masked_fill(eos_columns, float("-inf"))
             tok = scores.argmax(-1)
             if pad is not None:
                 tok = torch.where(unfinished, tok, torch.full_like(tok, pad))

@@ -192,12 +192,17 @@ def _gemm_module():
     return _GEMM[0]
 
 
+_GEMV = []
+
+
 def _gemv_module():
-    try:
-        from kimi3_kernels import mxfp4_gemv  # noqa: PLC0415
-    except Exception:  # noqa: BLE001 - an older kernels package without it: the grouped GEMM serves every size
-        return None
-    return mxfp4_gemv
+    if not _GEMV:
+        try:
+            from kimi3_kernels import mxfp4_gemv  # noqa: PLC0415
+        except Exception:  # noqa: BLE001 - an older kernels package without it: the grouped GEMM serves every size
+            mxfp4_gemv = None
+        _GEMV.append(mxfp4_gemv)
+    return _GEMV[0]
 
 
 def gemv_max_rows():
