@@ -403,11 +403,6 @@ def main(argv=None):
         guarded(res, "longest", stage_longest, res, {k: v for k, v in (("ours", ours), ("native", native))
                                                      if v is not None}, device,
                 [int(x) for x in args.longest.split(",")], args.chunk, deadline)
-    if "check_fp32" in stages:
-        del native, ours
-        torch.cuda.empty_cache()
-        guarded(res, "check_fp32", stage_check_fp32, res, device, 512)
-        return res
     if "decode" in stages:
         static = {"cache_implementation": "static"}
         impls = [("native", native, {}), ("ours", ours, {}), ("ours_static_graph", ours, static)]
@@ -416,6 +411,10 @@ def main(argv=None):
             impls = [i for i in impls if i[0] in args.impls.split(",")]
         stage_decode(res, impls,
                      device, [int(x) for x in args.batches.split(",")], args.prompt, args.new_tokens, deadline)
+    if "check_fp32" in stages:  # last: it frees the bf16 pair to build an fp32 one
+        del native, ours
+        torch.cuda.empty_cache()
+        guarded(res, "check_fp32", stage_check_fp32, res, device, 512)
     return res
 
 

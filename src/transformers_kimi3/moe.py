@@ -144,11 +144,9 @@ class Kimi3Experts(nn.Module):
     def _grouped_mm(self, x, topk_idx):
         order, counts, xs = self._sorted(x, topk_idx)
         offs = counts.cumsum(0).to(torch.int32)
-        # the kernel assumes densely packed expert matrices; a sharded (tensor-parallel) weight may be a strided view
-        w1, w3, w2 = (w.contiguous() for w in (self.w1, self.w3, self.w2))
-        g = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)
-        u = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs)
-        out = torch._grouped_mm(self.act_fn(g, u), w2.transpose(1, 2), offs=offs)
+        g = torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)
+        u = torch._grouped_mm(xs, self.w3.transpose(1, 2), offs=offs)
+        out = torch._grouped_mm(self.act_fn(g, u), self.w2.transpose(1, 2), offs=offs)
         rows = torch.arange(out.shape[0], device=out.device)[:, None]
         out = out.masked_fill(rows >= offs[-1], 0)  # off-rank routes sort last and are not computed
         return out.new_empty(out.shape).index_copy_(0, order, out)
