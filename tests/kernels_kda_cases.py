@@ -219,11 +219,11 @@ def test_chunk_varlen(lb):
 @needs_triton
 @pytest.mark.parametrize("lb,env", [(-5.0, {}), (None, {}),
                                     (None, dict(KIMI3_KDA_INTRA_TILE="32,4", KIMI3_KDA_INTRA_PASSES="2",
-                                                KIMI3_KDA_INTRA_DIAG="1")),
-                                    (-5.0, dict(KIMI3_KDA_SAVE_FWD="1"))])
+                                                KIMI3_KDA_SAVE_FWD="0")),
+                                    (-5.0, dict(KIMI3_KDA_SAVE_FWD="0", KIMI3_KDA_INTRA_DIAG="0"))])
 def test_chunk_gradients(lb, env, monkeypatch):
-    # the backward recomputes the forward's per-chunk quantities (also with the separate diagonal kernel and two
-    # passes) or, with KIMI3_KDA_SAVE_FWD=1, reuses the ones the forward kept
+    # the backward reuses the per-chunk quantities the forward kept (default) or, with KIMI3_KDA_SAVE_FWD=0,
+    # recomputes them (also with two passes, and with the diagonal tiles inside the pairwise kernel)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     from kimi3_kernels.kda import chunk_fwd
@@ -247,7 +247,7 @@ def test_chunk_gradients(lb, env, monkeypatch):
         grads[name] = [x.grad for x in xs]
     for n, a, b in zip(["q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0"], grads["triton"], grads["fp64"]):
         assert rel(a, b) < GTOL[torch.float32], (n, rel(a, b))
-    assert len(intra_calls) == (1 if env.get("KIMI3_KDA_SAVE_FWD") == "1" else 2)  # forward (+ backward recompute)
+    assert len(intra_calls) == (1 if env.get("KIMI3_KDA_SAVE_FWD", "1") == "1" else 2)  # forward (+ backward recompute)
 
 
 @needs_triton

@@ -452,10 +452,11 @@ def _intra_tile():
 
 
 def _separate_diag():
-    # KIMI3_KDA_INTRA_DIAG=1: the diagonal 16x16 tiles by their own kernel (_diag_fwd_kernel), the pairwise kernel
-    # keeps only the off-diagonal tiles and the solve. For GPU A/B timing (bench/kda.py sweep).
+    # The diagonal 16x16 tiles by their own kernel (_diag_fwd_kernel); the pairwise kernel keeps the off-diagonal
+    # tiles and the solve. Default since the H200 sweep of 2026-11-30 (bench/results/kda_h200.md): forward 4.49 vs
+    # 6.19 ms at H=32, T=16K and 11.41 vs 11.96 ms at H=96 (K3 gate). KIMI3_KDA_INTRA_DIAG=0 restores one kernel.
     import os
-    return os.environ.get("KIMI3_KDA_INTRA_DIAG", "0") == "1"
+    return os.environ.get("KIMI3_KDA_INTRA_DIAG", "1") == "1"
 
 
 def _intra_passes():
