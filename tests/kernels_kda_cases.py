@@ -37,7 +37,8 @@ def _ensure_interpreter():
     from triton.runtime.interpreter import InterpretedFunction
     from kimi3_kernels.kda import chunk_bwd, chunk_fwd, gate, recurrent
     if not isinstance(chunk_fwd._intra_fwd_kernel, InterpretedFunction):
-        for m in (gate, chunk_fwd, chunk_bwd, recurrent):
+        from kimi3_kernels.kda import layer_ops
+        for m in (gate, chunk_fwd, chunk_bwd, recurrent, layer_ops):
             importlib.reload(m)
     return isinstance(chunk_fwd._intra_fwd_kernel, InterpretedFunction)
 
@@ -283,3 +284,76 @@ def test_fused_recurrent(T):
                                output_final_state=True, cu_seqlens=cu)
     ro, rs = rec64(qb, kb, vb, fb, bb, A_log, dtb, h0=h3, cu=cu)
     assert o.dtype == torch.bfloat16 and rel(o, ro) < TOL[torch.bfloat16] and rel(s, rs) < 1e-4
+
+
+# ------------------------------------------------------------------ decode-path fusions (layer_ops.py)
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,T,D,W", [(1, 1, 200, 4), (3, 3, 64, 4), (2, 2, 130, 3), (1, 4, 64, 4)])
+def test_short_conv_update(B, T, D, W, dtype):
+    from kimi3_kernels.kda.layer_ops import short_conv_update, short_conv_update_ref
+    gen = torch.Generator().manual_seed(B * 100 + T * 10 + W)
+    xs = [torch.randn(B, T, D, generator=gen).to(dtype) for _ in range(3)]
+    states = [torch.randn(B, D, W, generator=gen).to(dtype) for _ in range(3)]
+    ws = [(0.5 * torch.randn(D, 1, W, generator=gen)).to(dtype) for _ in range(3)]
+    ref_states = [st.clone() for st in states]
+    ys = short_conv_update(xs, states, ws)
+    refs = short_conv_update_ref(xs, ref_states, ws)
+    for y, r, st, rst in zip(ys, refs, states, ref_states):
+        assert y.dtype == dtype and torch.equal(st, rst)  # the state is the last W inputs, exactly
+        # fp32: summation order only; bf16: the conv output is rounded to bf16 before the SiLU (as the reference
+        # does), so it may differ by one bf16 ulp, which the SiLU and the final rounding make up to two (seen: 2)
+        tol = 1e-6 if dtype == torch.float32 else 2 ** -6
+        assert ((y.float() - r.float()).abs() <= tol * (1 + r.float().abs())).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm(dtype):
+    from kimi3_kernels.kda.layer_ops import gated_rms_norm, gated_rms_norm_ref
+    gen = torch.Generator().manual_seed(3)
+    x, g = (torch.randn(2, 3, 5, 32, generator=gen).to(dtype) for _ in range(2))
+    w = torch.randn(32, generator=gen)
+    y, r = gated_rms_norm(x, g, w, 1e-6), gated_rms_norm_ref(x, g, w, 1e-6)
+    # bf16: the interpreter casts fp32 -> bf16 by truncation (seen 4e-3 here), the GPU rounds to nearest
+    assert y.dtype == dtype and rel(y, r) < (1e-6 if dtype == torch.float32 else 1e-2)
+    with pytest.raises(ValueError):
+        gated_rms_norm(x, g[..., :16], w, 1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["k3", "kimi_linear"])
+def test_model_fused_decode_equals_general_path(kind, monkeypatch):
+    """The model's decode with the fused path (convs and output norm in one launch each, states in place) against
+    the general path (PyTorch convs and norm, reference recurrence): logits of every step, fp32, B=2, with a
+    one-token and a three-token (verification) step after the prefill."""
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from kimi3_testing import tiny_model
+    from transformers_kimi3 import kda as kda_layer
+    from transformers_kimi3.cache import Kimi3Cache
+
+    over = {} if kind == "k3" else dict(attn_res_block_size=None, hidden_act="silu", routed_expert_hidden_size=None,
+                                        latent_moe_use_norm=False, linear_attn_config=dict(
+                                            num_heads=2, head_dim=16, short_conv_kernel_size=4,
+                                            use_full_rank_gate=False, kda_layers=[1, 2, 3, 5, 6],
+                                            full_attn_layers=[4, 7]))
+    model = tiny_model(seed=4, **over)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=gen)
+    steps = [torch.randint(3, model.config.vocab_size, (2, n), generator=gen) for n in (1, 3, 1)]
+    fused = []
+    monkeypatch.setattr(kda_layer.Kimi3DeltaAttention, "_fused_decode",
+                        lambda self, *a, _f=kda_layer.Kimi3DeltaAttention._fused_decode: fused.append(1) or _f(self, *a))
+    logits = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setattr(kda_layer, "resolve_backend", lambda device, requested=None, announce=True, b=backend: b)
+        cache = Kimi3Cache(model.config)
+        with torch.no_grad():
+            out = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
+            out += [model(input_ids=s, past_key_values=cache, use_cache=True).logits for s in steps]
+        logits[backend] = out
+    n_kda = len(model.config.linear_attn_config["kda_layers"])
+    assert len(fused) == n_kda * len(steps)  # every KDA layer of every step after the prefill went fused
+    for a, b in zip(logits["triton"], logits["torch"]):
+        assert rel(a, b) < 1e-4, rel(a, b)

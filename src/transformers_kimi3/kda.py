@@ -7,6 +7,7 @@ and our recurrent kernel for decode (faster than fla's). The choice is logged on
 `kernel_status()`; asking for a backend that cannot run is an error, never a silent fallback.
 """
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -96,12 +97,18 @@ def resolve_backend(device, requested=None, announce=True):
     return backend
 
 
+def _on_device(t):
+    """Triton launches on the current CUDA device; under a device_map the layer may live on another GPU. (CPU
+    tensors reach the kernels only under TRITON_INTERPRET=1, in tests.)"""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def kda_chunk(q, k, v, g, beta, backend, **kw):
     if backend == "fla_chunk":
         backend = "fla"
     if backend == "triton":
-        with torch.cuda.device(q.device):  # Triton launches on the current device; under a device_map the layer
-            return _triton_kda.chunk_kda(q, k, v, g, beta, **kw)  # may live on another GPU
+        with _on_device(q):
+            return _triton_kda.chunk_kda(q, k, v, g, beta, **kw)
     if backend == "fla":
         return _fla_call(_fla()[0], q, k, v, g, beta, safe_gate=kw.get("lower_bound") is not None, **kw)
     return naive_chunk_kda(q, k, v, g, beta, **kw)
@@ -111,7 +118,7 @@ def kda_recurrent(q, k, v, g, beta, backend, **kw):
     if backend == "fla_chunk":
         backend = "triton"
     if backend == "triton":
-        with torch.cuda.device(q.device):
+        with _on_device(q):
             return _triton_kda.fused_recurrent_kda(q, k, v, g, beta, **kw)
     if backend == "fla":
         return _fla_call(_fla()[1], q, k, v, g, beta, **kw)
@@ -202,6 +209,11 @@ class Kimi3DeltaAttention(nn.Module):
             raise ValueError("Packed sequences (position_ids restarting inside a row) are for training; "
                              "they cannot be combined with a cache")
         states = cache.conv_states[self.layer_idx] if cache is not None else None
+        h0 = cache.recurrent_states[self.layer_idx] if cache is not None else None
+        backend = resolve_backend(x.device, self.requested_backend)
+        if (backend in ("triton", "fla_chunk") and states is not None and h0 is not None and T <= 4
+                and attention_mask is None and not torch.is_grad_enabled()):
+            return self._fused_decode(x, states, h0)
         states = states or (None, None, None)
         q, sq = self.q_conv1d(self.q_proj(x), states[0], seq_idx)
         k, sk = self.k_conv1d(self.k_proj(x), states[1], seq_idx)
@@ -210,8 +222,6 @@ class Kimi3DeltaAttention(nn.Module):
         g = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         beta = self.b_proj(x)
 
-        h0 = cache.recurrent_states[self.layer_idx] if cache is not None else None
-        backend = resolve_backend(x.device, self.requested_backend)
         kw = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
                   initial_state=h0, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
         if seq_idx is not None:
@@ -228,6 +238,29 @@ class Kimi3DeltaAttention(nn.Module):
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(o, gate.view(B, T, H, K)).reshape(B, T, H * K)
         return self.o_proj(o)
+
+    def _fused_decode(self, x, states, h0):
+        """Decode / verification with a cache (inference): the three convs in one launch and the output norm in
+        one, conv and recurrent states updated in place. Same math as the general path (tests/test_fused_decode.py);
+        it only saves launches, which dominate a graph-replayed decode step at small batch."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        with _on_device(x):
+            q, k, v = _triton_kda.short_conv_update(
+                (self.q_proj(x), self.k_proj(x), self.v_proj(x)), states,
+                (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight))
+            inplace = h0.dtype == torch.float32 and h0.is_contiguous()
+            o, ht = _triton_kda.fused_recurrent_kda(
+                q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K),
+                self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K), self.b_proj(x), A_log=self.A_log,
+                dt_bias=self.dt_bias, lower_bound=self.lower_bound, initial_state=h0, output_final_state=True,
+                use_qk_l2norm_in_kernel=True, inplace_final_state=inplace)
+            if not inplace:
+                h0.copy_(ht)
+            gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+            o = _triton_kda.gated_rms_norm(o, gate.view(B, T, H, K), self.o_norm.weight,
+                                           self.o_norm.variance_epsilon)
+        return self.o_proj(o.reshape(B, T, H * K))
 
     @staticmethod
     def _packed(q, k, v, g, beta, mask, seq_idx, backend, kw):
