@@ -37,8 +37,9 @@ def _ensure_interpreter():
     from triton.runtime.interpreter import InterpretedFunction
     from kimi3_kernels.kda import chunk_bwd, chunk_fwd, gate, recurrent
     if not isinstance(chunk_fwd._intra_fwd_kernel, InterpretedFunction):
+        from kimi3_kernels import moe_decode
         from kimi3_kernels.kda import layer_ops
-        for m in (gate, chunk_fwd, chunk_bwd, recurrent, layer_ops):
+        for m in (gate, chunk_fwd, chunk_bwd, recurrent, layer_ops, moe_decode):
             importlib.reload(m)
     return isinstance(chunk_fwd._intra_fwd_kernel, InterpretedFunction)
 
@@ -322,6 +323,27 @@ def test_gated_rms_norm(dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_gemv(dtype):
+    from kimi3_kernels.moe_decode import expert_gemv, expert_gemv_ref
+    gen = torch.Generator().manual_seed(8)
+    T, D, I, E, k = 3, 72, 40, 6, 3
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    w1, w3 = ((torch.randn(E, I, D, generator=gen) / 8).to(dtype) for _ in range(2))
+    w2 = (torch.randn(E, D, I, generator=gen) / 6).to(dtype)
+    idx = torch.tensor([[0, 5, 6], [2, 2, 1], [4, 3, 0]])  # 6: another rank's expert (skipped); 2 twice
+    wts = torch.rand(T, k, generator=gen)
+    y = expert_gemv(x, w1, w3, w2, idx, wts)
+    exact = expert_gemv_ref(x.double(), w1.double(), w3.double(), w2.double(), idx, wts.double())
+    # fp32: summation order; bf16: the roundings of the GEMM outputs (the interpreter truncates; seen 9e-3)
+    assert y.dtype == torch.float32 and rel(y, exact) < (1e-5 if dtype == torch.float32 else 2e-2)
+    if dtype == torch.float32:
+        assert rel(y, expert_gemv_ref(x, w1, w3, w2, idx, wts)) < 1e-6
+    with pytest.raises(ValueError):
+        expert_gemv(x, w1, w3, w2.transpose(1, 2), idx, wts)
+
+
+@needs_triton
 @pytest.mark.parametrize("kind", ["k3", "kimi_linear"])
 def test_model_fused_decode_equals_general_path(kind, monkeypatch):
     """The model's decode with the fused path (convs and output norm in one launch each, states in place) against
@@ -339,6 +361,12 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
                                             use_full_rank_gate=False, kda_layers=[1, 2, 3, 5, 6],
                                             full_attn_layers=[4, 7]))
     model = tiny_model(seed=4, **over)
+    from transformers_kimi3 import moe as moe_mod
+    gemv = []
+    if kind == "kimi_linear":  # SiLU experts: decode steps of <= 16 routes take the per-route GEMV
+        monkeypatch.setattr(moe_mod.Kimi3Experts, "_gemv_on_cpu", True)
+        real = moe_mod._moe_decode.expert_gemv
+        monkeypatch.setattr(moe_mod._moe_decode, "expert_gemv", lambda *a, **kw: gemv.append(1) or real(*a, **kw))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=gen)
     steps = [torch.randint(3, model.config.vocab_size, (2, n), generator=gen) for n in (1, 3, 1)]
@@ -348,6 +376,7 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
     logits = {}
     for backend in ("torch", "triton"):
         monkeypatch.setattr(kda_layer, "resolve_backend", lambda device, requested=None, announce=True, b=backend: b)
+        monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "16" if backend == "triton" else "0")
         cache = Kimi3Cache(model.config)
         with torch.no_grad():
             out = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
@@ -355,5 +384,7 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
         logits[backend] = out
     n_kda = len(model.config.linear_attn_config["kda_layers"])
     assert len(fused) == n_kda * len(steps)  # every KDA layer of every step after the prefill went fused
+    n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in model.model.layers)
+    assert len(gemv) == (n_moe * len(steps) if kind == "kimi_linear" else 0)  # B=2 x (1 or 3) tokens x top-2
     for a, b in zip(logits["triton"], logits["torch"]):
         assert rel(a, b) < 1e-4, rel(a, b)

@@ -20,6 +20,7 @@ from .cache import Kimi3Cache
 from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig, Kimi3VisionConfig, KimiK3Config
 from .image_processing_kimi3 import Kimi3ImageProcessor
 from .kda import kernel_status as _kda_status
+from .moe import gemv_max_routes
 from .mxfp4 import kernel_status as _mxfp4_status
 from .modeling_kimi3 import (
     Kimi3ForCausalLM,
@@ -41,7 +42,7 @@ __version__ = "0.1.0"
 def kernel_status(device=None):
     """Which kernel backends are importable here and which ones the model uses (KDA; packed MXFP4 experts)."""
     kda = _kda_status(device)
-    return {"kda": kda, "moe": _mxfp4_status(kda["device"])}
+    return {"kda": kda, "moe": dict(_mxfp4_status(kda["device"]), dense_experts_gemv_max_routes=gemv_max_routes())}
 
 
 def _register(name, config_cls, pairs):

@@ -232,9 +232,25 @@ def _decode_one(res, name, m, extra, ids, B, prompt, new_tokens, device, earlier
         tokens = run(new_tokens + 1)[:, ids.shape[1]:]
     rate = B * new_tokens / max(t_all - t_pre, 1e-9)
     check = {f"tokens_equal_to_{n}": float((tokens == t).float().mean()) for n, t in earlier.items()}
+    for n, t in earlier.items():
+        if not torch.equal(tokens, t):
+            check[f"first_difference_vs_{n}"] = _first_difference(m, ids, tokens, t)
     earlier[name] = tokens
     res.add(stage="decode", impl=name, batch=B, prompt=prompt, tok_s=rate,
             ms_per_step=(t_all - t_pre) / new_tokens * 1e3, **check)
+
+
+def _first_difference(m, ids, a, b):
+    """Where two greedy continuations part: the step, and how far apart the two chosen tokens' logits are there
+    (one uncached forward over the shared prefix). A gap far below the logits' spread is a near-tie that rounding
+    decides, not a defect of either path."""
+    row = int((a != b).any(1).nonzero()[0])
+    step = int((a[row] != b[row]).nonzero()[0])
+    with torch.no_grad():
+        prefix = torch.cat([ids[row:row + 1], a[row:row + 1, :step]], 1)
+        lg = m(input_ids=prefix, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+    return dict(row=row, step=step, logit_gap=float((lg[a[row, step]] - lg[b[row, step]]).abs()),
+                logit_std=float(lg.std()), top1_minus_top2=float(lg.topk(2).values.diff().abs()))
 
 
 def stage_profile(res, m, device, prompt, steps=8):

@@ -8,9 +8,24 @@ import os
 
 from .mxfp4 import PackedMXFP4Experts
 
+from .norms import Kimi3RMSNorm
+
 # KIMI3_MOE_GROUPED_MM=0 computes bf16 CUDA experts as per-expert segments instead of torch._grouped_mm
 GROUPED_MM = os.environ.get("KIMI3_MOE_GROUPED_MM", "1") != "0"
-from .norms import Kimi3RMSNorm
+
+try:  # optional: the route-by-route GEMV for decode (kimi3_kernels/moe_decode.py)
+    from kimi3_kernels import moe_decode as _moe_decode
+
+    if not _moe_decode.HAS_TRITON:
+        _moe_decode = None
+except Exception:  # noqa: BLE001 - absent kernels must not stop the remote code from loading
+    _moe_decode = None
+
+
+def gemv_max_routes():
+    """Up to this many routes (tokens x top_k) CUDA bf16/fp32 SiLU experts run as per-route GEMVs, no sorting
+    (KIMI3_MOE_GEMV_MAX_ROUTES; 0 = never). None when the kernels are not importable."""
+    return int(os.environ.get("KIMI3_MOE_GEMV_MAX_ROUTES", "16")) if _moe_decode is not None else None
 
 
 def situ(x, beta):
@@ -107,6 +122,8 @@ class Kimi3Experts(nn.Module):
         """Under expert parallelism (Transformers' `ep_router` / `ep_dispatch_experts`) `num_experts` is this rank's
         count and a route to another rank's expert arrives as index `num_experts` with weight 0: it is skipped."""
         T, k = topk_idx.shape
+        if self._use_gemv(x, T * k):
+            return _moe_decode.expert_gemv(x, self.w1, self.w3, self.w2, topk_idx, topk_weights)
         if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and GROUPED_MM:
             y = self._grouped_mm(x, topk_idx)
         elif T * k <= self.GATHER_MAX_ASSIGNMENTS:
@@ -114,6 +131,15 @@ class Kimi3Experts(nn.Module):
         else:
             y = self._segments(x, topk_idx)
         return (y.float().view(T, k, -1) * topk_weights.float()[..., None]).sum(1)
+
+    def _use_gemv(self, x, routes):
+        limit = gemv_max_routes()
+        return (limit is not None and routes <= limit and (x.is_cuda or self._gemv_on_cpu)
+                and self.act_fn.kind == "silu" and self.w1.is_contiguous() and self.w3.is_contiguous()
+                and self.w2.is_contiguous()
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.w1.requires_grad)))
+
+    _gemv_on_cpu = False  # tests: the GEMV kernels under TRITON_INTERPRET=1
 
     def _gathered(self, x, topk_idx):
         flat = topk_idx.reshape(-1).clamp(max=self.num_experts - 1)  # off-rank routes (weight 0) read any expert

@@ -1,0 +1,106 @@
+"""Routed experts for a handful of tokens (decode), bf16/fp32 weights, without sorting the routes.
+
+At decode a layer sees T * top_k routes of one or a few tokens each. The grouped-GEMM path sorts the routes by
+expert, counts them, gathers the rows, runs three grouped GEMMs and scatters back: about 30 launches per layer,
+each a few microseconds, for ~100 MB of weights that take ~30 us to read. Here each route reads its expert id
+from `topk_idx` directly:
+
+    h[r]    = act(x[r // k] @ W1[e_r]^T, x[r // k] @ W3[e_r]^T)          (gate/up, one launch)
+    y[t]    = sum_j  w[t, j] * (h[t k + j] @ W2[e_tj]^T)                   (down + weighted sum, one launch)
+
+Rounding follows the grouped-GEMM path (`transformers_kimi3.moe.Kimi3Experts`): the GEMM outputs are rounded to
+the weights' dtype, the activation is computed in fp32 and rounded, each expert's down output is rounded before
+the fp32 weighted sum. SiLU-GLU only (Kimi Linear; K3's SiTU stays on the general path). Routes to index
+`num_experts` (another rank's expert under expert parallelism, weight 0) are skipped. Inference only (no
+backward). Runs under TRITON_INTERPRET=1 on CPU tensors (CI); the reference is `expert_gemv_ref`.
+"""
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except Exception:  # noqa: BLE001 - optional
+    HAS_TRITON = False
+
+if HAS_TRITON:
+    @triton.jit
+    def _gate_up_kernel(x, w1, w3, idx, h, E, I, D, KTOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        r = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        e = tl.load(idx + r).to(tl.int64)
+        if e < E:
+            t = r // KTOP
+            mn = n < I
+            acc1 = tl.zeros([BN], dtype=tl.float32)
+            acc3 = tl.zeros([BN], dtype=tl.float32)
+            for k0 in range(0, D, BK):
+                kk = k0 + tl.arange(0, BK)
+                mk = kk < D
+                xv = tl.load(x + t * D + kk, mask=mk, other=0.).to(tl.float32)
+                off = (e * I + n[:, None]) * D + kk[None, :]
+                m = mn[:, None] & mk[None, :]
+                acc1 += tl.sum(tl.load(w1 + off, mask=m, other=0.).to(tl.float32) * xv[None, :], 1)
+                acc3 += tl.sum(tl.load(w3 + off, mask=m, other=0.).to(tl.float32) * xv[None, :], 1)
+            g = acc1.to(h.dtype.element_ty).to(tl.float32)  # the GEMM outputs' rounding
+            u = acc3.to(h.dtype.element_ty).to(tl.float32)
+            tl.store(h + r * I + n, (g * tl.sigmoid(g) * u).to(h.dtype.element_ty), mask=mn)
+
+    @triton.jit
+    def _down_kernel(h, w2, idx, wts, y, E, I, D, KTOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        mn = n < D
+        out = tl.zeros([BN], dtype=tl.float32)
+        for j in range(KTOP):
+            e = tl.load(idx + t * KTOP + j).to(tl.int64)
+            if e < E:
+                acc = tl.zeros([BN], dtype=tl.float32)
+                for k0 in range(0, I, BK):
+                    kk = k0 + tl.arange(0, BK)
+                    mk = kk < I
+                    hv = tl.load(h + (t * KTOP + j) * I + kk, mask=mk, other=0.).to(tl.float32)
+                    wv = tl.load(w2 + (e * D + n[:, None]) * I + kk[None, :], mask=mn[:, None] & mk[None, :],
+                                 other=0.).to(tl.float32)
+                    acc += tl.sum(wv * hv[None, :], 1)
+                out += tl.load(wts + t * KTOP + j).to(tl.float32) * acc.to(h.dtype.element_ty).to(tl.float32)
+        tl.store(y + t * D + n, out, mask=mn)
+
+
+def expert_gemv(x, w1, w3, w2, topk_idx, topk_weights, BN=32, BK=128):
+    """x [T, D]; w1, w3 [E, I, D]; w2 [E, D, I]; topk_idx [T, k] int; topk_weights [T, k]. Returns fp32 [T, D]:
+    sum_j w[t, j] * SiLU-GLU expert e_tj of x[t]."""
+    T, D = x.shape
+    E, I, _ = w1.shape
+    k = topk_idx.shape[1]
+    for name, w, shape in (("w1", w1, (E, I, D)), ("w3", w3, (E, I, D)), ("w2", w2, (E, D, I))):
+        if tuple(w.shape) != shape or not w.is_contiguous():
+            raise ValueError(f"expert_gemv: {name} must be a contiguous {shape}, got {tuple(w.shape)}")
+    x = x.to(w1.dtype).contiguous()
+    idx = topk_idx.contiguous()
+    h = torch.empty(T * k, I, device=x.device, dtype=w1.dtype)
+    y = torch.empty(T, D, device=x.device, dtype=torch.float32)
+    if T == 0:
+        return y
+    _gate_up_kernel[(T * k, triton.cdiv(I, BN))](x, w1, w3, idx, h, E, I, D, KTOP=k, BN=BN, BK=BK, num_warps=4)
+    _down_kernel[(T, triton.cdiv(D, BN))](h, w2, idx, topk_weights.float().contiguous(), y, E, I, D, KTOP=k,
+                                          BN=BN, BK=BK, num_warps=4)
+    return y
+
+
+def expert_gemv_ref(x, w1, w3, w2, topk_idx, topk_weights):
+    """Per-route loop in PyTorch with the rounding described in the module docstring."""
+    T, k = topk_idx.shape
+    E = w1.shape[0]
+    y = torch.zeros(T, w2.shape[1], dtype=torch.float32, device=x.device)
+    xw = x.to(w1.dtype)
+    for t in range(T):
+        for j in range(k):
+            e = int(topk_idx[t, j])
+            if e >= E:
+                continue
+            g, u = (xw[t] @ w1[e].T).float(), (xw[t] @ w3[e].T).float()
+            hh = (F.silu(g) * u).to(w1.dtype)
+            y[t] += topk_weights[t, j].float() * (hh @ w2[e].T).float()
+    return y
