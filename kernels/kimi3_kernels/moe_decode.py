@@ -6,7 +6,8 @@ each a few microseconds, for ~100 MB of weights that take ~30 us to read. Here e
 from `topk_idx` directly:
 
     h[r]    = act(x[r // k] @ W1[e_r]^T, x[r // k] @ W3[e_r]^T)          (gate/up, one launch)
-    y[t]    = sum_j  w[t, j] * (h[t k + j] @ W2[e_tj]^T)                   (down + weighted sum, one launch)
+    o[r]    = h[r] @ W2[e_r]^T                                             (down, one launch)
+    y[t]    = sum_j  w[t, j] * o[t k + j]                                  (weighted sum, one launch)
 
 Rounding follows the grouped-GEMM path (`transformers_kimi3.moe.Kimi3Experts`): the GEMM outputs are rounded to
 the weights' dtype, the activation is computed in fp32 and rounded, each expert's down output is rounded before
@@ -48,29 +49,37 @@ if HAS_TRITON:
             tl.store(h + r * I + n, (g * tl.sigmoid(g) * u).to(h.dtype.element_ty), mask=mn)
 
     @triton.jit
-    def _down_kernel(h, w2, idx, wts, y, E, I, D, KTOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def _down_kernel(h, w2, idx, o, E, I, D, BN: tl.constexpr, BK: tl.constexpr):
+        r = tl.program_id(0)  # one route per program row: every route's weights stream in parallel
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        mn = n < D
+        e = tl.load(idx + r).to(tl.int64)
+        acc = tl.zeros([BN], dtype=tl.float32)
+        if e < E:
+            for k0 in range(0, I, BK):
+                kk = k0 + tl.arange(0, BK)
+                mk = kk < I
+                hv = tl.load(h + r * I + kk, mask=mk, other=0.).to(tl.float32)
+                wv = tl.load(w2 + (e * D + n[:, None]) * I + kk[None, :], mask=mn[:, None] & mk[None, :],
+                             other=0.).to(tl.float32)
+                acc += tl.sum(wv * hv[None, :], 1)
+        tl.store(o + r * D + n, acc.to(o.dtype.element_ty), mask=mn)
+
+    @triton.jit
+    def _combine_kernel(o, wts, y, D, KTOP: tl.constexpr, BN: tl.constexpr):
         t = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         mn = n < D
         out = tl.zeros([BN], dtype=tl.float32)
-        for j in range(KTOP):
-            e = tl.load(idx + t * KTOP + j).to(tl.int64)
-            if e < E:
-                acc = tl.zeros([BN], dtype=tl.float32)
-                for k0 in range(0, I, BK):
-                    kk = k0 + tl.arange(0, BK)
-                    mk = kk < I
-                    hv = tl.load(h + (t * KTOP + j) * I + kk, mask=mk, other=0.).to(tl.float32)
-                    wv = tl.load(w2 + (e * D + n[:, None]) * I + kk[None, :], mask=mn[:, None] & mk[None, :],
-                                 other=0.).to(tl.float32)
-                    acc += tl.sum(wv * hv[None, :], 1)
-                out += tl.load(wts + t * KTOP + j).to(tl.float32) * acc.to(h.dtype.element_ty).to(tl.float32)
+        for j in range(KTOP):  # fixed order: the same sum every run
+            out += tl.load(wts + t * KTOP + j) * tl.load(o + (t * KTOP + j) * D + n, mask=mn, other=0.).to(tl.float32)
         tl.store(y + t * D + n, out, mask=mn)
 
 
-def expert_gemv(x, w1, w3, w2, topk_idx, topk_weights, BN=32, BK=128):
+def expert_gemv(x, w1, w3, w2, topk_idx, topk_weights, BN=16, BK=256):
     """x [T, D]; w1, w3 [E, I, D]; w2 [E, D, I]; topk_idx [T, k] int; topk_weights [T, k]. Returns fp32 [T, D]:
-    sum_j w[t, j] * SiLU-GLU expert e_tj of x[t]."""
+    sum_j w[t, j] * SiLU-GLU expert e_tj of x[t]. Three launches: gate/up and down with one program per
+    (route, BN outputs), then the weighted sum in a fixed order."""
     T, D = x.shape
     E, I, _ = w1.shape
     k = topk_idx.shape[1]
@@ -80,12 +89,14 @@ def expert_gemv(x, w1, w3, w2, topk_idx, topk_weights, BN=32, BK=128):
     x = x.to(w1.dtype).contiguous()
     idx = topk_idx.contiguous()
     h = torch.empty(T * k, I, device=x.device, dtype=w1.dtype)
+    o = torch.empty(T * k, D, device=x.device, dtype=w1.dtype)
     y = torch.empty(T, D, device=x.device, dtype=torch.float32)
     if T == 0:
         return y
     _gate_up_kernel[(T * k, triton.cdiv(I, BN))](x, w1, w3, idx, h, E, I, D, KTOP=k, BN=BN, BK=BK, num_warps=4)
-    _down_kernel[(T, triton.cdiv(D, BN))](h, w2, idx, topk_weights.float().contiguous(), y, E, I, D, KTOP=k,
-                                          BN=BN, BK=BK, num_warps=4)
+    _down_kernel[(T * k, triton.cdiv(D, 2 * BN))](h, w2, idx, o, E, I, D, BN=2 * BN, BK=BK, num_warps=4)
+    _combine_kernel[(T, triton.cdiv(D, 1024))](o, topk_weights.float().contiguous(), y, D, KTOP=k, BN=1024,
+                                               num_warps=4)
     return y
 
 

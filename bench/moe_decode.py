@@ -1,0 +1,89 @@
+"""Decode-size routed experts (bf16, SiLU-GLU) on the GPU: the per-route GEMVs of kimi3_kernels.moe_decode
+against the model's grouped-GEMM path (sort + torch._grouped_mm), both CUDA-graph-captured as in a decode step.
+
+    PYTHONPATH=$PWD/src:$PWD/kernels python bench/moe_decode.py --out DIR
+
+Shapes: the 4.3B Kimi Linear benchmark config of bench/e2e.py (64 experts, width 1024, hidden 2304, top-8) at
+1, 2 and 8 tokens. One JSON object per line on stdout and in DIR/moe_decode.jsonl.
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "kernels")]
+
+from kimi3_kernels import moe_decode  # noqa: E402
+
+
+def graph_us(fn, rep=200):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(rep):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / rep * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    from transformers_kimi3.benchmark import BENCH_CONFIG
+    from transformers_kimi3.configuration_kimi3 import Kimi3TextConfig
+    from transformers_kimi3.moe import Kimi3Experts
+
+    cfg = Kimi3TextConfig(**BENCH_CONFIG)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        ex = Kimi3Experts(cfg, cfg.hidden_size).to(torch.bfloat16).eval()
+    for p in ex.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    E, I, D = ex.w1.shape
+    k = cfg.num_experts_per_token
+    bytes_per_expert = 3 * I * D * 2
+    rows = []
+    with torch.no_grad():
+        for T in (1, 2, 8):
+            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+            idx = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
+            w = torch.rand(T, k, device="cuda")
+            os.environ["KIMI3_MOE_GEMV_MAX_ROUTES"] = "0"
+            ref = ex(x, idx, w)
+            grouped = graph_us(lambda: ex(x, idx, w))
+            uniq = int(idx.unique().numel())
+            row = dict(tokens=T, experts_read=uniq, grouped_mm_us=round(grouped, 1),
+                       grouped_mm_TBps=round(uniq * bytes_per_expert / grouped / 1e6, 2))
+            for bn, bk in ((16, 256), (32, 128), (8, 512), (16, 128), (32, 256)):
+                y = moe_decode.expert_gemv(x, ex.w1, ex.w3, ex.w2, idx, w, BN=bn, BK=bk)
+                us = graph_us(lambda: moe_decode.expert_gemv(x, ex.w1, ex.w3, ex.w2, idx, w, BN=bn, BK=bk))
+                row[f"gemv_bn{bn}_bk{bk}_us"] = round(us, 1)
+                row[f"gemv_bn{bn}_bk{bk}_TBps"] = round(T * k * bytes_per_expert / us / 1e6, 2)
+                row[f"gemv_bn{bn}_bk{bk}_rel_vs_grouped"] = float((y - ref).norm() / ref.norm())
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=os.environ.get("GIT_COMMIT"))
+    with open(os.path.join(args.out, "moe_decode.jsonl"), "w") as f:
+        for r in [meta] + rows:
+            f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
