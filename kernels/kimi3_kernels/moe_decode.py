@@ -76,7 +76,7 @@ if HAS_TRITON:
         tl.store(y + t * D + n, out, mask=mn)
 
 
-def expert_gemv(x, w1, w3, w2, topk_idx, topk_weights, BN=16, BK=256):
+def expert_gemv(x, w1, w3, w2, topk_idx, topk_weights, BN=16, BK=128):
     """x [T, D]; w1, w3 [E, I, D]; w2 [E, D, I]; topk_idx [T, k] int; topk_weights [T, k]. Returns fp32 [T, D]:
     sum_j w[t, j] * SiLU-GLU expert e_tj of x[t]. Three launches: gate/up and down with one program per
     (route, BN outputs), then the weighted sum in a fixed order."""

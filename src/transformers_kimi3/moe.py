@@ -25,7 +25,9 @@ except Exception:  # noqa: BLE001 - absent kernels must not stop the remote code
 def gemv_max_routes():
     """Up to this many routes (tokens x top_k) CUDA bf16/fp32 SiLU experts run as per-route GEMVs, no sorting
     (KIMI3_MOE_GEMV_MAX_ROUTES; 0 = never). None when the kernels are not importable."""
-    return int(os.environ.get("KIMI3_MOE_GEMV_MAX_ROUTES", "16")) if _moe_decode is not None else None
+    # 64 (batch 8 at top-8): the GEMVs beat the grouped GEMM at 1, 2 and 8 tokens on the H200, 45 vs 122 us at one
+    # token and 178 vs 290 us at eight, CUDA-graph-replayed (bench/moe_decode.py, bench/results/moe_decode_h200.json)
+    return int(os.environ.get("KIMI3_MOE_GEMV_MAX_ROUTES", "64")) if _moe_decode is not None else None
 
 
 def situ(x, beta):
