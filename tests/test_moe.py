@@ -53,3 +53,29 @@ def test_router_uses_bias_for_selection_only():
     assert torch.equal(idx.sort(-1).values, expected_idx.sort(-1).values)
     picked = scores.gather(1, idx)
     assert torch.allclose(w, picked / (picked.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor)
+
+
+def test_decode_gemv_is_chosen_only_where_it_applies(monkeypatch):
+    # which calls take the per-route GEMV (kimi3_kernels/moe_decode.py; its numerics are tested under the Triton
+    # interpreter in kernels_kda_cases.py): few routes, SiLU experts, no autograd, plain (non-DTensor) weights
+    import pytest
+
+    from transformers_kimi3 import moe
+
+    if moe.gemv_max_routes() is None:
+        pytest.skip("kimi3_kernels / triton not importable")
+    monkeypatch.setattr(Kimi3Experts, "_gemv_on_cpu", True)
+    monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "8")
+    silu = Kimi3Experts(tiny_k3_text_config(hidden_act="silu", num_experts=8, moe_intermediate_size=32), 32)
+    situ = Kimi3Experts(tiny_k3_text_config(num_experts=8, moe_intermediate_size=32), 32)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        assert silu._use_gemv(x, 8) and not silu._use_gemv(x, 9)  # the route limit
+        assert not situ._use_gemv(x, 8)  # SiTU stays on the PyTorch path
+        silu.w1.device_mesh = object()  # a DTensor parameter (tensor parallelism)
+        assert not silu._use_gemv(x, 8)
+        del silu.w1.device_mesh
+    assert not silu._use_gemv(x, 8)  # autograd recording and the weights need gradients: training path
+    monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "0")
+    with torch.no_grad():
+        assert not silu._use_gemv(x, 1)

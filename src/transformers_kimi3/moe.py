@@ -1,10 +1,11 @@
 """Feed-forward blocks: SiTU-GLU, the dense MLP, the sigmoid router and the (latent) mixture of experts."""
 
+import contextlib
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-import os
 
 from .mxfp4 import PackedMXFP4Experts
 
@@ -125,7 +126,8 @@ class Kimi3Experts(nn.Module):
         count and a route to another rank's expert arrives as index `num_experts` with weight 0: it is skipped."""
         T, k = topk_idx.shape
         if self._use_gemv(x, T * k):
-            return _moe_decode.expert_gemv(x, self.w1, self.w3, self.w2, topk_idx, topk_weights)
+            with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # layer on another GPU
+                return _moe_decode.expert_gemv(x, self.w1, self.w3, self.w2, topk_idx, topk_weights)
         if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and GROUPED_MM:
             y = self._grouped_mm(x, topk_idx)
         elif T * k <= self.GATHER_MAX_ASSIGNMENTS:
@@ -136,9 +138,11 @@ class Kimi3Experts(nn.Module):
 
     def _use_gemv(self, x, routes):
         limit = gemv_max_routes()
+        weights = (self.w1, self.w3, self.w2)
         return (limit is not None and routes <= limit and (x.is_cuda or self._gemv_on_cpu)
-                and self.act_fn.kind == "silu" and self.w1.is_contiguous() and self.w3.is_contiguous()
-                and self.w2.is_contiguous()
+                and self.act_fn.kind == "silu" and all(w.is_contiguous() for w in weights)
+                # DTensor parameters (tensor parallelism with DTensors) stay on the PyTorch path
+                and not any(hasattr(w, "device_mesh") for w in weights)
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.w1.requires_grad)))
 
     _gemv_on_cpu = False  # tests: the GEMV kernels under TRITON_INTERPRET=1
