@@ -1,5 +1,6 @@
-"""Plot bench/results/e2e_h200.json: decode tokens/s by batch (native, ours eager, ours static graph) and chunked
-prefill time / peak memory by prompt length (ours), from the newest run that has each kind of row.
+"""Plot bench/results/e2e_h200.json: decode tokens/s by batch (native, ours eager, ours static graph; the newest run
+with all three at two or more batch sizes) and chunked prefill time / peak memory by prompt length (ours, the newest
+run with three or more lengths).
 
     PYTHONPATH=/path/to/matplotlib python bench/plot_e2e.py [--json bench/results/e2e_h200.json] [--out ...png]
 
@@ -35,15 +36,15 @@ def main():
 
     runs = json.load(open(args.json))["runs"]
 
-    def has_all_decode(rows):
-        got = {(r["impl"], r["batch"]) for r in rows if r["stage"] == "decode"}
-        return all((i, b) in got for i, _ in IMPLS for b in (1, 8, 64))
+    def decode_batches(rows):  # batches with a row for every implementation, 1,024-token prompt
+        got = {(r["impl"], r["batch"]) for r in rows if r["stage"] == "decode" and r.get("prompt") == 1024}
+        return [b for b in (1, 8, 64) if all((i, b) in got for i, _ in IMPLS)]
 
-    dec = newest(runs, has_all_decode)
+    dec = newest(runs, lambda rows: len(decode_batches(rows)) >= 2)
     lon = newest(runs, lambda rows: sum(r["stage"] == "longest" for r in rows) >= 3)
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
-    batches = [1, 8, 64]
+    batches = decode_batches([r for r in dec["rows"] if "error" not in r])
     rows = {(r["impl"], r["batch"]): r for r in dec["rows"] if r["stage"] == "decode" and "error" not in r}
     width = 0.27
     for k, (impl, label) in enumerate(IMPLS):
