@@ -374,17 +374,21 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
     monkeypatch.setattr(kda_layer.Kimi3DeltaAttention, "_fused_decode",
                         lambda self, *a, _f=kda_layer.Kimi3DeltaAttention._fused_decode: fused.append(1) or _f(self, *a))
     logits = {}
-    for backend in ("torch", "triton"):
+    # the general path with a dynamic cache; the fused one with a dynamic and with a static cache (its buffers are
+    # updated in place, as a captured graph needs)
+    for run, backend, max_length in (("torch", "torch", None), ("triton", "triton", None),
+                                     ("triton_static", "triton", 32)):
         monkeypatch.setattr(kda_layer, "resolve_backend", lambda device, requested=None, announce=True, b=backend: b)
         monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "16" if backend == "triton" else "0")
-        cache = Kimi3Cache(model.config)
+        cache = Kimi3Cache(model.config, max_length=max_length)
         with torch.no_grad():
             out = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
             out += [model(input_ids=s, past_key_values=cache, use_cache=True).logits for s in steps]
-        logits[backend] = out
+        logits[run] = out
     n_kda = len(model.config.linear_attn_config["kda_layers"])
-    assert len(fused) == n_kda * len(steps)  # every KDA layer of every step after the prefill went fused
+    assert len(fused) == 2 * n_kda * len(steps)  # every KDA layer of every step after the prefill went fused
     n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in model.model.layers)
-    assert len(gemv) == (n_moe * len(steps) if kind == "kimi_linear" else 0)  # B=2 x (1 or 3) tokens x top-2
-    for a, b in zip(logits["triton"], logits["torch"]):
-        assert rel(a, b) < 1e-4, rel(a, b)
+    assert len(gemv) == (2 * n_moe * len(steps) if kind == "kimi_linear" else 0)  # B=2 x (1 or 3) tokens x top-2
+    for run in ("triton", "triton_static"):
+        for a, b in zip(logits[run], logits["torch"]):
+            assert rel(a, b) < 1e-4, (run, rel(a, b))
