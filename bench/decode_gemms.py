@@ -1,0 +1,109 @@
+"""Which cuBLAS kernel each projection of a decode step gets, and how close it comes to the memory bandwidth.
+
+The decode profile of the 4.3B benchmark config (bench/results/e2e_h200.json, profile rows at 774bcb3) shows 14
+calls per step of `nvjet_sm90_tst_8x64_64x16_2x1_v_bz_TNN` at ~13.5 us each, several times slower per byte than
+the `64x8 ... TNT` kernels of the other projections. This script finds out which modules those are: it records
+every nn.Linear call of one decode step (B=1, input shape and strides), then times each distinct case alone,
+CUDA-graph-replayed, with the kernel names the profiler sees: as called, with a contiguous 2-D input, and (one
+token) as torch.mv. Suspects: the low-rank gate projections (f_a/g_a: 2304 -> 128, 14 calls per step), whose
+output width leaves a 64-wide tile grid only two blocks.
+
+    PYTHONPATH=$PWD/src:$PWD/kernels python bench/decode_gemms.py --out DIR     # one H200, ~1 min
+"""
+import argparse
+import json
+import os
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "kernels")]
+
+
+def graph_us(fn, rep=200):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    a.record()
+    for _ in range(rep):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / rep * 1e3
+
+
+def kernels_of(fn):
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sorted({e.name[:70] for e in prof.events() if e.device_type.name == "CUDA"})
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    from transformers_kimi3 import Kimi3ForCausalLM
+    from transformers_kimi3.benchmark import BENCH_CONFIG
+    from transformers_kimi3.cache import Kimi3Cache
+    from transformers_kimi3.configuration_kimi3 import Kimi3TextConfig
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Kimi3ForCausalLM(Kimi3TextConfig(**BENCH_CONFIG)).to(torch.bfloat16).eval()
+    seen = OrderedDict()  # (in, out, input shape, input strides) -> module names
+
+    def hook(name):
+        def fn(mod, inputs):
+            x = inputs[0]
+            seen.setdefault((mod.in_features, mod.out_features, tuple(x.shape), tuple(x.stride())), []).append(name)
+        return fn
+
+    ids = torch.randint(3, model.config.vocab_size, (1, 64), device="cuda")
+    with torch.no_grad():
+        cache = Kimi3Cache(model.config)
+        tok = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
+        handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear)]
+        model(input_ids=tok, past_key_values=cache)
+        for h in handles:
+            h.remove()
+        rows = []
+        for (fin, fout, shape, stride), names in seen.items():
+            w = model.get_submodule(names[0]).weight
+            x = torch.empty_strided(shape, stride, device="cuda", dtype=w.dtype).normal_()
+            x2 = x.reshape(-1, fin).contiguous()
+            us, us2 = graph_us(lambda: F.linear(x, w)), graph_us(lambda: F.linear(x2, w))
+            row = dict(modules=sorted({n.split(".", 3)[-1] for n in names}), calls_per_step=len(names),
+                       in_features=fin, out_features=fout, input_shape=shape, input_stride=stride,
+                       us=round(us, 2), TBps=round(w.numel() * 2 / us / 1e6, 2), kernels=kernels_of(lambda: F.linear(x, w)),
+                       us_2d_contiguous=round(us2, 2), kernels_2d_contiguous=kernels_of(lambda: F.linear(x2, w)))
+            if x2.shape[0] == 1:  # one token: cuBLAS GEMV, which splits the rows over many blocks
+                row["us_mv"] = round(graph_us(lambda: torch.mv(w, x2[0])), 2)
+                row["kernels_mv"] = kernels_of(lambda: torch.mv(w, x2[0]))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=os.environ.get("GIT_COMMIT"))
+    with open(os.path.join(args.out, "decode_gemms.jsonl"), "w") as f:
+        for r in [meta] + rows:
+            f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
