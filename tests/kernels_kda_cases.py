@@ -344,11 +344,44 @@ def test_expert_gemv(dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype):
+    from kimi3_kernels.moe_decode import silu_mul
+    gen = torch.Generator().manual_seed(2)
+    g, u = (3 * torch.randn(5, 37, generator=gen)).to(dtype), torch.randn(5, 37, generator=gen).to(dtype)
+    ref = (torch.nn.functional.silu(g.float()) * u.float()).to(dtype)
+    # bf16: the interpreter truncates the final cast (the GPU rounds), one bf16 ulp
+    assert silu_mul(g, u).dtype == dtype and rel(silu_mul(g, u), ref) < (1e-6 if dtype == torch.float32 else 8e-3)
+    with pytest.raises(ValueError):
+        silu_mul(g, u[:, :5])
+
+
+@needs_triton
+@pytest.mark.parametrize("T,E,D,k,renorm", [(1, 64, 200, 8, True), (3, 40, 64, 6, False), (2, 896, 96, 16, True),
+                                            (2, 8, 32, 1, True)])
+def test_route_topk(T, E, D, k, renorm):
+    from kimi3_kernels.moe_decode import route_topk, route_topk_ref
+    gen = torch.Generator().manual_seed(E + k)
+    x, w = torch.randn(T, D, generator=gen).bfloat16(), torch.randn(E, D, generator=gen).bfloat16()
+    bias = 0.1 * torch.randn(E, generator=gen)
+    logits, wts, idx = route_topk(x, w, bias, k, renorm, 2.5)
+    rlogits, rwts, ridx = route_topk_ref(x, w, bias, k, renorm, 2.5)
+    assert rel(logits, rlogits) < 1e-6  # fp32 sums of exact bf16 products, another order
+    for t in range(T):  # the same experts (topk's order is unspecified), the same weights per expert
+        mine = dict(zip(idx[t].tolist(), wts[t].tolist()))
+        ref = dict(zip(ridx[t].tolist(), rwts[t].tolist()))
+        assert mine.keys() == ref.keys() and all(abs(mine[e] - ref[e]) < 1e-6 for e in ref)
+    with pytest.raises(ValueError):
+        route_topk(x, w, bias[:-1], k, renorm, 1.0)
+
+
+@needs_triton
 @pytest.mark.parametrize("kind", ["k3", "kimi_linear"])
 def test_model_fused_decode_equals_general_path(kind, monkeypatch):
-    """The model's decode with the fused path (convs and output norm in one launch each, states in place) against
-    the general path (PyTorch convs and norm, reference recurrence): logits of every step, fp32, B=2, with a
-    one-token and a three-token (verification) step after the prefill."""
+    """The model's decode with the fused path (convs and output norm in one launch each, states in place; the
+    two-launch router; per-route expert GEMVs for SiLU experts) against the general path (PyTorch convs, norm,
+    router and experts, reference recurrence): logits of every step, fp32, B=2, with one-token and three-token
+    (verification) steps after the prefill."""
     sys.path.insert(0, os.path.join(ROOT, "src"))
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from kimi3_testing import tiny_model
@@ -362,7 +395,11 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
                                             full_attn_layers=[4, 7]))
     model = tiny_model(seed=4, **over)
     from transformers_kimi3 import moe as moe_mod
-    gemv = []
+    gemv, routed = [], []
+    monkeypatch.setattr(moe_mod.Kimi3TopkRouter, "_fused_on_cpu", True)  # decode steps: the two-launch router
+    monkeypatch.setattr(moe_mod.GLUActivation, "_fused_on_cpu", kind == "kimi_linear")  # SiLU-GLU in one launch
+    real_route = moe_mod._moe_decode.route_topk
+    monkeypatch.setattr(moe_mod._moe_decode, "route_topk", lambda *a, **kw: routed.append(1) or real_route(*a, **kw))
     if kind == "kimi_linear":  # SiLU experts: decode steps of <= 16 routes take the per-route GEMV
         monkeypatch.setattr(moe_mod.Kimi3Experts, "_gemv_on_cpu", True)
         real = moe_mod._moe_decode.expert_gemv
@@ -389,6 +426,7 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
     assert len(fused) == 2 * n_kda * len(steps)  # every KDA layer of every step after the prefill went fused
     n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in model.model.layers)
     assert len(gemv) == (2 * n_moe * len(steps) if kind == "kimi_linear" else 0)  # B=2 x (1 or 3) tokens x top-2
+    assert len(routed) == 2 * n_moe * len(steps)
     for run in ("triton", "triton_static"):
         for a, b in zip(logits[run], logits["torch"]):
             assert rel(a, b) < 1e-4, (run, rel(a, b))

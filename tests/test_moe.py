@@ -79,3 +79,21 @@ def test_decode_gemv_is_chosen_only_where_it_applies(monkeypatch):
     monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "0")
     with torch.no_grad():
         assert not silu._use_gemv(x, 1)
+
+
+def test_decode_router_is_chosen_only_where_it_applies(monkeypatch):
+    import pytest
+
+    from transformers_kimi3 import moe
+
+    if moe.gemv_max_routes() is None:
+        pytest.skip("kimi3_kernels / triton not importable")
+    monkeypatch.setattr(Kimi3TopkRouter, "_fused_on_cpu", True)
+    monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "8")
+    plain = Kimi3TopkRouter(tiny_k3_text_config(num_experts=8, num_experts_per_token=2))
+    grouped = Kimi3TopkRouter(tiny_k3_text_config(num_experts=8, num_experts_per_token=2, num_expert_group=2,
+                                                  topk_group=1))
+    with torch.no_grad():
+        assert plain._fused(torch.randn(4, 64)) and not plain._fused(torch.randn(5, 64))  # routes <= the limit
+        assert not grouped._fused(torch.randn(1, 64))  # expert groups: the PyTorch path
+    assert not plain._fused(torch.randn(1, 64))  # autograd recording (training)

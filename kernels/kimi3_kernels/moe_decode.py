@@ -13,7 +13,9 @@ Rounding follows the grouped-GEMM path (`transformers_kimi3.moe.Kimi3Experts`): 
 the weights' dtype, the activation is computed in fp32 and rounded, each expert's down output is rounded before
 the fp32 weighted sum. SiLU-GLU only (Kimi Linear; K3's SiTU stays on the general path). Routes to index
 `num_experts` (another rank's expert under expert parallelism, weight 0) are skipped. Inference only (no
-backward). Runs under TRITON_INTERPRET=1 on CPU tensors (CI); the reference is `expert_gemv_ref`.
+backward). `route_topk` is the sigmoid router for the same few tokens in two launches instead of ~12, `silu_mul`
+the dense MLPs' GLU in one launch instead of five. Runs under
+TRITON_INTERPRET=1 on CPU tensors (CI); the references are `expert_gemv_ref` and `route_topk_ref`.
 """
 import torch
 import torch.nn.functional as F
@@ -76,6 +78,91 @@ if HAS_TRITON:
         tl.store(y + t * D + n, out, mask=mn)
 
 
+    @triton.jit
+    def _router_logits_kernel(x, w, logits, E, D, BE: tl.constexpr, BK: tl.constexpr):
+        t = tl.program_id(0)
+        e = tl.program_id(1) * BE + tl.arange(0, BE)
+        me = e < E
+        acc = tl.zeros([BE], dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            kk = k0 + tl.arange(0, BK)
+            mk = kk < D
+            xv = tl.load(x + t * D + kk, mask=mk, other=0.).to(tl.float32)
+            wv = tl.load(w + e[:, None].to(tl.int64) * D + kk[None, :], mask=me[:, None] & mk[None, :],
+                         other=0.).to(tl.float32)
+            acc += tl.sum(wv * xv[None, :], 1)
+        tl.store(logits + t * E + e, acc, mask=me)
+
+    @triton.jit
+    def _router_topk_kernel(logits, bias, idx, wts, E, scale, KTOP: tl.constexpr, K_POW2: tl.constexpr,
+                            E_POW2: tl.constexpr, RENORM: tl.constexpr):
+        t = tl.program_id(0)
+        e = tl.arange(0, E_POW2)
+        me = e < E
+        score = tl.sigmoid(tl.load(logits + t * E + e, mask=me, other=0.))
+        choice = tl.where(me, score + tl.load(bias + e, mask=me, other=0.), float("-inf"))
+        j = tl.arange(0, K_POW2)
+        mj = j < KTOP
+        picked = tl.zeros([K_POW2], dtype=tl.int32)
+        for i in tl.static_range(KTOP):  # k rounds of max: the k largest, lowest index first among equals
+            best = tl.max(choice, 0)
+            sel = tl.min(tl.where(choice == best, e, E_POW2), 0)
+            picked = tl.where(j == i, sel, picked)
+            choice = tl.where(e == sel, float("-inf"), choice)
+        w = tl.where(mj, tl.sigmoid(tl.load(logits + t * E + picked, mask=mj, other=0.)), 0.)
+        if RENORM:
+            w = w / (tl.sum(w, 0) + 1e-20)
+        tl.store(idx + t * KTOP + j, picked.to(tl.int64), mask=mj)
+        tl.store(wts + t * KTOP + j, w * scale, mask=mj)
+
+    @triton.jit
+    def _silu_mul_kernel(g, u, y, N, BLOCK: tl.constexpr):
+        o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # prefill tensors may pass 2^31
+        m = o < N
+        gv = tl.load(g + o, mask=m, other=0.).to(tl.float32)
+        uv = tl.load(u + o, mask=m, other=0.).to(tl.float32)
+        tl.store(y + o, (gv * tl.sigmoid(gv) * uv).to(y.dtype.element_ty), mask=m)
+
+
+def route_topk(x, weight, bias, top_k, renormalize, scaling):
+    """The sigmoid router for a few tokens in two launches: fp32 logits of x [T, D] against weight [E, D] (bf16
+    products are exact in fp32), then per token the top_k of sigmoid(logits) + bias, their unbiased scores
+    (renormalised when asked) times `scaling`. Returns (logits fp32 [T, E], weights fp32 [T, k], idx int64 [T, k]),
+    as `transformers_kimi3.moe.Kimi3TopkRouter` (without expert groups); `route_topk_ref` restates it."""
+    T, D = x.shape
+    E = weight.shape[0]
+    if weight.shape != (E, D) or bias.shape != (E,) or not 0 < top_k <= E:
+        raise ValueError(f"route_topk: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias {tuple(bias.shape)}, "
+                         f"top_k {top_k}")
+    x, weight = x.contiguous(), weight.contiguous()
+    logits = torch.empty(T, E, device=x.device, dtype=torch.float32)
+    idx = torch.empty(T, top_k, device=x.device, dtype=torch.int64)
+    wts = torch.empty(T, top_k, device=x.device, dtype=torch.float32)
+    if T == 0:
+        return logits, wts, idx
+    # many small programs: the router matrix (0.3 MB at 64 experts, 13 MB for K3's 896) is read at one token
+    BE, BK = (2, 512) if E <= 128 else (8, 256)
+    _router_logits_kernel[(T, triton.cdiv(E, BE))](x, weight, logits, E, D, BE=BE, BK=BK, num_warps=4)
+    # one warp: the k rounds of max / argmax are warp shuffles, no block-wide barriers
+    _router_topk_kernel[(T,)](logits, bias.float().contiguous(), idx, wts, E, float(scaling), KTOP=top_k,
+                              K_POW2=triton.next_power_of_2(top_k), E_POW2=triton.next_power_of_2(E),
+                              RENORM=bool(renormalize and top_k > 1), num_warps=1)
+    return logits, wts, idx
+
+
+def silu_mul(gate, up):
+    """SiLU(gate) * up in fp32, rounded to gate's dtype: the GLU of the dense MLPs in one launch instead of five
+    (two casts, SiLU, product, cast back). Same shapes required."""
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    g, u = gate.contiguous(), up.contiguous()
+    y = torch.empty_like(g)
+    N = g.numel()
+    if N:
+        _silu_mul_kernel[(triton.cdiv(N, 1024),)](g, u, y, N, BLOCK=1024, num_warps=4)
+    return y
+
+
 def expert_gemv(x, w1, w3, w2, topk_idx, topk_weights, BN=16, BK=128):
     """x [T, D]; w1, w3 [E, I, D]; w2 [E, D, I]; topk_idx [T, k] int; topk_weights [T, k]. Returns fp32 [T, D]:
     sum_j w[t, j] * SiLU-GLU expert e_tj of x[t]. Three launches: gate/up and down with one program per
@@ -115,3 +202,13 @@ def expert_gemv_ref(x, w1, w3, w2, topk_idx, topk_weights):
             hh = (F.silu(g) * u).to(w1.dtype)
             y[t] += topk_weights[t, j].float() * (hh @ w2[e].T).float()
     return y
+
+
+def route_topk_ref(x, weight, bias, top_k, renormalize, scaling):
+    logits = F.linear(x.float(), weight.float())
+    scores = logits.sigmoid()
+    idx = (scores + bias.float()).topk(top_k, dim=-1, sorted=False).indices
+    w = scores.gather(1, idx)
+    if renormalize and top_k > 1:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return logits, w * scaling, idx

@@ -24,8 +24,9 @@ except Exception:  # noqa: BLE001 - absent kernels must not stop the remote code
 
 
 def gemv_max_routes():
-    """Up to this many routes (tokens x top_k) CUDA bf16/fp32 SiLU experts run as per-route GEMVs, no sorting
-    (KIMI3_MOE_GEMV_MAX_ROUTES; 0 = never). None when the kernels are not importable."""
+    """Up to this many routes (tokens x top_k) the router runs as two Triton launches and CUDA bf16/fp32 SiLU experts
+    as per-route GEMVs, no sorting (KIMI3_MOE_GEMV_MAX_ROUTES; 0 = never). None when the kernels are not
+    importable."""
     # 64 (batch 8 at top-8): the GEMVs beat the grouped GEMM at 1, 2 and 8 tokens on the H200, 45 vs 122 us at one
     # token and 178 vs 290 us at eight, CUDA-graph-replayed (bench/moe_decode.py, bench/results/moe_decode_h200.json)
     return int(os.environ.get("KIMI3_MOE_GEMV_MAX_ROUTES", "64")) if _moe_decode is not None else None
@@ -40,6 +41,8 @@ class GLUActivation(nn.Module):
     """act(gate) * up in fp32, cast back. SiTU-GLU (K3): SiTU_b1(gate) * b2 tanh(up / b2), |h| <= b1 b2;
     SiLU-GLU (Kimi Linear)."""
 
+    _fused_on_cpu = False  # tests: the SiLU-GLU kernel under TRITON_INTERPRET=1
+
     def __init__(self, config):
         super().__init__()
         self.kind = config.hidden_act
@@ -49,6 +52,11 @@ class GLUActivation(nn.Module):
             raise ValueError("Kimi3 config: `activation_situ_beta` is required when hidden_act is 'situ'")
 
     def forward(self, gate, up):
+        if (self.kind == "silu" and _moe_decode is not None and (gate.is_cuda or self._fused_on_cpu)
+                and gate.shape == up.shape
+                and not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad))):
+            with torch.cuda.device(gate.device) if gate.is_cuda else contextlib.nullcontext():
+                return _moe_decode.silu_mul(gate, up)  # inference: one launch instead of five
         dtype = gate.dtype
         gate, up = gate.float(), up.float()
         if self.kind == "situ":
@@ -86,6 +94,10 @@ class Kimi3TopkRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
 
     def forward(self, x):
+        if self._fused(x):  # a few tokens (decode): two launches instead of ~12 small ones
+            with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+                return _moe_decode.route_topk(x, self.weight, self.e_score_correction_bias, self.top_k,
+                                              self.renormalize, self.routed_scaling_factor)
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
@@ -100,6 +112,14 @@ class Kimi3TopkRouter(nn.Module):
         if self.renormalize and self.top_k > 1:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return logits, weights * self.routed_scaling_factor, idx
+
+    _fused_on_cpu = False  # tests: the router kernels under TRITON_INTERPRET=1
+
+    def _fused(self, x):
+        limit = gemv_max_routes()
+        return (limit is not None and x.shape[0] * self.top_k <= limit and (x.is_cuda or self._fused_on_cpu)
+                and self.num_group <= 1 and not hasattr(self.weight, "device_mesh")
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
 
 
 class Kimi3Experts(nn.Module):
