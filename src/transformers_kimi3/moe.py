@@ -8,13 +8,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mxfp4 import PackedMXFP4Experts
-
 from .norms import Kimi3RMSNorm
 
 # KIMI3_MOE_GROUPED_MM=0 computes bf16 CUDA experts as per-expert segments instead of torch._grouped_mm
 GROUPED_MM = os.environ.get("KIMI3_MOE_GROUPED_MM", "1") != "0"
 
-try:  # optional: the route-by-route GEMV for decode (kimi3_kernels/moe_decode.py)
+try:  # optional: decode-size router and expert GEMVs, SiLU-GLU (kimi3_kernels/moe_decode.py)
     from kimi3_kernels import moe_decode as _moe_decode
 
     if not _moe_decode.HAS_TRITON:
@@ -126,8 +125,9 @@ class Kimi3Experts(nn.Module):
     """Routed experts as 3-D weights (checkpoint names w1 = gate, w3 = up, w2 = down, stacked over experts).
 
     Computed as index-sorted segments: assignments are sorted by expert and each expert's tokens go through one
-    matmul; `torch._grouped_mm` does all experts in one launch on CUDA. Small batches (decode) gather the chosen
-    experts' weights instead, which needs no host synchronisation.
+    matmul; `torch._grouped_mm` does all experts in one launch on CUDA. At decode sizes on CUDA (SiLU experts, up to
+    `gemv_max_routes()` routes) per-route Triton GEMVs skip the sort; on CPU small batches gather the chosen
+    experts' weights. Neither synchronises with the host.
     """
 
     GATHER_MAX_ASSIGNMENTS = 32  # copying the chosen experts' weights only pays for a handful of tokens
