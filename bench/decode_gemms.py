@@ -21,27 +21,9 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "kernels")]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "kernels"), str(ROOT / "bench")]
 
-
-def graph_us(fn, rep=200):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    a.record()
-    for _ in range(rep):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / rep * 1e3
+from moe_decode import graph_us  # noqa: E402  (back-to-back replays: the GPU time of a few-microsecond call)
 
 
 def kernels_of(fn):

@@ -21,6 +21,8 @@ from kimi3_kernels import moe_decode  # noqa: E402
 
 
 def graph_us(fn, rep=200):
+    """Microseconds per call of fn captured in a CUDA graph, from `rep` back-to-back replays between two events (the
+    per-call events of bench/moe.py would add the host's launch latency to a call this short)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
