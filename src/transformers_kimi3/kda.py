@@ -212,7 +212,8 @@ class Kimi3DeltaAttention(nn.Module):
         h0 = cache.recurrent_states[self.layer_idx] if cache is not None else None
         backend = resolve_backend(x.device, self.requested_backend)
         if (backend in ("triton", "fla_chunk") and states is not None and h0 is not None and T <= 4
-                and attention_mask is None and not torch.is_grad_enabled()):
+                and attention_mask is None and not torch.is_grad_enabled()
+                and all(s.is_contiguous() for s in states)):  # updated in place by the conv kernel
             return self._fused_decode(x, states, h0)
         states = states or (None, None, None)
         q, sq = self.q_conv1d(self.q_proj(x), states[0], seq_idx)
@@ -241,7 +242,7 @@ class Kimi3DeltaAttention(nn.Module):
 
     def _fused_decode(self, x, states, h0):
         """Decode / verification with a cache (inference): the three convs in one launch and the output norm in
-        one, conv and recurrent states updated in place. Same math as the general path (tests/test_fused_decode.py);
+        one, conv and recurrent states updated in place. Same math as the general path (tests/kernels_kda_cases.py);
         it only saves launches, which dominate a graph-replayed decode step at small batch."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
