@@ -17,7 +17,6 @@ except Exception as ex:  # pragma: no cover - exercised only without triton
     TRITON_IMPORT_ERROR = ex
 
 CHUNK_SIZE = 64
-RCP_LN2 = 1.4426950408889634  # gates are kept in log2 units inside the kernels (exp2 is cheaper)
 
 
 def require_triton():

@@ -22,7 +22,7 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .chunk_fwd import _ld, _ld_row
+    from .chunk_fwd import _chunk_span, _ld, _ld_row
 
     @triton.jit
     def _state_bwd_kernel(W, Qg, Kd, Aqk, gc, do, dht, dh0, dhs, dvn, cu, chunk_off,
@@ -81,9 +81,7 @@ if TRITON_AVAILABLE:
                          BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
-        n = tl.load(tab + 2 * i_c)
-        t0 = tl.load(tab + 2 * i_c + 1).to(tl.int64)
-        eos = tl.load(cu + n + 1).to(tl.int64)
+        _, t0, eos = _chunk_span(tab, cu, i_c)
         o_t = tl.arange(0, BT)
         rows = t0 + o_t
         mr = rows < eos
@@ -195,9 +193,7 @@ if TRITON_AVAILABLE:
                           BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
-        n = tl.load(tab + 2 * i_c)
-        t0 = tl.load(tab + 2 * i_c + 1).to(tl.int64)
-        eos = tl.load(cu + n + 1).to(tl.int64)
+        _, t0, eos = _chunk_span(tab, cu, i_c)
         o_c = tl.arange(0, BC)
         r0 = t0 + o_c
         r1 = r0 + BC
@@ -251,7 +247,6 @@ if TRITON_AVAILABLE:
             m0 = _ld_row(gc, tl.minimum(t0 + BC - 1, last), eos, H, i_h, K, cols, mc)
             m1 = _ld_row(gc, tl.minimum(t0 + 2 * BC - 1, last), eos, H, i_h, K, cols, mc)
             m2 = _ld_row(gc, tl.minimum(t0 + 3 * BC - 1, last), eos, H, i_h, K, cols, mc)
-            m3 = _ld_row(gc, tl.minimum(t0 + 4 * BC - 1, last), eos, H, i_h, K, cols, mc)
             # ---- row sides: sum over earlier column tiles
             kt = k0 * tl.exp2(n1[None, :] - g0)
             dq1 = tl.dot(a10, kt, input_precision=PREC)

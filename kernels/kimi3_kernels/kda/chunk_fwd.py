@@ -95,15 +95,37 @@ if TRITON_AVAILABLE:
         tl.store(ptr + (rows[:, None] * H + i_h) * D + c[None, :], X, mask=(rows < eos)[:, None])
 
     @triton.jit
+    def _st_lower(ptr, x00, x10, x11, x20, x21, x22, x30, x31, x32, x33, r0, eos, H, i_h, D: tl.constexpr,
+                  BC: tl.constexpr):
+        """The ten blocks on and below the diagonal of a [4 BC, 4 BC] chunk matrix, block rows from r0."""
+        r1 = r0 + BC
+        r2 = r1 + BC
+        r3 = r2 + BC
+        _st_blk(ptr, x00, r0, eos, H, i_h, D, 0, BC)
+        _st_blk(ptr, x10, r1, eos, H, i_h, D, 0, BC)
+        _st_blk(ptr, x11, r1, eos, H, i_h, D, BC, BC)
+        _st_blk(ptr, x20, r2, eos, H, i_h, D, 0, BC)
+        _st_blk(ptr, x21, r2, eos, H, i_h, D, BC, BC)
+        _st_blk(ptr, x22, r2, eos, H, i_h, D, 2 * BC, BC)
+        _st_blk(ptr, x30, r3, eos, H, i_h, D, 0, BC)
+        _st_blk(ptr, x31, r3, eos, H, i_h, D, BC, BC)
+        _st_blk(ptr, x32, r3, eos, H, i_h, D, 2 * BC, BC)
+        _st_blk(ptr, x33, r3, eos, H, i_h, D, 3 * BC, BC)
+
+    @triton.jit
+    def _chunk_span(tab, cu, i_c):
+        """Chunk i_c of the packed batch: (its sequence, first token, end of that sequence), from SeqInfo's tables."""
+        n = tl.load(tab + 2 * i_c)
+        return n, tl.load(tab + 2 * i_c + 1).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
+
+    @triton.jit
     def _intra_fwd_kernel(qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, tab, cu, scale,
                           H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                           SAFE: tl.constexpr, STORE_BWD: tl.constexpr, PREC: tl.constexpr,
                           DO_QK: tl.constexpr, DO_KK: tl.constexpr, DIAG_IN: tl.constexpr):
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
-        n = tl.load(tab + 2 * i_c)
-        t0 = tl.load(tab + 2 * i_c + 1).to(tl.int64)
-        eos = tl.load(cu + n + 1).to(tl.int64)
+        _, t0, eos = _chunk_span(tab, cu, i_c)
         o_c = tl.arange(0, BC)
         r0 = t0 + o_c
         r1 = r0 + BC
@@ -253,26 +275,8 @@ if TRITON_AVAILABLE:
             m31 = -_mm(m33, _mm(l31, m11) + _mm(l32, m21))
             m30 = -_mm(m33, _mm(l30, m00) + _mm(l31, m10) + _mm(l32, m20))
             if STORE_BWD:
-                _st_blk(Mo, m00, r0, eos, H, i_h, BT, 0, BC)
-                _st_blk(Mo, m10, r1, eos, H, i_h, BT, 0, BC)
-                _st_blk(Mo, m11, r1, eos, H, i_h, BT, BC, BC)
-                _st_blk(Mo, m20, r2, eos, H, i_h, BT, 0, BC)
-                _st_blk(Mo, m21, r2, eos, H, i_h, BT, BC, BC)
-                _st_blk(Mo, m22, r2, eos, H, i_h, BT, 2 * BC, BC)
-                _st_blk(Mo, m30, r3, eos, H, i_h, BT, 0, BC)
-                _st_blk(Mo, m31, r3, eos, H, i_h, BT, BC, BC)
-                _st_blk(Mo, m32, r3, eos, H, i_h, BT, 2 * BC, BC)
-                _st_blk(Mo, m33, r3, eos, H, i_h, BT, 3 * BC, BC)
-                _st_blk(Po, p00, r0, eos, H, i_h, BT, 0, BC)
-                _st_blk(Po, p10, r1, eos, H, i_h, BT, 0, BC)
-                _st_blk(Po, p11, r1, eos, H, i_h, BT, BC, BC)
-                _st_blk(Po, p20, r2, eos, H, i_h, BT, 0, BC)
-                _st_blk(Po, p21, r2, eos, H, i_h, BT, BC, BC)
-                _st_blk(Po, p22, r2, eos, H, i_h, BT, 2 * BC, BC)
-                _st_blk(Po, p30, r3, eos, H, i_h, BT, 0, BC)
-                _st_blk(Po, p31, r3, eos, H, i_h, BT, BC, BC)
-                _st_blk(Po, p32, r3, eos, H, i_h, BT, 2 * BC, BC)
-                _st_blk(Po, p33, r3, eos, H, i_h, BT, 3 * BC, BC)
+                _st_lower(Mo, m00, m10, m11, m20, m21, m22, m30, m31, m32, m33, r0, eos, H, i_h, BT, BC)
+                _st_lower(Po, p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, r0, eos, H, i_h, BT, BC)
             # T = M Diag(beta) for _wu_fwd_kernel, block rows of [BT, BT] (zeros above the diagonal)
             z = tl.zeros([BC, BC], dtype=tl.float32)
             _st_blk(Tm, (m00 * b0[None, :]).to(DT), r0, eos, H, i_h, BT, 0, BC)
@@ -301,9 +305,8 @@ if TRITON_AVAILABLE:
         i_h = tl.program_id(1)
         i_c = i_s // (BT // BC)
         sub = i_s % (BT // BC)
-        n = tl.load(tab + 2 * i_c)
-        t0 = tl.load(tab + 2 * i_c + 1).to(tl.int64) + sub * BC
-        eos = tl.load(cu + n + 1).to(tl.int64)
+        _, t0, eos = _chunk_span(tab, cu, i_c)
+        t0 += sub * BC
         o_c = tl.arange(0, BC)
         rows = t0 + o_c
         last = tl.maximum(tl.minimum(eos, t0 + BC) - 1, t0)
@@ -337,9 +340,7 @@ if TRITON_AVAILABLE:
         (the pairwise kernel above keeps only the 16-row tiles it must)."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
-        n = tl.load(tab + 2 * i_c)
-        t0 = tl.load(tab + 2 * i_c + 1).to(tl.int64)
-        eos = tl.load(cu + n + 1).to(tl.int64)
+        _, t0, eos = _chunk_span(tab, cu, i_c)
         o_t = tl.arange(0, BT)
         rows = t0 + o_t
         last = tl.minimum(eos, t0 + BT) - 1
@@ -420,9 +421,7 @@ if TRITON_AVAILABLE:
         i_c = tl.program_id(0).to(tl.int64)  # chunks on the first grid axis: the others stop at 65,535
         i_v = tl.program_id(1)
         i_h = tl.program_id(2)
-        n = tl.load(tab + 2 * i_c)
-        t0 = tl.load(tab + 2 * i_c + 1).to(tl.int64)
-        eos = tl.load(cu + n + 1).to(tl.int64)
+        _, t0, eos = _chunk_span(tab, cu, i_c)
         o_t = tl.arange(0, BT)
         rows = t0 + o_t
         mr = rows < eos
