@@ -23,7 +23,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "kernels"), str(ROOT / "bench")]
 
-from moe_decode import graph_us  # noqa: E402  (back-to-back replays: the GPU time of a few-microsecond call)
+from moe_decode import graph_us, write_jsonl  # noqa: E402  (back-to-back replays: the GPU time of a few-microsecond call)
 
 
 def kernels_of(fn):
@@ -81,10 +81,7 @@ def main():
                 row["kernels_mv"] = kernels_of(lambda: torch.mv(w, x2[0]))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=os.environ.get("GIT_COMMIT"))
-    with open(os.path.join(args.out, "decode_gemms.jsonl"), "w") as f:
-        for r in [meta] + rows:
-            f.write(json.dumps(r) + "\n")
+    write_jsonl(args.out, "decode_gemms.jsonl", rows)
 
 
 if __name__ == "__main__":

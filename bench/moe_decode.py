@@ -43,6 +43,14 @@ def graph_us(fn, rep=200):
     return a.elapsed_time(b) / rep * 1e3
 
 
+def write_jsonl(out, name, rows):
+    """A meta line (GPU, torch, GIT_COMMIT) and then the rows, one JSON object per line."""
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=os.environ.get("GIT_COMMIT"))
+    with open(os.path.join(out, name), "w") as f:
+        for r in [meta] + rows:
+            f.write(json.dumps(r) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".")
@@ -81,10 +89,7 @@ def main():
                 row[f"gemv_bn{bn}_bk{bk}_rel_vs_grouped"] = float((y - ref).norm() / ref.norm())
             rows.append(row)
             print(json.dumps(row), flush=True)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=os.environ.get("GIT_COMMIT"))
-    with open(os.path.join(args.out, "moe_decode.jsonl"), "w") as f:
-        for r in [meta] + rows:
-            f.write(json.dumps(r) + "\n")
+    write_jsonl(args.out, "moe_decode.jsonl", rows)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,13 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def bf16_ulps(a, b):
+    """Largest |a - b| in units of b's bf16 spacing (2^(e - 7) for |b| in [2^e, 2^(e+1)))."""
+    a, b = a.double(), b.double()
+    spacing = torch.exp2(torch.floor(torch.log2(b.abs().clamp_min(2.0 ** -126))) - 7)
+    return ((a - b).abs() / spacing).max().item()
+
+
 def make(B, T, H, K, V, dtype=torch.float32, seed=0, A_shift=0.0, N=None):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
@@ -302,10 +309,14 @@ def test_short_conv_update(B, T, D, W, dtype):
     refs = short_conv_update_ref(xs, ref_states, ws)
     for y, r, st, rst in zip(ys, refs, states, ref_states):
         assert y.dtype == dtype and torch.equal(st, rst)  # the state is the last W inputs, exactly
-        # fp32: summation order only; bf16: the conv output is rounded to bf16 before the SiLU (as the reference
-        # does), so it may differ by one bf16 ulp, which the SiLU and the final rounding make up to two (seen: 2)
-        tol = 1e-6 if dtype == torch.float32 else 2 ** -6
-        assert ((y.float() - r.float()).abs() <= tol * (1 + r.float().abs())).all()
+        # fp32: summation order only. bf16: the conv output is rounded to bf16 before the SiLU, as the reference
+        # does; another summation order (and the interpreter's truncating casts) may move it by one ulp, the SiLU
+        # carries that over (slope <= 1.1), the final cast adds one more, and near a power of two one ulp of y is
+        # two of r: at most 3 of r's ulps (seen: 3)
+        if dtype == torch.float32:
+            assert ((y - r).abs() <= 1e-6 * (1 + r.abs())).all()
+        else:
+            assert bf16_ulps(y, r) <= 3
 
 
 @needs_triton
@@ -316,8 +327,9 @@ def test_gated_rms_norm(dtype):
     x, g = (torch.randn(2, 3, 5, 32, generator=gen).to(dtype) for _ in range(2))
     w = torch.randn(32, generator=gen)
     y, r = gated_rms_norm(x, g, w, 1e-6), gated_rms_norm_ref(x, g, w, 1e-6)
-    # bf16: the interpreter casts fp32 -> bf16 by truncation (seen 4e-3 here), the GPU rounds to nearest
-    assert y.dtype == dtype and rel(y, r) < (1e-6 if dtype == torch.float32 else 1e-2)
+    # bf16: both compute in fp32 and round once; the interpreter casts by truncation (the GPU rounds to nearest),
+    # so the two may differ by one bf16 ulp, never more
+    assert y.dtype == dtype and (rel(y, r) < 1e-6 if dtype == torch.float32 else bf16_ulps(y, r) <= 1)
     with pytest.raises(ValueError):
         gated_rms_norm(x, g[..., :16], w, 1e-6)
 
@@ -351,7 +363,8 @@ def test_silu_mul(dtype):
     g, u = (3 * torch.randn(5, 37, generator=gen)).to(dtype), torch.randn(5, 37, generator=gen).to(dtype)
     ref = (torch.nn.functional.silu(g.float()) * u.float()).to(dtype)
     # bf16: the interpreter truncates the final cast (the GPU rounds), one bf16 ulp
-    assert silu_mul(g, u).dtype == dtype and rel(silu_mul(g, u), ref) < (1e-6 if dtype == torch.float32 else 8e-3)
+    y = silu_mul(g, u)
+    assert y.dtype == dtype and (rel(y, ref) < 1e-6 if dtype == torch.float32 else bf16_ulps(y, ref) <= 1)
     with pytest.raises(ValueError):
         silu_mul(g, u[:, :5])
 
@@ -396,12 +409,10 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
     model = tiny_model(seed=4, **over)
     from transformers_kimi3 import moe as moe_mod
     gemv, routed = [], []
-    monkeypatch.setattr(moe_mod.Kimi3TopkRouter, "_fused_on_cpu", True)  # decode steps: the two-launch router
-    monkeypatch.setattr(moe_mod.GLUActivation, "_fused_on_cpu", kind == "kimi_linear")  # SiLU-GLU in one launch
+    monkeypatch.setattr(moe_mod, "KERNELS_ON_CPU", True)  # router, SiLU-GLU and expert GEMVs under the interpreter
     real_route = moe_mod._moe_decode.route_topk
     monkeypatch.setattr(moe_mod._moe_decode, "route_topk", lambda *a, **kw: routed.append(1) or real_route(*a, **kw))
     if kind == "kimi_linear":  # SiLU experts: decode steps of <= 16 routes take the per-route GEMV
-        monkeypatch.setattr(moe_mod.Kimi3Experts, "_gemv_on_cpu", True)
         real = moe_mod._moe_decode.expert_gemv
         monkeypatch.setattr(moe_mod._moe_decode, "expert_gemv", lambda *a, **kw: gemv.append(1) or real(*a, **kw))
     gen = torch.Generator().manual_seed(0)

@@ -55,45 +55,69 @@ def test_router_uses_bias_for_selection_only():
     assert torch.allclose(w, picked / (picked.sum(-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor)
 
 
-def test_decode_gemv_is_chosen_only_where_it_applies(monkeypatch):
-    # which calls take the per-route GEMV (kimi3_kernels/moe_decode.py; its numerics are tested under the Triton
-    # interpreter in kernels_kda_cases.py): few routes, SiLU experts, no autograd, plain (non-DTensor) weights
+def _recorded(monkeypatch, name, result):
+    """Replace kimi3_kernels.moe_decode.<name> by a recorder (the kernels themselves run under the Triton
+    interpreter in kernels_kda_cases.py) and let the model use it on CPU; returns the list of calls."""
     import pytest
 
     from transformers_kimi3 import moe
 
     if moe.gemv_max_routes() is None:
         pytest.skip("kimi3_kernels / triton not importable")
-    monkeypatch.setattr(Kimi3Experts, "_gemv_on_cpu", True)
+    calls = []
+    monkeypatch.setattr(moe, "KERNELS_ON_CPU", True)
+    monkeypatch.setattr(moe._moe_decode, name, lambda *a, **kw: calls.append(a) or result(*a))
+    return calls
+
+
+def test_decode_gemv_is_chosen_only_where_it_applies(monkeypatch):
+    # few routes, SiLU experts, no autograd, plain (non-DTensor) weights
+    calls = _recorded(monkeypatch, "expert_gemv", lambda x, *a: torch.zeros(x.shape[0], 32))
+    _recorded(monkeypatch, "silu_mul", lambda g, u: torch.nn.functional.silu(g) * u)  # the other paths' GLU
     monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "8")
     silu = Kimi3Experts(tiny_k3_text_config(hidden_act="silu", num_experts=8, moe_intermediate_size=32), 32)
     situ = Kimi3Experts(tiny_k3_text_config(num_experts=8, moe_intermediate_size=32), 32)
-    x = torch.randn(4, 32)
-    with torch.no_grad():
-        assert silu._use_gemv(x, 8) and not silu._use_gemv(x, 9)  # the route limit
-        assert not situ._use_gemv(x, 8)  # SiTU stays on the PyTorch path
-        silu.w1.device_mesh = object()  # a DTensor parameter (tensor parallelism)
-        assert not silu._use_gemv(x, 8)
-        del silu.w1.device_mesh
-    assert not silu._use_gemv(x, 8)  # autograd recording and the weights need gradients: training path
+
+    def used(experts, T, grad=False):
+        calls.clear()
+        with torch.set_grad_enabled(grad):
+            experts(torch.randn(T, 32), torch.zeros(T, 2, dtype=torch.long), torch.rand(T, 2))
+        return bool(calls)
+
+    assert used(silu, 4) and not used(silu, 5)  # 8 routes at most
+    assert not used(situ, 4)  # SiTU stays on the PyTorch path
+    silu.w1.device_mesh = object()  # a DTensor parameter (tensor parallelism)
+    assert not used(silu, 4)
+    del silu.w1.device_mesh
+    assert not used(silu, 4, grad=True)  # autograd recording and the weights need gradients: training path
     monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "0")
-    with torch.no_grad():
-        assert not silu._use_gemv(x, 1)
+    assert not used(silu, 1)
 
 
-def test_decode_router_is_chosen_only_where_it_applies(monkeypatch):
-    import pytest
+def test_decode_router_and_glu_kernels_are_chosen_only_where_they_apply(monkeypatch):
+    from transformers_kimi3.moe import GLUActivation
 
-    from transformers_kimi3 import moe
-
-    if moe.gemv_max_routes() is None:
-        pytest.skip("kimi3_kernels / triton not importable")
-    monkeypatch.setattr(Kimi3TopkRouter, "_fused_on_cpu", True)
+    calls = _recorded(monkeypatch, "route_topk", lambda x, w, b, k, *a: (torch.zeros(x.shape[0], 8),
+                                                                         torch.zeros(x.shape[0], k),
+                                                                         torch.zeros(x.shape[0], k, dtype=torch.long)))
     monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "8")
     plain = Kimi3TopkRouter(tiny_k3_text_config(num_experts=8, num_experts_per_token=2))
     grouped = Kimi3TopkRouter(tiny_k3_text_config(num_experts=8, num_experts_per_token=2, num_expert_group=2,
                                                   topk_group=1))
+
+    def used(router, T, grad=False):
+        calls.clear()
+        with torch.set_grad_enabled(grad):
+            router(torch.randn(T, 64))
+        return bool(calls)
+
+    assert used(plain, 4) and not used(plain, 5)  # routes <= the limit
+    assert not used(grouped, 1)  # expert groups: the PyTorch path
+    assert not used(plain, 1, grad=True)  # autograd recording (training)
+    glu_calls = _recorded(monkeypatch, "silu_mul", lambda g, u: g)
+    silu, situ = (GLUActivation(tiny_k3_text_config(hidden_act=a)) for a in ("silu", "situ"))
+    g = torch.randn(3, 5)
     with torch.no_grad():
-        assert plain._fused(torch.randn(4, 64)) and not plain._fused(torch.randn(5, 64))  # routes <= the limit
-        assert not grouped._fused(torch.randn(1, 64))  # expert groups: the PyTorch path
-    assert not plain._fused(torch.randn(1, 64))  # autograd recording (training)
+        silu(g, g), situ(g, g)
+    silu(g, g.requires_grad_())  # autograd: the PyTorch path
+    assert len(glu_calls) == 1

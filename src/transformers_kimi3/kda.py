@@ -7,7 +7,6 @@ and our recurrent kernel for decode (faster than fla's). The choice is logged on
 `kernel_status()`; asking for a backend that cannot run is an error, never a silent fallback.
 """
 
-import contextlib
 import importlib.util
 import logging
 import os
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kda_reference import naive_chunk_kda, naive_recurrent_kda
+from .mxfp4 import _on_device
 from .norms import Kimi3GatedRMSNorm
 
 logger = logging.getLogger("transformers_kimi3")
@@ -95,12 +95,6 @@ def resolve_backend(device, requested=None, announce=True):
         else:
             logger.info(msg)
     return backend
-
-
-def _on_device(t):
-    """Triton launches on the current CUDA device; under a device_map the layer may live on another GPU. (CPU
-    tensors reach the kernels only under TRITON_INTERPRET=1, in tests.)"""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def kda_chunk(q, k, v, g, beta, backend, **kw):

@@ -1,13 +1,12 @@
 """Feed-forward blocks: SiTU-GLU, the dense MLP, the sigmoid router and the (latent) mixture of experts."""
 
-import contextlib
 import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mxfp4 import PackedMXFP4Experts
+from .mxfp4 import PackedMXFP4Experts, _on_device
 from .norms import Kimi3RMSNorm
 
 # KIMI3_MOE_GROUPED_MM=0 computes bf16 CUDA experts as per-expert segments instead of torch._grouped_mm
@@ -31,6 +30,19 @@ def gemv_max_routes():
     return int(os.environ.get("KIMI3_MOE_GEMV_MAX_ROUTES", "64")) if _moe_decode is not None else None
 
 
+KERNELS_ON_CPU = False  # tests: run the moe_decode kernels on CPU tensors under TRITON_INTERPRET=1
+
+
+def _kernel_ok(x, params, routes=0):
+    """Whether a moe_decode kernel may stand in for the PyTorch path: importable; CUDA; at most `gemv_max_routes()`
+    routes; no autograd recording through x or params; plain parameters (DTensors under tensor parallelism stay on
+    the PyTorch path)."""
+    limit = gemv_max_routes()
+    return (limit is not None and routes <= limit and (x.is_cuda or KERNELS_ON_CPU)
+            and not any(hasattr(p, "device_mesh") for p in params)
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))))
+
+
 def situ(x, beta):
     """SiTU_beta(x) = beta tanh(x / beta) sigmoid(x): SiLU for small x, bounded by beta."""
     return beta * torch.tanh(x / beta) * torch.sigmoid(x)
@@ -39,8 +51,6 @@ def situ(x, beta):
 class GLUActivation(nn.Module):
     """act(gate) * up in fp32, cast back. SiTU-GLU (K3): SiTU_b1(gate) * b2 tanh(up / b2), |h| <= b1 b2;
     SiLU-GLU (Kimi Linear)."""
-
-    _fused_on_cpu = False  # tests: the SiLU-GLU kernel under TRITON_INTERPRET=1
 
     def __init__(self, config):
         super().__init__()
@@ -51,10 +61,8 @@ class GLUActivation(nn.Module):
             raise ValueError("Kimi3 config: `activation_situ_beta` is required when hidden_act is 'situ'")
 
     def forward(self, gate, up):
-        if (self.kind == "silu" and _moe_decode is not None and (gate.is_cuda or self._fused_on_cpu)
-                and gate.shape == up.shape
-                and not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad))):
-            with torch.cuda.device(gate.device) if gate.is_cuda else contextlib.nullcontext():
+        if self.kind == "silu" and gate.shape == up.shape and _kernel_ok(gate, (up,)):
+            with _on_device(gate):
                 return _moe_decode.silu_mul(gate, up)  # inference: one launch instead of five
         dtype = gate.dtype
         gate, up = gate.float(), up.float()
@@ -93,8 +101,9 @@ class Kimi3TopkRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
 
     def forward(self, x):
-        if self._fused(x):  # a few tokens (decode): two launches instead of ~12 small ones
-            with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        if self.num_group <= 1 and _kernel_ok(x, (self.weight,), x.shape[0] * self.top_k):
+            # a few tokens (decode): two launches instead of ~12 small ones
+            with _on_device(x):
                 return _moe_decode.route_topk(x, self.weight, self.e_score_correction_bias, self.top_k,
                                               self.renormalize, self.routed_scaling_factor)
         logits = F.linear(x.float(), self.weight.float())
@@ -112,13 +121,6 @@ class Kimi3TopkRouter(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return logits, weights * self.routed_scaling_factor, idx
 
-    _fused_on_cpu = False  # tests: the router kernels under TRITON_INTERPRET=1
-
-    def _fused(self, x):
-        limit = gemv_max_routes()
-        return (limit is not None and x.shape[0] * self.top_k <= limit and (x.is_cuda or self._fused_on_cpu)
-                and self.num_group <= 1 and not hasattr(self.weight, "device_mesh")
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
 
 
 class Kimi3Experts(nn.Module):
@@ -145,8 +147,10 @@ class Kimi3Experts(nn.Module):
         """Under expert parallelism (Transformers' `ep_router` / `ep_dispatch_experts`) `num_experts` is this rank's
         count and a route to another rank's expert arrives as index `num_experts` with weight 0: it is skipped."""
         T, k = topk_idx.shape
-        if self._use_gemv(x, T * k):
-            with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # layer on another GPU
+        weights = (self.w1, self.w3, self.w2)
+        if (self.act_fn.kind == "silu" and all(w.is_contiguous() for w in weights)
+                and _kernel_ok(x, weights, T * k)):
+            with _on_device(x):
                 return _moe_decode.expert_gemv(x, self.w1, self.w3, self.w2, topk_idx, topk_weights)
         if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and GROUPED_MM:
             y = self._grouped_mm(x, topk_idx)
@@ -155,17 +159,6 @@ class Kimi3Experts(nn.Module):
         else:
             y = self._segments(x, topk_idx)
         return (y.float().view(T, k, -1) * topk_weights.float()[..., None]).sum(1)
-
-    def _use_gemv(self, x, routes):
-        limit = gemv_max_routes()
-        weights = (self.w1, self.w3, self.w2)
-        return (limit is not None and routes <= limit and (x.is_cuda or self._gemv_on_cpu)
-                and self.act_fn.kind == "silu" and all(w.is_contiguous() for w in weights)
-                # DTensor parameters (tensor parallelism with DTensors) stay on the PyTorch path
-                and not any(hasattr(w, "device_mesh") for w in weights)
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.w1.requires_grad)))
-
-    _gemv_on_cpu = False  # tests: the GEMV kernels under TRITON_INTERPRET=1
 
     def _gathered(self, x, topk_idx):
         flat = topk_idx.reshape(-1).clamp(max=self.num_experts - 1)  # off-rank routes (weight 0) read any expert
