@@ -350,34 +350,27 @@ def kernel_profile():
 
 
 def tile_sweep():
-    """Forward time for each pairwise-kernel tile (KIMI3_KDA_INTRA_TILE = "BK,warps") in one or two passes
-    (KIMI3_KDA_INTRA_PASSES), with the diagonal tiles in the pairwise kernel or in their own (KIMI3_KDA_INTRA_DIAG):
-    the default (32,4, one pass, diagonal inside) was chosen without a GPU. sm_90 ptxas at K = 128: spill-free are
-    BK 16 in two passes, and with the separate diagonal kernel BK 16 in one pass or BK 32 in two.
-    This picks the default by measurement."""
+    """Forward time for each pairwise-kernel tile (KIMI3_KDA_INTRA_TILE = "BK,warps"), then forward+backward with
+    the forward's per-chunk quantities kept (KIMI3_KDA_SAVE_FWD=1, default) or recomputed. The 76324af run of this
+    sweep also timed two-pass and diagonal-inside variants of the pairwise kernel; both were slower and are gone
+    (bench/results/kda_h200.md)."""
     rows = RES.setdefault("intra_tile_sweep", [])
     for H, T, lb in ((32, 16384, None), (96, 16384, -5.0)):
         q, k, v, f, beta, A_log, dtb = inputs(1, T, H, 128, 128, torch.bfloat16, seed=7)
         ref = None
-        for tile, passes, diag in (("32,4", 1, 0), ("16,4", 1, 0), ("32,4", 2, 0), ("16,4", 2, 0),
-                                   ("32,4", 1, 1), ("16,4", 1, 1), ("32,4", 2, 1), ("16,4", 2, 1), ("32,8", 1, 1)):
+        for tile in ("32,4", "16,4", "32,8", "64,8"):
             os.environ["KIMI3_KDA_INTRA_TILE"] = tile
-            os.environ["KIMI3_KDA_INTRA_PASSES"] = str(passes)
-            os.environ["KIMI3_KDA_INTRA_DIAG"] = str(diag)
             try:
                 o, _ = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)
                 ref = o if ref is None else ref
                 ms = bench(lambda: chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb), rep=5)
-                row = dict(H=H, T=T, gate="k3" if lb else "softplus", tile=tile, passes=passes, diag_kernel=diag,
-                           fwd_ms=ms, rel_vs_default=rel(o, ref))
+                row = dict(H=H, T=T, gate="k3" if lb else "softplus", tile=tile, fwd_ms=ms, rel_vs_default=rel(o, ref))
             except Exception as ex:  # noqa: BLE001
-                row = dict(H=H, T=T, tile=tile, passes=passes, diag_kernel=diag, error=repr(ex)[:300])
+                row = dict(H=H, T=T, tile=tile, error=repr(ex)[:300])
             rows.append(row)
             print("sweep", json.dumps(row), flush=True)
         os.environ.pop("KIMI3_KDA_INTRA_TILE", None)
-        os.environ.pop("KIMI3_KDA_INTRA_PASSES", None)
-        os.environ.pop("KIMI3_KDA_INTRA_DIAG", None)
-        # forward+backward recomputing the per-chunk quantities (default) or keeping them (KIMI3_KDA_SAVE_FWD=1)
+        # forward+backward keeping the per-chunk quantities (KIMI3_KDA_SAVE_FWD=1, default) or recomputing them
         qq, kk, vv, ff = (x.clone().requires_grad_() for x in (q, k, v, f))
 
         def fb():

@@ -178,14 +178,11 @@ def test_chunk_forward_varlen_bf16():
 
 
 @needs_triton
-@pytest.mark.parametrize("tile,passes,diag", [("16,4", "2", "0"), ("64,8", "1", "0"), ("16,4", "1", "1"),
-                                              ("32,4", "2", "1")])
-def test_chunk_forward_intra_tiles(tile, passes, diag, monkeypatch):
-    # the pairwise kernel's K slice, warps, one/two passes and the diagonal tiles inside it or in their own kernel
-    # (bench/kda.py sweeps them on the GPU): same results, both gates, with a partial last chunk
+@pytest.mark.parametrize("tile", ["16,4", "64,8", "32,8"])
+def test_chunk_forward_intra_tiles(tile, monkeypatch):
+    # the pairwise kernel's K slice and warps (bench/kda.py sweeps them on the GPU): same results, both gates,
+    # with a partial last chunk
     monkeypatch.setenv("KIMI3_KDA_INTRA_TILE", tile)
-    monkeypatch.setenv("KIMI3_KDA_INTRA_PASSES", passes)
-    monkeypatch.setenv("KIMI3_KDA_INTRA_DIAG", diag)
     for lb in (-5.0, None):
         q, k, v, f, beta, A_log, dtb, h0 = make(1, 100, 2, 64, 32, seed=12)
         o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0[:1],
@@ -227,12 +224,11 @@ def test_chunk_varlen(lb):
 
 @needs_triton
 @pytest.mark.parametrize("lb,env", [(-5.0, {}), (None, {}),
-                                    (None, dict(KIMI3_KDA_INTRA_TILE="32,4", KIMI3_KDA_INTRA_PASSES="2",
-                                                KIMI3_KDA_SAVE_FWD="0")),
-                                    (-5.0, dict(KIMI3_KDA_SAVE_FWD="0", KIMI3_KDA_INTRA_DIAG="0"))])
+                                    (None, dict(KIMI3_KDA_INTRA_TILE="16,4", KIMI3_KDA_SAVE_FWD="0")),
+                                    (-5.0, dict(KIMI3_KDA_SAVE_FWD="0"))])
 def test_chunk_gradients(lb, env, monkeypatch):
     # the backward reuses the per-chunk quantities the forward kept (default) or, with KIMI3_KDA_SAVE_FWD=0,
-    # recomputes them (also with two passes, and with the diagonal tiles inside the pairwise kernel)
+    # recomputes them
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     from kimi3_kernels.kda import chunk_fwd

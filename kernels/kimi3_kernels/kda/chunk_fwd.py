@@ -12,7 +12,7 @@ Per 64-token chunk (rows i, j), with Gam = chunk-local cumsum of the log decay, 
 pairwise products are formed on 16-row sub-tiles, each relative to its sub-tile's first row, so no exponential
 ever exceeds 1 off the diagonal. Diagonal 16x16 tiles use one dense matmul when the gate is bounded
 (lower_bound >= SAFE_LOWER_BOUND: |Gam| span < 80 nats inside a sub-tile, inside fp32 range) and a per-column
-loop otherwise; `_diag_fwd_kernel` can take them out of the pairwise kernel (an option, see _separate_diag).
+loop otherwise; they have their own kernel, `_diag_fwd_kernel`, and the pairwise kernel takes the rest.
 `state_fwd` runs the sequential scan over chunks (parallel over sequences, heads and value tiles) and writes the
 state entering each chunk; `_output_fwd_kernel` then forms the output, parallel over chunks.
 The PyTorch reference is `reference.naive_chunk_kda`.
@@ -58,21 +58,9 @@ if TRITON_AVAILABLE:
         return acc_a, acc_k
 
     @triton.jit
-    def _acc_pair(a, p, qe, ke, kt, DO_QK: tl.constexpr, DO_KK: tl.constexpr, PREC: tl.constexpr):
-        """One tile pair's query-key (a) and key-key (p) products, as far as this launch computes them."""
-        if DO_QK:
-            a += tl.dot(qe, kt, input_precision=PREC)
-        if DO_KK:
-            p += tl.dot(ke, kt, input_precision=PREC)
-        return a, p
-
-    @triton.jit
-    def _add_pair(a, p, x, y, DO_QK: tl.constexpr, DO_KK: tl.constexpr):
-        if DO_QK:
-            a += x
-        if DO_KK:
-            p += y
-        return a, p
+    def _acc_pair(a, p, qe, ke, kt, PREC: tl.constexpr):
+        """One tile pair's query-key (a) and key-key (p) products."""
+        return a + tl.dot(qe, kt, input_precision=PREC), p + tl.dot(ke, kt, input_precision=PREC)
 
     @triton.jit
     def _inv_unit_lower(L, BC: tl.constexpr):
@@ -121,8 +109,9 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _intra_fwd_kernel(qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, tab, cu, scale,
                           H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          SAFE: tl.constexpr, STORE_BWD: tl.constexpr, PREC: tl.constexpr,
-                          DO_QK: tl.constexpr, DO_KK: tl.constexpr, DIAG_IN: tl.constexpr):
+                          STORE_BWD: tl.constexpr, PREC: tl.constexpr):
+        """The six off-diagonal 16x16 tiles of Aqk and P for one chunk and head, then the blockwise inverse and
+        T = M Diag(beta); the diagonal tiles come from _diag_fwd_kernel (Aqk's written, P's in Pd)."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
         _, t0, eos = _chunk_span(tab, cu, i_c)
@@ -133,26 +122,18 @@ if TRITON_AVAILABLE:
         r3 = r2 + BC
         DT = Tm.dtype.element_ty
 
-        a00 = tl.zeros([BC, BC], dtype=tl.float32)
         a10 = tl.zeros([BC, BC], dtype=tl.float32)
-        a11 = tl.zeros([BC, BC], dtype=tl.float32)
         a20 = tl.zeros([BC, BC], dtype=tl.float32)
         a21 = tl.zeros([BC, BC], dtype=tl.float32)
-        a22 = tl.zeros([BC, BC], dtype=tl.float32)
         a30 = tl.zeros([BC, BC], dtype=tl.float32)
         a31 = tl.zeros([BC, BC], dtype=tl.float32)
         a32 = tl.zeros([BC, BC], dtype=tl.float32)
-        a33 = tl.zeros([BC, BC], dtype=tl.float32)
-        p00 = tl.zeros([BC, BC], dtype=tl.float32)
         p10 = tl.zeros([BC, BC], dtype=tl.float32)
-        p11 = tl.zeros([BC, BC], dtype=tl.float32)
         p20 = tl.zeros([BC, BC], dtype=tl.float32)
         p21 = tl.zeros([BC, BC], dtype=tl.float32)
-        p22 = tl.zeros([BC, BC], dtype=tl.float32)
         p30 = tl.zeros([BC, BC], dtype=tl.float32)
         p31 = tl.zeros([BC, BC], dtype=tl.float32)
         p32 = tl.zeros([BC, BC], dtype=tl.float32)
-        p33 = tl.zeros([BC, BC], dtype=tl.float32)
 
         last = tl.minimum(eos, t0 + BT) - 1
         for i_k in range(0, tl.cdiv(K, BK)):
@@ -162,27 +143,18 @@ if TRITON_AVAILABLE:
             k1 = _ld(kn, r1, eos, H, i_h, K, cols, mc)
             k2 = _ld(kn, r2, eos, H, i_h, K, cols, mc)
             k3 = _ld(kn, r3, eos, H, i_h, K, cols, mc)
-            if DO_QK:
-                q0 = _ld(qn, r0, eos, H, i_h, K, cols, mc)
-                q1 = _ld(qn, r1, eos, H, i_h, K, cols, mc)
-                q2 = _ld(qn, r2, eos, H, i_h, K, cols, mc)
-                q3 = _ld(qn, r3, eos, H, i_h, K, cols, mc)
-            else:  # key-key pass only: stand-ins, their products are never used
-                q0 = k0
-                q1 = k1
-                q2 = k2
-                q3 = k3
+            q1 = _ld(qn, r1, eos, H, i_h, K, cols, mc)
+            q2 = _ld(qn, r2, eos, H, i_h, K, cols, mc)
+            q3 = _ld(qn, r3, eos, H, i_h, K, cols, mc)
             g0 = _ld(gc, r0, eos, H, i_h, K, cols, mc)
             g1 = _ld(gc, r1, eos, H, i_h, K, cols, mc)
             g2 = _ld(gc, r2, eos, H, i_h, K, cols, mc)
             g3 = _ld(gc, r3, eos, H, i_h, K, cols, mc)
             # reference rows: the first row of each sub-tile
-            n0 = _ld_row(gc, t0, eos, H, i_h, K, cols, mc)
             n1 = _ld_row(gc, tl.minimum(t0 + BC, last), eos, H, i_h, K, cols, mc)
             n2 = _ld_row(gc, tl.minimum(t0 + 2 * BC, last), eos, H, i_h, K, cols, mc)
             n3 = _ld_row(gc, tl.minimum(t0 + 3 * BC, last), eos, H, i_h, K, cols, mc)
             # row sides, exp(Gam_i - Gam_ref) <= 1 on valid rows (0 elsewhere)
-            e0 = tl.exp2(tl.where((r0 < eos)[:, None], g0 - n0[None, :], 0.))
             e1 = tl.exp2(tl.where((r1 < eos)[:, None], g1 - n1[None, :], 0.))
             e2 = tl.exp2(tl.where((r2 < eos)[:, None], g2 - n2[None, :], 0.))
             e3 = tl.exp2(tl.where((r3 < eos)[:, None], g3 - n3[None, :], 0.))
@@ -192,109 +164,74 @@ if TRITON_AVAILABLE:
             ke2 = k2 * e2
             qe3 = q3 * e3
             ke3 = k3 * e3
-            # off-diagonal tiles: column sides exp(Gam_ref - Gam_j) <= 1
+            # column sides exp(Gam_ref - Gam_j) <= 1
             kt = tl.trans(k0 * tl.exp2(n1[None, :] - g0))
-            a10, p10 = _acc_pair(a10, p10, qe1, ke1, kt, DO_QK, DO_KK, PREC)
+            a10, p10 = _acc_pair(a10, p10, qe1, ke1, kt, PREC)
             kt = tl.trans(k0 * tl.exp2(n2[None, :] - g0))
-            a20, p20 = _acc_pair(a20, p20, qe2, ke2, kt, DO_QK, DO_KK, PREC)
+            a20, p20 = _acc_pair(a20, p20, qe2, ke2, kt, PREC)
             kt = tl.trans(k1 * tl.exp2(n2[None, :] - g1))
-            a21, p21 = _acc_pair(a21, p21, qe2, ke2, kt, DO_QK, DO_KK, PREC)
+            a21, p21 = _acc_pair(a21, p21, qe2, ke2, kt, PREC)
             kt = tl.trans(k0 * tl.exp2(n3[None, :] - g0))
-            a30, p30 = _acc_pair(a30, p30, qe3, ke3, kt, DO_QK, DO_KK, PREC)
+            a30, p30 = _acc_pair(a30, p30, qe3, ke3, kt, PREC)
             kt = tl.trans(k1 * tl.exp2(n3[None, :] - g1))
-            a31, p31 = _acc_pair(a31, p31, qe3, ke3, kt, DO_QK, DO_KK, PREC)
+            a31, p31 = _acc_pair(a31, p31, qe3, ke3, kt, PREC)
             kt = tl.trans(k2 * tl.exp2(n3[None, :] - g2))
-            a32, p32 = _acc_pair(a32, p32, qe3, ke3, kt, DO_QK, DO_KK, PREC)
-            if not DIAG_IN:  # diagonal tiles here (else _diag_fwd_kernel already wrote them)
-                if SAFE:
-                    # bounded gate: exp(Gam_ref - Gam_j) inside one sub-tile stays < 2^116
-                    kt = tl.trans(k0 * tl.exp2(n0[None, :] - g0))
-                    a00, p00 = _acc_pair(a00, p00, q0 * e0, k0 * e0, kt, DO_QK, DO_KK, PREC)
-                    kt = tl.trans(k1 * tl.exp2(n1[None, :] - g1))
-                    a11, p11 = _acc_pair(a11, p11, qe1, ke1, kt, DO_QK, DO_KK, PREC)
-                    kt = tl.trans(k2 * tl.exp2(n2[None, :] - g2))
-                    a22, p22 = _acc_pair(a22, p22, qe2, ke2, kt, DO_QK, DO_KK, PREC)
-                    kt = tl.trans(k3 * tl.exp2(n3[None, :] - g3))
-                    a33, p33 = _acc_pair(a33, p33, qe3, ke3, kt, DO_QK, DO_KK, PREC)
-                else:
-                    x, y = _diag_loop(q0, k0, g0, kn, gc, t0, eos, H, i_h, K, cols, mc, BC)
-                    a00, p00 = _add_pair(a00, p00, x, y, DO_QK, DO_KK)
-                    x, y = _diag_loop(q1, k1, g1, kn, gc, t0 + BC, eos, H, i_h, K, cols, mc, BC)
-                    a11, p11 = _add_pair(a11, p11, x, y, DO_QK, DO_KK)
-                    x, y = _diag_loop(q2, k2, g2, kn, gc, t0 + 2 * BC, eos, H, i_h, K, cols, mc, BC)
-                    a22, p22 = _add_pair(a22, p22, x, y, DO_QK, DO_KK)
-                    x, y = _diag_loop(q3, k3, g3, kn, gc, t0 + 3 * BC, eos, H, i_h, K, cols, mc, BC)
-                    a33, p33 = _add_pair(a33, p33, x, y, DO_QK, DO_KK)
+            a32, p32 = _acc_pair(a32, p32, qe3, ke3, kt, PREC)
 
-        if DO_QK:
-            if not DIAG_IN:
-                incl = o_c[:, None] >= o_c[None, :]
-                _st_blk(Aqk, tl.where(incl, a00, 0.) * scale, r0, eos, H, i_h, BT, 0, BC)
-                _st_blk(Aqk, tl.where(incl, a11, 0.) * scale, r1, eos, H, i_h, BT, BC, BC)
-                _st_blk(Aqk, tl.where(incl, a22, 0.) * scale, r2, eos, H, i_h, BT, 2 * BC, BC)
-                _st_blk(Aqk, tl.where(incl, a33, 0.) * scale, r3, eos, H, i_h, BT, 3 * BC, BC)
-            _st_blk(Aqk, a10 * scale, r1, eos, H, i_h, BT, 0, BC)
-            _st_blk(Aqk, a20 * scale, r2, eos, H, i_h, BT, 0, BC)
-            _st_blk(Aqk, a21 * scale, r2, eos, H, i_h, BT, BC, BC)
-            _st_blk(Aqk, a30 * scale, r3, eos, H, i_h, BT, 0, BC)
-            _st_blk(Aqk, a31 * scale, r3, eos, H, i_h, BT, BC, BC)
-            _st_blk(Aqk, a32 * scale, r3, eos, H, i_h, BT, 2 * BC, BC)
-        if DO_KK:
-            if DIAG_IN:  # strictly lower diagonal key-key tiles from _diag_fwd_kernel, [TT, H, BC]
-                p00 = _ld(Pd, r0, eos, H, i_h, BC, o_c, o_c < BC)
-                p11 = _ld(Pd, r1, eos, H, i_h, BC, o_c, o_c < BC)
-                p22 = _ld(Pd, r2, eos, H, i_h, BC, o_c, o_c < BC)
-                p33 = _ld(Pd, r3, eos, H, i_h, BC, o_c, o_c < BC)
-            else:
-                strict = o_c[:, None] > o_c[None, :]
-                p00 = tl.where(strict, p00, 0.)
-                p11 = tl.where(strict, p11, 0.)
-                p22 = tl.where(strict, p22, 0.)
-                p33 = tl.where(strict, p33, 0.)
+        _st_blk(Aqk, a10 * scale, r1, eos, H, i_h, BT, 0, BC)
+        _st_blk(Aqk, a20 * scale, r2, eos, H, i_h, BT, 0, BC)
+        _st_blk(Aqk, a21 * scale, r2, eos, H, i_h, BT, BC, BC)
+        _st_blk(Aqk, a30 * scale, r3, eos, H, i_h, BT, 0, BC)
+        _st_blk(Aqk, a31 * scale, r3, eos, H, i_h, BT, BC, BC)
+        _st_blk(Aqk, a32 * scale, r3, eos, H, i_h, BT, 2 * BC, BC)
+        # strictly lower diagonal key-key tiles from _diag_fwd_kernel, [TT, H, BC]
+        p00 = _ld(Pd, r0, eos, H, i_h, BC, o_c, o_c < BC)
+        p11 = _ld(Pd, r1, eos, H, i_h, BC, o_c, o_c < BC)
+        p22 = _ld(Pd, r2, eos, H, i_h, BC, o_c, o_c < BC)
+        p33 = _ld(Pd, r3, eos, H, i_h, BC, o_c, o_c < BC)
 
-        if DO_KK:
-            b0 = tl.load(bs + r0 * H + i_h, mask=r0 < eos, other=0.)
-            b1 = tl.load(bs + r1 * H + i_h, mask=r1 < eos, other=0.)
-            b2 = tl.load(bs + r2 * H + i_h, mask=r2 < eos, other=0.)
-            b3 = tl.load(bs + r3 * H + i_h, mask=r3 < eos, other=0.)
-            # M = (I + Diag(beta) P)^-1, blockwise
-            m00 = _inv_unit_lower(b0[:, None] * p00, BC)
-            m11 = _inv_unit_lower(b1[:, None] * p11, BC)
-            m22 = _inv_unit_lower(b2[:, None] * p22, BC)
-            m33 = _inv_unit_lower(b3[:, None] * p33, BC)
-            l10 = b1[:, None] * p10
-            l20 = b2[:, None] * p20
-            l21 = b2[:, None] * p21
-            l30 = b3[:, None] * p30
-            l31 = b3[:, None] * p31
-            l32 = b3[:, None] * p32
-            m10 = -_mm(m11, _mm(l10, m00))
-            m21 = -_mm(m22, _mm(l21, m11))
-            m20 = -_mm(m22, _mm(l20, m00) + _mm(l21, m10))
-            m32 = -_mm(m33, _mm(l32, m22))
-            m31 = -_mm(m33, _mm(l31, m11) + _mm(l32, m21))
-            m30 = -_mm(m33, _mm(l30, m00) + _mm(l31, m10) + _mm(l32, m20))
-            if STORE_BWD:
-                _st_lower(Mo, m00, m10, m11, m20, m21, m22, m30, m31, m32, m33, r0, eos, H, i_h, BT, BC)
-                _st_lower(Po, p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, r0, eos, H, i_h, BT, BC)
-            # T = M Diag(beta) for _wu_fwd_kernel, block rows of [BT, BT] (zeros above the diagonal)
-            z = tl.zeros([BC, BC], dtype=tl.float32)
-            _st_blk(Tm, (m00 * b0[None, :]).to(DT), r0, eos, H, i_h, BT, 0, BC)
-            _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, BC, BC)
-            _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 2 * BC, BC)
-            _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 3 * BC, BC)
-            _st_blk(Tm, (m10 * b0[None, :]).to(DT), r1, eos, H, i_h, BT, 0, BC)
-            _st_blk(Tm, (m11 * b1[None, :]).to(DT), r1, eos, H, i_h, BT, BC, BC)
-            _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 2 * BC, BC)
-            _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 3 * BC, BC)
-            _st_blk(Tm, (m20 * b0[None, :]).to(DT), r2, eos, H, i_h, BT, 0, BC)
-            _st_blk(Tm, (m21 * b1[None, :]).to(DT), r2, eos, H, i_h, BT, BC, BC)
-            _st_blk(Tm, (m22 * b2[None, :]).to(DT), r2, eos, H, i_h, BT, 2 * BC, BC)
-            _st_blk(Tm, z.to(DT), r2, eos, H, i_h, BT, 3 * BC, BC)
-            _st_blk(Tm, (m30 * b0[None, :]).to(DT), r3, eos, H, i_h, BT, 0, BC)
-            _st_blk(Tm, (m31 * b1[None, :]).to(DT), r3, eos, H, i_h, BT, BC, BC)
-            _st_blk(Tm, (m32 * b2[None, :]).to(DT), r3, eos, H, i_h, BT, 2 * BC, BC)
-            _st_blk(Tm, (m33 * b3[None, :]).to(DT), r3, eos, H, i_h, BT, 3 * BC, BC)
+        b0 = tl.load(bs + r0 * H + i_h, mask=r0 < eos, other=0.)
+        b1 = tl.load(bs + r1 * H + i_h, mask=r1 < eos, other=0.)
+        b2 = tl.load(bs + r2 * H + i_h, mask=r2 < eos, other=0.)
+        b3 = tl.load(bs + r3 * H + i_h, mask=r3 < eos, other=0.)
+        # M = (I + Diag(beta) P)^-1, blockwise
+        m00 = _inv_unit_lower(b0[:, None] * p00, BC)
+        m11 = _inv_unit_lower(b1[:, None] * p11, BC)
+        m22 = _inv_unit_lower(b2[:, None] * p22, BC)
+        m33 = _inv_unit_lower(b3[:, None] * p33, BC)
+        l10 = b1[:, None] * p10
+        l20 = b2[:, None] * p20
+        l21 = b2[:, None] * p21
+        l30 = b3[:, None] * p30
+        l31 = b3[:, None] * p31
+        l32 = b3[:, None] * p32
+        m10 = -_mm(m11, _mm(l10, m00))
+        m21 = -_mm(m22, _mm(l21, m11))
+        m20 = -_mm(m22, _mm(l20, m00) + _mm(l21, m10))
+        m32 = -_mm(m33, _mm(l32, m22))
+        m31 = -_mm(m33, _mm(l31, m11) + _mm(l32, m21))
+        m30 = -_mm(m33, _mm(l30, m00) + _mm(l31, m10) + _mm(l32, m20))
+        if STORE_BWD:
+            _st_lower(Mo, m00, m10, m11, m20, m21, m22, m30, m31, m32, m33, r0, eos, H, i_h, BT, BC)
+            _st_lower(Po, p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, r0, eos, H, i_h, BT, BC)
+        # T = M Diag(beta) for _wu_fwd_kernel, block rows of [BT, BT] (zeros above the diagonal)
+        z = tl.zeros([BC, BC], dtype=tl.float32)
+        _st_blk(Tm, (m00 * b0[None, :]).to(DT), r0, eos, H, i_h, BT, 0, BC)
+        _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, BC, BC)
+        _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 2 * BC, BC)
+        _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 3 * BC, BC)
+        _st_blk(Tm, (m10 * b0[None, :]).to(DT), r1, eos, H, i_h, BT, 0, BC)
+        _st_blk(Tm, (m11 * b1[None, :]).to(DT), r1, eos, H, i_h, BT, BC, BC)
+        _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 2 * BC, BC)
+        _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 3 * BC, BC)
+        _st_blk(Tm, (m20 * b0[None, :]).to(DT), r2, eos, H, i_h, BT, 0, BC)
+        _st_blk(Tm, (m21 * b1[None, :]).to(DT), r2, eos, H, i_h, BT, BC, BC)
+        _st_blk(Tm, (m22 * b2[None, :]).to(DT), r2, eos, H, i_h, BT, 2 * BC, BC)
+        _st_blk(Tm, z.to(DT), r2, eos, H, i_h, BT, 3 * BC, BC)
+        _st_blk(Tm, (m30 * b0[None, :]).to(DT), r3, eos, H, i_h, BT, 0, BC)
+        _st_blk(Tm, (m31 * b1[None, :]).to(DT), r3, eos, H, i_h, BT, BC, BC)
+        _st_blk(Tm, (m32 * b2[None, :]).to(DT), r3, eos, H, i_h, BT, 2 * BC, BC)
+        _st_blk(Tm, (m33 * b3[None, :]).to(DT), r3, eos, H, i_h, BT, 3 * BC, BC)
 
     @triton.jit
     def _diag_fwd_kernel(qn, kn, gc, Aqk, Pd, tab, cu, scale, H, K: tl.constexpr, BK: tl.constexpr,
@@ -450,21 +387,6 @@ def _intra_tile():
     return int(bk), int(warps)
 
 
-def _separate_diag():
-    # The diagonal 16x16 tiles by their own kernel (_diag_fwd_kernel); the pairwise kernel keeps the off-diagonal
-    # tiles and the solve. Default since the H200 sweep of 2026-11-30 (bench/results/kda_h200.md): forward 4.49 vs
-    # 6.19 ms at H=32, T=16K and 11.41 vs 11.96 ms at H=96 (K3 gate). KIMI3_KDA_INTRA_DIAG=0 restores one kernel.
-    import os
-    return os.environ.get("KIMI3_KDA_INTRA_DIAG", "1") == "1"
-
-
-def _intra_passes():
-    # KIMI3_KDA_INTRA_PASSES=2: Aqk in one launch, the key-key products + solve in another (less register pressure,
-    # k and g read twice); 1 (default): one launch. For GPU A/B timing (bench/kda.py sweep).
-    import os
-    return int(os.environ.get("KIMI3_KDA_INTRA_PASSES", "1"))
-
-
 def _prec(dtype):
     # fp32 inputs: 3xTF32 matmuls (about fp32 accuracy); bf16/fp16: one pass
     return "tf32x3" if dtype == torch.float32 else "tf32"
@@ -485,25 +407,22 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
     Po = torch.empty(TT, H, BT, device=dev, dtype=torch.float32) if store_bwd else Aqk
     safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
     Tm = torch.empty(TT, H, BT, device=dev, dtype=DT)
+    Pd = torch.empty(TT, H, 16, device=dev, dtype=torch.float32)  # the diagonal tiles' key-key products
     if info.NC > 0:
-        # K slice width and warps of the pairwise kernel. sm_90 ptxas at K = 128 (Triton 3.9):
-        # every choice sits at the 255-register cap; spill per thread 0.9 KB (BK 32) / 2.3 KB (BK 64) / 0.3 KB
-        # (BK 16) with the bounded gate. KIMI3_KDA_INTRA_TILE="BK,warps" overrides, for sweeps (bench/kda.py sweep).
+        # The diagonal 16x16 tiles in their own kernel (a quarter of a chunk per program, few registers), the
+        # off-diagonal ones and the solve in the pairwise kernel: forward 1.38x at H=32, T=16K and 1.05x at H=96
+        # on the H200 against the diagonal tiles inside the pairwise kernel, which, like splitting the pairwise
+        # kernel in two launches, was slower at both shapes (bench/results/kda_h200.md, sweep of 76324af).
+        _diag_fwd_kernel[(info.NC * (BT // 16), H)](
+            qn, kn, gc, Aqk, Pd, info.chunk_tab, info.cu, scale, H=H, K=K, BK=min(32, next_pow2(K)), BT=BT,
+            BC=16, SAFE=safe, PREC=_prec(DT), num_warps=4, num_stages=1)
+        # K slice width and warps of the pairwise kernel (KIMI3_KDA_INTRA_TILE="BK,warps" for sweeps,
+        # bench/kda.py sweep); at K = 128 it sits at sm_90's 255-register cap
         BK, warps = _intra_tile()
-        BK = min(BK, next_pow2(K))
-        diag_in = _separate_diag()
-        Pd = torch.empty(TT, H, 16, device=dev, dtype=torch.float32) if diag_in else Aqk
-        if diag_in:
-            _diag_fwd_kernel[(info.NC * (BT // 16), H)](
-                qn, kn, gc, Aqk, Pd, info.chunk_tab, info.cu, scale, H=H, K=K, BK=min(32, next_pow2(K)), BT=BT,
-                BC=16, SAFE=safe, PREC=_prec(DT), num_warps=4, num_stages=1)
-        # one pass (query-key and key-key products together) or two passes with half the live accumulators each
-        passes = [(True, True)] if _intra_passes() == 1 else [(True, False), (False, True)]
-        for do_qk, do_kk in passes:
-            _intra_fwd_kernel[(info.NC, H)](
-                qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, info.chunk_tab, info.cu, scale,
-                H=H, K=K, BK=BK, BT=BT, BC=16, SAFE=safe, STORE_BWD=store_bwd and do_kk, PREC=_prec(DT),
-                DO_QK=do_qk, DO_KK=do_kk, DIAG_IN=diag_in, num_warps=warps, num_stages=1)
+        _intra_fwd_kernel[(info.NC, H)](
+            qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, info.chunk_tab, info.cu, scale,
+            H=H, K=K, BK=min(BK, next_pow2(K)), BT=BT, BC=16, STORE_BWD=store_bwd, PREC=_prec(DT),
+            num_warps=warps, num_stages=1)
         _wu_fwd_kernel[(info.NC, H)](
             qn, kn, v, gc, Tm, W, U, Qg, Kd, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
             BK=min(64, next_pow2(K)), BV=min(64, next_pow2(V)), BT=BT, PREC=_prec(DT), num_warps=4, num_stages=2)
