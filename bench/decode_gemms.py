@@ -79,6 +79,12 @@ def main():
             if x2.shape[0] == 1:  # one token: cuBLAS GEMV, which splits the rows over many blocks
                 row["us_mv"] = round(graph_us(lambda: torch.mv(w, x2[0])), 2)
                 row["kernels_mv"] = kernels_of(lambda: torch.mv(w, x2[0]))
+            # the weight as the left operand: cuBLAS sees the transposed problem and may tile it differently
+            row["us_weight_left"] = round(graph_us(lambda: (w @ x2.t()).t()), 2)
+            row["kernels_weight_left"] = kernels_of(lambda: (w @ x2.t()).t())
+            if fout <= 256:  # two narrow projections of the same input (f_a and g_a) as one GEMM
+                wcat = torch.cat([w, w])
+                row["us_two_concatenated"] = round(graph_us(lambda: F.linear(x2, wcat)), 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
     write_jsonl(args.out, "decode_gemms.jsonl", rows)
