@@ -89,7 +89,34 @@ def main():
                 row[f"gemv_bn{bn}_bk{bk}_rel_vs_grouped"] = float((y - ref).norm() / ref.norm())
             rows.append(row)
             print(json.dumps(row), flush=True)
+        rows += mlp_rows(cfg)
     write_jsonl(args.out, "moe_decode.jsonl", rows)
+
+
+def mlp_rows(cfg):
+    """One token through a dense SiLU-GLU MLP: cuBLAS (three projections + the GLU kernel) against mlp_gemv's two
+    launches, at the 4.3B config's shared expert (width 1024), twice that, and its dense MLP (9216)."""
+    from transformers_kimi3.moe import Kimi3MLP
+
+    rows = []
+    for width in (1024, 2048, cfg.intermediate_size):
+        with torch.device("cuda"):
+            mlp = Kimi3MLP(cfg, width).to(torch.bfloat16).eval()
+        x = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        os.environ["KIMI3_MOE_GEMV_MAX_ROUTES"] = "0"
+        ref = mlp(x)
+        us = graph_us(lambda: mlp(x))
+        row = dict(mlp_width=width, hidden=cfg.hidden_size, cublas_us=round(us, 1),
+                   cublas_TBps=round(3 * width * cfg.hidden_size * 2 / us / 1e6, 2))
+        for bn, bnd in ((8, 16), (16, 16), (8, 8), (4, 8), (16, 32)):
+            y = moe_decode.mlp_gemv(x, *weights, BN=bn, BN_DOWN=bnd)
+            us = graph_us(lambda: moe_decode.mlp_gemv(x, *weights, BN=bn, BN_DOWN=bnd))
+            row[f"gemv_bn{bn}_{bnd}_us"] = round(us, 1)
+            row[f"gemv_bn{bn}_{bnd}_rel_vs_cublas"] = float((y.float() - ref.float()).norm() / ref.float().norm())
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 if __name__ == "__main__":

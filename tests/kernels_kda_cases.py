@@ -353,6 +353,36 @@ def test_expert_gemv(dtype):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mlp_gemv(dtype):
+    from kimi3_kernels.moe_decode import mlp_gemv
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    from transformers_kimi3.configuration_kimi3 import Kimi3TextConfig
+    from transformers_kimi3.moe import Kimi3MLP
+
+    gen = torch.Generator().manual_seed(5)
+    D, I = 72, 40  # neither a multiple of the 8/16-row tiles nor of the 128-wide K steps
+    mlp = Kimi3MLP(Kimi3TextConfig(hidden_size=D, hidden_act="silu"), I).to(dtype)
+    for p in mlp.parameters():
+        p.data = (torch.randn(p.shape, generator=gen) / 6).to(dtype)
+    x = torch.randn(1, D, generator=gen).to(dtype)
+    weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    y = mlp_gemv(x, *weights)
+    with torch.no_grad():
+        ref = mlp.down_proj(mlp.act_fn(mlp.gate_proj(x), mlp.up_proj(x)))  # the PyTorch path (no kernels on CPU)
+        exact = mlp.double().down_proj(torch.nn.functional.silu(mlp.gate_proj(x.double())) * mlp.up_proj(x.double()))
+    # fp32: summation order. bf16: three roundings to bf16 (gate/up outputs, GLU, down output); the interpreter
+    # truncates them (the GPU rounds to nearest), which biases each by half an ulp: seen 1.1-1.4e-2 relative over
+    # four seeds, where PyTorch's own bf16 path is 2-4e-3 from the fp64 result
+    assert y.dtype == dtype and rel(y, ref) < (1e-6 if dtype == torch.float32 else 2e-2)
+    assert rel(y, exact) < (1e-5 if dtype == torch.float32 else 2e-2)
+    with pytest.raises(ValueError):
+        mlp_gemv(torch.cat([x, x]), *weights)  # one token only
+    with pytest.raises(ValueError):
+        mlp_gemv(x, weights[0], weights[1], weights[0])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul(dtype):
     from kimi3_kernels.moe_decode import silu_mul
     gen = torch.Generator().manual_seed(2)

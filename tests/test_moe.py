@@ -94,6 +94,28 @@ def test_decode_gemv_is_chosen_only_where_it_applies(monkeypatch):
     assert not used(silu, 1)
 
 
+def test_one_token_mlp_gemv_is_chosen_only_where_it_applies(monkeypatch):
+    from transformers_kimi3.moe import Kimi3MLP
+
+    calls = _recorded(monkeypatch, "mlp_gemv", lambda x, g, u, d: torch.zeros(1, d.shape[0]))
+    _recorded(monkeypatch, "silu_mul", lambda g, u: g)
+    silu, situ = (Kimi3MLP(tiny_k3_text_config(hidden_act=a), 48) for a in ("silu", "situ"))
+
+    def used(mlp, shape, grad=False):
+        calls.clear()
+        with torch.set_grad_enabled(grad):
+            y = mlp(torch.randn(*shape, 64))
+        assert y.shape == (*shape, 64)
+        return bool(calls)
+
+    assert used(silu, (1, 1)) and used(silu, (1,))  # one token, whatever the leading dims
+    assert not used(silu, (2, 1)) and not used(silu, (1, 3))  # each row would re-read the weights
+    assert not used(situ, (1, 1))  # SiTU stays on the PyTorch path
+    assert not used(silu, (1, 1), grad=True)  # training
+    monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "0")  # the decode kernels' off switch
+    assert not used(silu, (1, 1))
+
+
 def test_decode_router_and_glu_kernels_are_chosen_only_where_they_apply(monkeypatch):
     from transformers_kimi3.moe import GLUActivation
 

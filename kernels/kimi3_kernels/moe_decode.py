@@ -29,10 +29,11 @@ except Exception:  # noqa: BLE001 - optional
 
 if HAS_TRITON:
     @triton.jit
-    def _gate_up_kernel(x, w1, w3, idx, h, E, I, D, KTOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def _gate_up_kernel(x, w1, w3, idx, h, E, I, D, KTOP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        ONE_EXPERT: tl.constexpr = False):
         r = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
-        e = tl.load(idx + r).to(tl.int64)
+        e = tl.full([], 0, tl.int64) if ONE_EXPERT else tl.load(idx + r).to(tl.int64)
         if e < E:
             t = r // KTOP
             mn = n < I
@@ -51,11 +52,11 @@ if HAS_TRITON:
             tl.store(h + r * I + n, (g * tl.sigmoid(g) * u).to(h.dtype.element_ty), mask=mn)
 
     @triton.jit
-    def _down_kernel(h, w2, idx, o, E, I, D, BN: tl.constexpr, BK: tl.constexpr):
+    def _down_kernel(h, w2, idx, o, E, I, D, BN: tl.constexpr, BK: tl.constexpr, ONE_EXPERT: tl.constexpr = False):
         r = tl.program_id(0)  # one route per program row: every route's weights stream in parallel
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         mn = n < D
-        e = tl.load(idx + r).to(tl.int64)
+        e = tl.full([], 0, tl.int64) if ONE_EXPERT else tl.load(idx + r).to(tl.int64)
         acc = tl.zeros([BN], dtype=tl.float32)
         if e < E:
             for k0 in range(0, I, BK):
@@ -185,6 +186,27 @@ def expert_gemv(x, w1, w3, w2, topk_idx, topk_weights, BN=16, BK=128):
     _combine_kernel[(T, triton.cdiv(D, 1024))](o, topk_weights.float().contiguous(), y, D, KTOP=k, BN=1024,
                                                num_warps=4)
     return y
+
+
+def mlp_gemv(x, gate, up, down, BN=8, BN_DOWN=16, BK=128):
+    """One token through a dense SiLU-GLU MLP (a shared expert): x [1, D]; gate, up [I, D]; down [D, I]. Returns
+    [1, D] in the weights' dtype, rounded as Kimi3MLP (each projection's output, then the fp32 GLU). Two launches of
+    the expert kernels instead of four; cuBLAS gives a one-row 2304 -> 1024 projection a tile that streams its
+    weights at a tenth of the bandwidth (bench/decode_gemms.py). Each row re-reads the weights: one token only."""
+    I, D = gate.shape
+    if x.shape != (1, D) or up.shape != (I, D) or down.shape != (D, I):
+        raise ValueError(f"mlp_gemv: x {tuple(x.shape)}, gate {tuple(gate.shape)}, up {tuple(up.shape)}, "
+                         f"down {tuple(down.shape)}")
+    if not (gate.is_contiguous() and up.is_contiguous() and down.is_contiguous()):
+        raise ValueError("mlp_gemv: weights must be contiguous")
+    x = x.to(gate.dtype).contiguous()
+    h = torch.empty(1, I, device=x.device, dtype=gate.dtype)
+    o = torch.empty(1, D, device=x.device, dtype=gate.dtype)
+    _gate_up_kernel[(1, triton.cdiv(I, BN))](x, gate, up, x, h, 1, I, D, KTOP=1, BN=BN, BK=BK, ONE_EXPERT=True,
+                                             num_warps=4)
+    _down_kernel[(1, triton.cdiv(D, BN_DOWN))](h, down, x, o, 1, I, D, BN=BN_DOWN, BK=BK, ONE_EXPERT=True,
+                                               num_warps=4)
+    return o
 
 
 def expert_gemv_ref(x, w1, w3, w2, topk_idx, topk_weights):

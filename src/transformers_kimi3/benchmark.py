@@ -286,7 +286,33 @@ def stage_profile(res, m, device, prompt, steps=8):
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]
     res.add(stage="profile", impl="ours", batch=1, prompt=prompt, graph_step_ms=graph_ms, eager_step_ms=eager_ms,
             kernels_per_step=sum(v[0] for v in kernels.values()) / steps, kernel_us_per_step=total_us,
-            top_kernels=[dict(name=n, calls=c / steps, us=t / steps) for n, (c, t) in top])
+            top_kernels=[dict(name=n, calls=c / steps, us=t / steps) for n, (c, t) in top],
+            **_generate_loop_profile(m, ids, device))
+
+
+def _generate_loop_profile(m, ids, device, n=32):
+    """What a static-cache generate() step costs beyond its graph replay: the step as the decode rows time it, the
+    host (CPU) time per step, and the host ops that take it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def run(k):
+        return m.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0,
+                          cache_implementation="static")
+
+    with torch.no_grad():
+        run(4)
+        step_ms = (median_time(lambda: run(n + 1), device) - median_time(lambda: run(1), device)) / n * 1e3
+        per_op = {}
+        for k, sign in ((n + 1, 1), (1, -1)):  # the decode steps' share: generate(n + 1) minus generate(1)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                run(k)
+                sync(device)
+            for e in prof.key_averages():
+                c, t = per_op.get(e.key, (0, 0.0))
+                per_op[e.key] = (c + sign * e.count, t + sign * e.self_cpu_time_total)
+    ops = sorted(per_op.items(), key=lambda kv: -kv[1][1])[:12]
+    return dict(generate_step_ms=step_ms, host_ms_per_step=sum(t for _, t in per_op.values()) / n / 1e3,
+                generate_host_ops=[dict(name=k[:60], calls=c / n, self_cpu_us_per_step=t / n) for k, (c, t) in ops])
 
 
 def stage_check_fp32(res, device, T):
