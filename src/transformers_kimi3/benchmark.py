@@ -192,6 +192,14 @@ def _kda_backend(backend):
             os.environ["KIMI3_KDA_BACKEND"] = saved
 
 
+def _prefill_models(native, ours, device):
+    models = {k: v for k, v in (("native", native), ("ours", ours)) if v is not None}
+    from .kda import kernel_status
+    if kernel_status(device)["available"]["fla"] and kernel_status(device)["available"]["triton"]:
+        models["ours_fla_chunk"] = (ours, "fla_chunk")  # fla's chunked kernels inside our model
+    return models
+
+
 def stage_prefill(res, models, device, lengths, deadline):
     """`models`: name -> model, or name -> (model, KDA backend to force through KIMI3_KDA_BACKEND)."""
     for T in lengths:
@@ -276,18 +284,38 @@ def stage_profile(res, m, device, prompt, steps=8):
             for _ in range(steps):
                 step()
             sync(device)
+    res.add(stage="profile", impl="ours", batch=1, prompt=prompt, graph_step_ms=graph_ms, eager_step_ms=eager_ms,
+            **_kernel_table(prof, steps, "step"), **_generate_loop_profile(m, ids, device))
+
+
+def _kernel_table(prof, calls, per):
+    """CUDA kernels of a torch.profiler run grouped by name, per call of what was profiled: count, total, top 25."""
     kernels = {}
     for e in prof.events():
         if e.device_type.name == "CUDA":
             k = kernels.setdefault(e.name[:90], [0, 0.0])
             k[0] += 1
             k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-    total_us = sum(v[1] for v in kernels.values()) / steps
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]
-    res.add(stage="profile", impl="ours", batch=1, prompt=prompt, graph_step_ms=graph_ms, eager_step_ms=eager_ms,
-            kernels_per_step=sum(v[0] for v in kernels.values()) / steps, kernel_us_per_step=total_us,
-            top_kernels=[dict(name=n, calls=c / steps, us=t / steps) for n, (c, t) in top],
-            **_generate_loop_profile(m, ids, device))
+    return {f"kernels_per_{per}": sum(v[0] for v in kernels.values()) / calls,
+            f"kernel_us_per_{per}": sum(v[1] for v in kernels.values()) / calls,
+            "top_kernels": [dict(name=n, calls=c / calls, us=t / calls) for n, (c, t) in top]}
+
+
+def stage_prefill_profile(res, models, device, T):
+    """Where one prefill's GPU time goes, per implementation: kernels grouped by name (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, m in models.items():
+        m, backend = m if isinstance(m, tuple) else (m, None)
+        ids = torch.randint(3, m.config.vocab_size, (1, T), device=device)
+        with torch.no_grad(), _kda_backend(backend):
+            step = lambda: m(input_ids=ids, use_cache=False, logits_to_keep=1)  # noqa: E731
+            ms = timed(step, device, reps=2) * 1e3
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                sync(device)
+        res.add(stage="prefill_profile", impl=name, T=T, ms=ms, **_kernel_table(prof, 1, "prefill"))
 
 
 def _generate_loop_profile(m, ids, device, n=32):
@@ -434,14 +462,13 @@ def main(argv=None):
     if "check" in stages:
         guarded(res, "check", stage_check, res, native, ours, device, 64 if args.tiny else 2048)
     if "prefill" in stages:
-        models = {k: v for k, v in (("native", native), ("ours", ours)) if v is not None}
-        from .kda import kernel_status
-        if kernel_status(device)["available"]["fla"] and kernel_status(device)["available"]["triton"]:
-            models["ours_fla_chunk"] = (ours, "fla_chunk")  # fla's chunked kernels inside our model
-        stage_prefill(res, models, device, [int(x) for x in args.prefill.split(",")],
+        stage_prefill(res, _prefill_models(native, ours, device), device, [int(x) for x in args.prefill.split(",")],
                       deadline)
     if "profile" in stages:
         guarded(res, "profile", stage_profile, res, ours, device, args.prompt)
+    if "prefill_profile" in stages:
+        guarded(res, "prefill_profile", stage_prefill_profile, res, _prefill_models(native, ours, device), device,
+                int(args.prefill.split(",")[0]))
     if "chunk_check" in stages:
         guarded(res, "chunk_check", stage_chunk_check, res, ours, device, 4 * args.chunk // 16, args.chunk // 16)
     if "block_check" in stages:
