@@ -316,6 +316,37 @@ def test_short_conv_update(B, T, D, W, dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                          (torch.bfloat16, torch.bfloat16)])  # the model keeps conv weights fp32
+@pytest.mark.parametrize("B,T,D,W,with_state", [(1, 1, 200, 4, True), (2, 37, 72, 4, True), (1, 70, 130, 4, False),
+                                                (2, 2, 64, 3, False), (1, 3, 64, 4, True)])
+def test_short_conv(B, T, D, W, with_state, dtype, wdtype):
+    """The prefill conv kernel against the model's PyTorch path (cat, conv1d, SiLU): T below, at and across the
+    32-token tiles and below W, D across the 128-channel tiles, with and without a carried state."""
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    from kimi3_kernels.kda.layer_ops import short_conv
+    from transformers_kimi3.kda import causal_conv
+
+    gen = torch.Generator().manual_seed(B * 1000 + T * 10 + W)
+    x = torch.randn(B, T, D, generator=gen).to(dtype)
+    state = torch.randn(B, D, W, generator=gen).to(dtype) if with_state else None
+    w = (0.5 * torch.randn(D, 1, W, generator=gen)).to(wdtype)
+    y, st = short_conv(x, w, state)
+    r, rst = causal_conv(x, w, state)
+    assert y.dtype == dtype and st.dtype == rst.dtype and torch.equal(st, rst)  # the last W inputs, exactly
+    if dtype == torch.float32:
+        assert ((y - r).abs() <= 1e-6 * (1 + r.abs())).all()
+    elif wdtype == torch.float32:  # the model's case: one cast to bf16, which the interpreter truncates: <= 1 ulp
+        assert bf16_ulps(y, r) <= 1
+    else:  # bf16 weights also round the conv output before the SiLU; two truncating casts: seen 3.9 ulps from the
+        # fp64 result, where PyTorch's path is 2.1 (a wrong tap or shift is off by whole units)
+        exact, _ = causal_conv(x.double(), w.double(), None if state is None else state.double())
+        assert bf16_ulps(y, exact) <= 4
+    with pytest.raises(ValueError):
+        short_conv(x, w[:-1], state)
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_rms_norm(dtype):
     from kimi3_kernels.kda.layer_ops import gated_rms_norm, gated_rms_norm_ref
@@ -382,6 +413,31 @@ def test_mlp_gemv(dtype):
 
 
 @needs_triton
+def test_combine_sorted():
+    """The grouped-GEMM (prefill) combine: expert-sorted bf16 rows, weighted per token in fp32, against the model's
+    unsort + mask + weighted sum; a route to another rank's expert (index E) has a NaN row that must not leak."""
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    from kimi3_kernels.moe_decode import combine_sorted
+    from transformers_kimi3.moe import Kimi3Experts
+
+    gen = torch.Generator().manual_seed(11)
+    T, k, E, D = 9, 3, 5, 1100  # D across two 1024-wide tiles
+    idx = torch.stack([torch.randperm(E + 1, generator=gen)[:k] for _ in range(T)])  # some routes to index E
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    offs = torch.bincount(flat, minlength=E + 1)[:E].cumsum(0)
+    out = torch.randn(T * k, D, generator=gen).bfloat16()
+    out[int(offs[-1]):] = float("nan")  # off-rank rows are never computed
+    w = torch.rand(T, k, generator=gen)
+    y = combine_sorted(out, order, idx, w, E)
+    ref = (Kimi3Experts._unsort(out, order, offs).float().view(T, k, D) * w[..., None]).sum(1)
+    assert (flat == E).any() and y.dtype == torch.float32 and not y.isnan().any()
+    assert rel(y, ref) < 1e-6  # fp32 sums of the same products, another order
+    with pytest.raises(ValueError):
+        combine_sorted(out[:-1], order, idx, w, E)
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul(dtype):
     from kimi3_kernels.moe_decode import silu_mul
@@ -444,7 +500,9 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=gen)
     steps = [torch.randint(3, model.config.vocab_size, (2, n), generator=gen) for n in (1, 3, 1)]
-    fused = []
+    fused, convs = [], []
+    real_conv = kda_layer._triton_kda.short_conv
+    monkeypatch.setattr(kda_layer._triton_kda, "short_conv", lambda *a: convs.append(1) or real_conv(*a))
     monkeypatch.setattr(kda_layer.Kimi3DeltaAttention, "_fused_decode",
                         lambda self, *a, _f=kda_layer.Kimi3DeltaAttention._fused_decode: fused.append(1) or _f(self, *a))
     logits = {}
@@ -461,6 +519,7 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
         logits[run] = out
     n_kda = len(model.config.linear_attn_config["kda_layers"])
     assert len(fused) == 2 * n_kda * len(steps)  # every KDA layer of every step after the prefill went fused
+    assert len(convs) == 2 * n_kda * 3  # the prefills' q/k/v convs: one kernel launch each
     n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in model.model.layers)
     assert len(gemv) == (2 * n_moe * len(steps) if kind == "kimi_linear" else 0)  # B=2 x (1 or 3) tokens x top-2
     assert len(routed) == 2 * n_moe * len(steps)

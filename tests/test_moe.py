@@ -34,7 +34,7 @@ def test_segments_gathered_and_grouped_mm_agree():
         segments = e(x, idx, w)  # 100 assignments: the sorted-segment path
         gathered = (e._gathered(x, idx).view(50, 2, -1) * w[..., None]).sum(1)
         eb = e.to(torch.bfloat16)
-        grouped = (eb._grouped_mm(x.bfloat16(), idx).float().view(50, 2, -1) * w[..., None]).sum(1)
+        grouped = (eb._unsort(*eb._grouped_mm(x.bfloat16(), idx)).float().view(50, 2, -1) * w[..., None]).sum(1)
     scale = ref.abs().max()
     assert (segments.double() - ref).abs().max() / scale < 1e-5
     assert (gathered.double() - ref).abs().max() / scale < 1e-5

@@ -154,7 +154,10 @@ class Kimi3ShortConv(nn.Conv1d):
     def __init__(self, channels, kernel_size):
         super().__init__(channels, channels, kernel_size, groups=channels, padding=kernel_size - 1, bias=False)
 
-    def forward(self, x, state=None, seq_idx=None):
+    def forward(self, x, state=None, seq_idx=None, kernel=False):
+        if kernel:  # inference on CUDA with our Triton kernels: one launch (same math, kimi3_kernels tests)
+            with _on_device(x):
+                return _triton_kda.short_conv(x, self.weight, state)
         return causal_conv(x, self.weight, state, seq_idx)
 
 
@@ -209,9 +212,10 @@ class Kimi3DeltaAttention(nn.Module):
                 and all(s.is_contiguous() for s in states)):  # updated in place by the conv kernel
             return self._fused_decode(x, states, h0)
         states = states or (None, None, None)
-        q, sq = self.q_conv1d(self.q_proj(x), states[0], seq_idx)
-        k, sk = self.k_conv1d(self.k_proj(x), states[1], seq_idx)
-        v, sv = self.v_conv1d(self.v_proj(x), states[2], seq_idx)
+        kernel = backend in ("triton", "fla_chunk") and seq_idx is None and not torch.is_grad_enabled()
+        q, sq = self.q_conv1d(self.q_proj(x), states[0], seq_idx, kernel)
+        k, sk = self.k_conv1d(self.k_proj(x), states[1], seq_idx, kernel)
+        v, sv = self.v_conv1d(self.v_proj(x), states[2], seq_idx, kernel)
         q, k, v = (t.view(B, T, H, K) for t in (q, k, v))
         g = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         beta = self.b_proj(x)

@@ -158,7 +158,11 @@ class Kimi3Experts(nn.Module):
             with _on_device(x):
                 return _moe_decode.expert_gemv(x, self.w1, self.w3, self.w2, topk_idx, topk_weights)
         if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and GROUPED_MM:
-            y = self._grouped_mm(x, topk_idx)
+            out, order, offs = self._grouped_mm(x, topk_idx)
+            if _kernel_ok(x, weights):  # inference: the weighted sum straight from the sorted rows, one launch
+                with _on_device(x):
+                    return _moe_decode.combine_sorted(out, order, topk_idx, topk_weights, self.num_experts)
+            y = self._unsort(out, order, offs)
         elif T * k <= self.GATHER_MAX_ASSIGNMENTS:
             y = self._gathered(x, topk_idx)
         else:
@@ -196,9 +200,13 @@ class Kimi3Experts(nn.Module):
         offs = counts.cumsum(0).to(torch.int32)
         g = torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)
         u = torch._grouped_mm(xs, self.w3.transpose(1, 2), offs=offs)
-        out = torch._grouped_mm(self.act_fn(g, u), self.w2.transpose(1, 2), offs=offs)
+        return torch._grouped_mm(self.act_fn(g, u), self.w2.transpose(1, 2), offs=offs), order, offs
+
+    @staticmethod
+    def _unsort(out, order, offs):
+        """Expert-sorted rows back to route order; off-rank routes sort last, are not computed and become 0."""
         rows = torch.arange(out.shape[0], device=out.device)[:, None]
-        out = out.masked_fill(rows >= offs[-1], 0)  # off-rank routes sort last and are not computed
+        out = out.masked_fill(rows >= offs[-1], 0)
         return out.new_empty(out.shape).index_copy_(0, order, out)
 
 

@@ -7,6 +7,7 @@ launches are most of a CUDA-graph-replayed step (bench/results/e2e_h200.json, pr
 - `short_conv_update(xs, states, weights)`: the depthwise causal convs + SiLU of q, k and v for T new tokens
   (decode, speculative verification) in one launch, the conv states [B, D, W] updated in place.
 - `gated_rms_norm(x, gate, weight, eps)`: RMSNorm(x) * weight * sigmoid(gate) in fp32, cast to x's dtype.
+- `short_conv(x, weight, state)`: the same conv + SiLU for a whole prompt (or prompt chunk) in one launch, inference.
 
 References (same signatures' math): `transformers_kimi3.kda.causal_conv` and `transformers_kimi3.norms.
 Kimi3GatedRMSNorm`; `short_conv_update_ref` / `gated_rms_norm_ref` below restate them for the tests.
@@ -43,13 +44,34 @@ if TRITON_AVAILABLE:
             p = t + 1 + j[None, :]  # the window that ends at token t
             win = tl.load(s_row + p, mask=mj & (p < W), other=0.) + \
                 tl.load(x_row + (p - W) * D, mask=mj & (p >= W), other=0.)
-            acc = tl.sum(win.to(tl.float32) * wt, 1).to(y.dtype.element_ty).to(tl.float32)  # conv output dtype
+            acc = tl.sum(win.to(tl.float32) * wt, 1).to(w.dtype.element_ty).to(tl.float32)  # conv output dtype
             out = acc * tl.sigmoid(acc)
             tl.store(y + (i_b * T + t) * D + d, out.to(y.dtype.element_ty), mask=md)
         p = T + j[None, :]  # the last W positions become the state (all loaded before the store)
         new = tl.load(s_row + p, mask=mj & (p < W), other=0.) + \
             tl.load(x_row + (p - W) * D, mask=mj & (p >= W), other=0.)
         tl.store(s_row + j[None, :], new.to(s.dtype.element_ty), mask=mj)
+
+    @triton.jit
+    def _conv_fwd_kernel(x, s, w, y, T, D, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                         HAS_STATE: tl.constexpr):
+        i_t, i_d, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        t = i_t * BT + tl.arange(0, BT)
+        d = i_d * BD + tl.arange(0, BD)
+        mt, md = t < T, d < D
+        x_b = x + i_b.to(tl.int64) * T * D
+        acc = tl.zeros([BT, BD], dtype=tl.float32)
+        for j in tl.static_range(W):  # tap j reads input t - (W - 1) + j; before the prompt: the state (or 0)
+            src = t - (W - 1) + j
+            xv = tl.load(x_b + src[:, None] * D + d[None, :], mask=(mt & (src >= 0))[:, None] & md[None, :],
+                         other=0.).to(tl.float32)
+            if HAS_STATE:
+                xv += tl.load(s + (i_b * D + d[None, :]) * W + (W + src[:, None]),
+                              mask=(mt & (src < 0))[:, None] & md[None, :], other=0.).to(tl.float32)
+            acc += xv * tl.load(w + d * W + j, mask=md, other=0.).to(tl.float32)[None, :]
+        acc = acc.to(w.dtype.element_ty).to(tl.float32)  # the conv's output dtype (the weight's)
+        tl.store(y + i_b.to(tl.int64) * T * D + t[:, None] * D + d[None, :],
+                 (acc * tl.sigmoid(acc)).to(y.dtype.element_ty), mask=mt[:, None] & md[None, :])
 
     @triton.jit
     def _gated_norm_kernel(x, g, w, y, N, eps, K: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr):
@@ -82,6 +104,29 @@ def short_conv_update(xs, states, weights):
     _conv_update_kernel[(B, triton.cdiv(D, BD), 3)](*xs, *states, *weights, *ys, D, T=T, W=W, WP=next_pow2(W),
                                                      BD=BD, num_warps=4)
     return tuple(ys)
+
+
+def short_conv(x, weight, state=None):
+    """Prefill / a chunk of a prompt: x [B, T, D]; weight [D, 1, W]; state [B, D, W] (the last W inputs before x) or
+    None (zeros). Returns (SiLU(conv(x)) [B, T, D] and the new state [B, D, W], both in x's dtype). One launch in place of the transpose, concatenation, casts, conv and SiLU of the PyTorch path
+    (`transformers_kimi3.kda.causal_conv`, ~1 ms per call at 8K tokens x 4096 channels vs ~0.05 ms). No autograd."""
+    B, T, D = x.shape
+    W = weight.shape[-1]
+    if weight.shape != (D, 1, W) or (state is not None and state.shape != (B, D, W)):
+        raise ValueError(f"short_conv: x {tuple(x.shape)}, weight {tuple(weight.shape)}, state "
+                         f"{None if state is None else tuple(state.shape)} do not fit [B, T, D] / [D, 1, W] / "
+                         "[B, D, W]")
+    xc, wc = x.contiguous(), weight.contiguous()
+    sc = state.contiguous() if state is not None else None
+    y = torch.empty_like(xc)
+    BT, BD = 32, 128
+    if T:
+        _conv_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD), B)](xc, sc if sc is not None else xc, wc, y, T, D,
+                                                                     W=W, BT=BT, BD=BD, HAS_STATE=sc is not None,
+                                                                     num_warps=4)
+    prev = x.new_zeros(B, D, W) if state is None else state.to(x.dtype)
+    new_state = torch.cat([prev, x[:, -W:].transpose(1, 2)], dim=-1)[..., -W:].contiguous()
+    return y, new_state
 
 
 def gated_rms_norm(x, gate, weight, eps):
