@@ -439,6 +439,33 @@ def test_combine_sorted():
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,with_partial", [(1, True), (3, False), (7, True), (8, True)])
+def test_attn_res_mix(n, with_partial, dtype):
+    """The one-launch AttnRes mix against the model's PyTorch path: 1 to 9 sources (8 + partial crosses a power of
+    two), d across the 256-wide steps, a partial in fp32 (rounded to the bank's dtype first, as the model does)."""
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    from kimi3_kernels.attn_res import attn_res_mix
+    from transformers_kimi3 import attn_res as model_attn_res
+
+    gen = torch.Generator().manual_seed(n)
+    B, T, D = 2, 3, 300
+    bank = (torch.randn(B, T, n, D, generator=gen) * torch.rand(1, 1, n, 1, generator=gen) * 3).to(dtype)
+    partial = torch.randn(B, T, D, generator=gen) if with_partial else None
+    proj, norm = model_attn_res.Kimi3AttnResProj(D), model_attn_res.Kimi3AttnResNorm(D, eps=1e-6)
+    with torch.no_grad():
+        proj.weight.normal_(0, 0.5, generator=gen)
+        norm.weight.uniform_(0.5, 1.5, generator=gen)
+        ref = model_attn_res.attn_res_mix(bank, partial, proj, norm)  # CPU: the PyTorch path
+    y = attn_res_mix(bank, partial, norm.weight, proj.weight, norm.variance_epsilon)
+    assert y.dtype == dtype and y.shape == (B, T, D)
+    # fp32: the same sums in another order; bf16: one rounding of the fp32 mix, truncated by the interpreter
+    assert (rel(y, ref) < 1e-6) if dtype == torch.float32 else (bf16_ulps(y, ref) <= 1)
+    with pytest.raises(ValueError):
+        attn_res_mix(bank[:, :, :0], partial, norm.weight, proj.weight, 1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul(dtype):
     from kimi3_kernels.moe_decode import silu_mul
     gen = torch.Generator().manual_seed(2)
@@ -449,6 +476,29 @@ def test_silu_mul(dtype):
     assert y.dtype == dtype and (rel(y, ref) < 1e-6 if dtype == torch.float32 else bf16_ulps(y, ref) <= 1)
     with pytest.raises(ValueError):
         silu_mul(g, u[:, :5])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("linear_beta", [None, 3.0])
+def test_glu_mul_situ(dtype, linear_beta):
+    """K3's SiTU-GLU in one launch against GLUActivation's PyTorch path, gate values well past the tanh bound."""
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    from kimi3_kernels.moe_decode import glu_mul
+    from transformers_kimi3.configuration_kimi3 import Kimi3TextConfig
+    from transformers_kimi3.moe import GLUActivation
+
+    act = GLUActivation(Kimi3TextConfig(hidden_act="situ", activation_situ_beta=4.0,
+                                        activation_situ_linear_beta=linear_beta))
+    gen = torch.Generator().manual_seed(6)
+    g, u = (8 * torch.randn(7, 45, generator=gen)).to(dtype), (4 * torch.randn(7, 45, generator=gen)).to(dtype)
+    y, ref = glu_mul(g, u, 4.0, linear_beta), act(g, u)  # CPU tensors: act takes the PyTorch path
+    # fp32: tanh as 2 sigmoid(2x) - 1 is off by ~1e-7 absolute; bf16: one rounding, truncated by the interpreter
+    assert y.dtype == dtype
+    if dtype == torch.float32:
+        assert ((y - ref).abs() <= 1e-5 * (1 + ref.abs())).all()
+    else:
+        assert bf16_ulps(y, ref) <= 1
 
 
 @needs_triton
@@ -492,6 +542,10 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
     from transformers_kimi3 import moe as moe_mod
     gemv, routed = [], []
     monkeypatch.setattr(moe_mod, "KERNELS_ON_CPU", True)  # router, SiLU-GLU and expert GEMVs under the interpreter
+    from transformers_kimi3 import attn_res as attn_res_mod
+    mixes = []
+    real_mix = attn_res_mod._kernel.attn_res_mix
+    monkeypatch.setattr(attn_res_mod._kernel, "attn_res_mix", lambda *a: mixes.append(1) or real_mix(*a))
     real_route = moe_mod._moe_decode.route_topk
     monkeypatch.setattr(moe_mod._moe_decode, "route_topk", lambda *a, **kw: routed.append(1) or real_route(*a, **kw))
     if kind == "kimi_linear":  # SiLU experts: decode steps of <= 16 routes take the per-route GEMV
@@ -512,6 +566,7 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
                                      ("triton_static", "triton", 32)):
         monkeypatch.setattr(kda_layer, "resolve_backend", lambda device, requested=None, announce=True, b=backend: b)
         monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "16" if backend == "triton" else "0")
+        monkeypatch.setattr(attn_res_mod, "KERNEL_ON_CPU", backend == "triton")  # the AttnRes mix in one launch
         cache = Kimi3Cache(model.config, max_length=max_length)
         with torch.no_grad():
             out = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
@@ -520,6 +575,7 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
     n_kda = len(model.config.linear_attn_config["kda_layers"])
     assert len(fused) == 2 * n_kda * len(steps)  # every KDA layer of every step after the prefill went fused
     assert len(convs) == 2 * n_kda * 3  # the prefills' q/k/v convs: one kernel launch each
+    assert bool(mixes) == (kind == "k3")  # AttnRes (K3 only) mixed by the kernel in the fused runs
     n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in model.model.layers)
     assert len(gemv) == (2 * n_moe * len(steps) if kind == "kimi_linear" else 0)  # B=2 x (1 or 3) tokens x top-2
     assert len(routed) == 2 * n_moe * len(steps)

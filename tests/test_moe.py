@@ -74,6 +74,7 @@ def test_decode_gemv_is_chosen_only_where_it_applies(monkeypatch):
     # few routes, SiLU experts, no autograd, plain (non-DTensor) weights
     calls = _recorded(monkeypatch, "expert_gemv", lambda x, *a: torch.zeros(x.shape[0], 32))
     _recorded(monkeypatch, "silu_mul", lambda g, u: torch.nn.functional.silu(g) * u)  # the other paths' GLU
+    _recorded(monkeypatch, "glu_mul", lambda g, u, b, lb: g * u)
     monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "8")
     silu = Kimi3Experts(tiny_k3_text_config(hidden_act="silu", num_experts=8, moe_intermediate_size=32), 32)
     situ = Kimi3Experts(tiny_k3_text_config(num_experts=8, moe_intermediate_size=32), 32)
@@ -99,6 +100,7 @@ def test_one_token_mlp_gemv_is_chosen_only_where_it_applies(monkeypatch):
 
     calls = _recorded(monkeypatch, "mlp_gemv", lambda x, g, u, d: torch.zeros(1, d.shape[0]))
     _recorded(monkeypatch, "silu_mul", lambda g, u: g)
+    _recorded(monkeypatch, "glu_mul", lambda g, u, b, lb: g)
     silu, situ = (Kimi3MLP(tiny_k3_text_config(hidden_act=a), 48) for a in ("silu", "situ"))
 
     def used(mlp, shape, grad=False):
@@ -137,9 +139,11 @@ def test_decode_router_and_glu_kernels_are_chosen_only_where_they_apply(monkeypa
     assert not used(grouped, 1)  # expert groups: the PyTorch path
     assert not used(plain, 1, grad=True)  # autograd recording (training)
     glu_calls = _recorded(monkeypatch, "silu_mul", lambda g, u: g)
+    situ_calls = _recorded(monkeypatch, "glu_mul", lambda g, u, b, lb: g)
     silu, situ = (GLUActivation(tiny_k3_text_config(hidden_act=a)) for a in ("silu", "situ"))
     g = torch.randn(3, 5)
     with torch.no_grad():
         silu(g, g), situ(g, g)
-    silu(g, g.requires_grad_())  # autograd: the PyTorch path
-    assert len(glu_calls) == 1
+    silu(g, g.requires_grad_()), situ(g, g)  # autograd: the PyTorch path
+    assert len(glu_calls) == 1 and len(situ_calls) == 1
+    assert situ_calls[0][2:] == (situ.beta, situ.linear_beta)

@@ -16,6 +16,7 @@ from transformers import (
     AutoProcessor,
 )
 
+from .attn_res import _kernel as _attn_res_kernel
 from .cache import Kimi3Cache
 from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig, Kimi3VisionConfig, KimiK3Config
 from .image_processing_kimi3 import Kimi3ImageProcessor
@@ -42,7 +43,8 @@ __version__ = "0.1.0"
 def kernel_status(device=None):
     """Which kernel backends are importable here and which ones the model uses (KDA; packed MXFP4 experts)."""
     kda = _kda_status(device)
-    return {"kda": kda, "moe": dict(_mxfp4_status(kda["device"]), dense_experts_gemv_max_routes=gemv_max_routes())}
+    return {"kda": kda, "moe": dict(_mxfp4_status(kda["device"]), dense_experts_gemv_max_routes=gemv_max_routes()),
+            "attn_res_mix": "triton" if _attn_res_kernel is not None and kda["device"].startswith("cuda") else "torch"}
 
 
 def _register(name, config_cls, pairs):

@@ -61,9 +61,11 @@ class GLUActivation(nn.Module):
             raise ValueError("Kimi3 config: `activation_situ_beta` is required when hidden_act is 'situ'")
 
     def forward(self, gate, up):
-        if self.kind == "silu" and gate.shape == up.shape and _kernel_ok(gate, (up,)):
+        if gate.shape == up.shape and _kernel_ok(gate, (up,)):  # inference: one launch instead of 5 (SiTU: 11)
             with _on_device(gate):
-                return _moe_decode.silu_mul(gate, up)  # inference: one launch instead of five
+                if self.kind == "silu":
+                    return _moe_decode.silu_mul(gate, up)
+                return _moe_decode.glu_mul(gate, up, self.beta, self.linear_beta)
         dtype = gate.dtype
         gate, up = gate.float(), up.float()
         if self.kind == "situ":
