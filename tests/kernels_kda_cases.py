@@ -456,10 +456,11 @@ def test_attn_res_mix(n, with_partial, dtype):
         proj.weight.normal_(0, 0.5, generator=gen)
         norm.weight.uniform_(0.5, 1.5, generator=gen)
         ref = model_attn_res.attn_res_mix(bank, partial, proj, norm)  # CPU: the PyTorch path
-    y = attn_res_mix(bank, partial, norm.weight, proj.weight, norm.variance_epsilon)
-    assert y.dtype == dtype and y.shape == (B, T, D)
-    # fp32: the same sums in another order; bf16: one rounding of the fp32 mix, truncated by the interpreter
-    assert (rel(y, ref) < 1e-6) if dtype == torch.float32 else (bf16_ulps(y, ref) <= 1)
+    for bd in (1024, 128):  # one step over d (the default width), and three
+        y = attn_res_mix(bank, partial, norm.weight, proj.weight, norm.variance_epsilon, BD=bd, num_warps=4)
+        assert y.dtype == dtype and y.shape == (B, T, D)
+        # fp32: the same sums in another order; bf16: one rounding of the fp32 mix, truncated by the interpreter
+        assert (rel(y, ref) < 1e-6) if dtype == torch.float32 else (bf16_ulps(y, ref) <= 1)
     with pytest.raises(ValueError):
         attn_res_mix(bank[:, :, :0], partial, norm.weight, proj.weight, 1e-6)
 

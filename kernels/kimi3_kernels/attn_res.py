@@ -54,7 +54,7 @@ if HAS_TRITON:
             tl.store(y + row * D + d, tl.sum(p[:, None] * v, 0).to(y.dtype.element_ty), mask=md)
 
 
-def attn_res_mix(bank, partial, norm_weight, proj_weight, eps):
+def attn_res_mix(bank, partial, norm_weight, proj_weight, eps, BD=1024, num_warps=8):
     """bank [B, T, n, d] (n >= 1 completed blocks); partial [B, T, d] or None; norm_weight [d]; proj_weight [1, d]
     or [d]. Returns [B, T, d] in bank's dtype. No autograd."""
     B, T, n, D = bank.shape
@@ -69,5 +69,5 @@ def attn_res_mix(bank, partial, norm_weight, proj_weight, eps):
     if B * T:
         _attn_res_mix_kernel[(B * T,)](bank, part, norm_weight.contiguous(), proj_weight.reshape(-1).contiguous(), y,
                                        n, D, float(eps), HAS_PARTIAL=partial is not None,
-                                       NP=triton.next_power_of_2(n + 1), BD=256, num_warps=4)
+                                       NP=triton.next_power_of_2(n + 1), BD=BD, num_warps=num_warps)
     return y

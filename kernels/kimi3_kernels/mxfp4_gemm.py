@@ -185,6 +185,17 @@ if HAS_TRITON:
         return tl.reshape(tl.join(lo, hi), (R, C))
 
     @triton.jit
+    def _dequant_kernel(p_ptr, s_ptr, out_ptr, R, C, BR: tl.constexpr, BC: tl.constexpr, PTX: tl.constexpr):
+        r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+        mr = (r < R)[:, None]
+        cb = tl.program_id(1) * (BC // 2) + tl.arange(0, BC // 2)
+        cs = tl.program_id(1) * (BC // 32) + tl.arange(0, BC // 32)
+        p = tl.load(p_ptr + r[:, None] * (C // 2) + cb[None, :], mask=mr & (cb < C // 2)[None, :], other=0)
+        s = tl.load(s_ptr + r[:, None] * (C // 32) + cs[None, :], mask=mr & (cs < C // 32)[None, :], other=127)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        tl.store(out_ptr + r[:, None] * C + c[None, :], _dequant(p, s, BR, BC, PTX), mask=mr & (c < C)[None, :])
+
+    @triton.jit
     def _dequant_split(p, s, R: tl.constexpr, C: tl.constexpr, PTX: tl.constexpr):
         """p uint8 [R, C/2] (low nibble = even column), s uint8 [R, C/32] -> (even columns, odd columns), each
         bf16 [R, C/2]. Keeping the two parities apart avoids interleaving them in registers: the caller pairs them
@@ -435,6 +446,25 @@ _TILES = {  # BM: (BN, BK, num_warps, num_stages)
     128: (64, 64, 8, 4),
 }
 _DOT_SCALED = {"ok": True}  # set to False if tl.dot_scaled fails to build on this Triton
+
+
+def dequantize_bf16(packed, scale):
+    """MXFP4 -> bf16 for whole expert stacks in one launch: packed uint8 [..., R, C/2], scale uint8 [..., R, C/32]
+    -> bf16 [..., R, C], the same bits as the GEMM's in-register decode (and as `mxfp4_gemm_ref.dequant_ref`).
+    For prefill, where an expert's weights serve hundreds of rows and a bf16 tensor-core GEMM outruns decoding in
+    every tile. Scales of 0xFF (NaN) are the caller's to refuse (the model checks them at load)."""
+    C = packed.shape[-1] * 2
+    if scale.shape[:-1] != packed.shape[:-1] or scale.shape[-1] * 32 != C:
+        raise ValueError(f"dequantize_bf16: packed {tuple(packed.shape)} and scale {tuple(scale.shape)} do not fit "
+                         "[..., R, C/2] / [..., R, C/32]")
+    out = torch.empty(*packed.shape[:-1], C, device=packed.device, dtype=torch.bfloat16)
+    R = packed.numel() // (C // 2)
+    if R:
+        BR, BC = 32, 128
+        _dequant_kernel[(triton.cdiv(R, BR), triton.cdiv(C, BC))](
+            packed.contiguous(), scale.contiguous(), out, R, C, BR=BR, BC=BC,
+            PTX=decode_mode(packed.device) == "ptx", num_warps=4)
+    return out
 
 
 def default_config(M, E, N, K, dual=None, trans_w=False):

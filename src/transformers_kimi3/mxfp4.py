@@ -220,6 +220,9 @@ def kernel_path(device):
     return "torch-per-expert"
 
 
+DEQUANT_ON_CPU = False  # tests: the dequantise + grouped-GEMM prefill path on CPU tensors (TRITON_INTERPRET=1)
+
+
 def kernel_status(device="cuda" if torch.cuda.is_available() else "cpu"):
     g = _gemm_module()
     path = kernel_path(device)
@@ -230,6 +233,9 @@ def kernel_status(device="cuda" if torch.cuda.is_available() else "cpu"):
         "device": str(torch.device(device)),
         "weight_decode": g.decode_mode(device) if path == "triton" and hasattr(g, "decode_mode") else None,
         "gemv_max_rows": gemv_max_rows() if _gemv_module() is not None else None,
+        # prefill above this many routed rows per expert: experts decoded to bf16 in chunks + torch._grouped_mm
+        "dequantized_grouped_mm_min_rows_per_expert": PackedMXFP4Experts.DEQUANT_MIN_ROWS_PER_EXPERT
+        if path == "triton" and hasattr(torch, "_grouped_mm") else None,
     }
 
 
@@ -425,10 +431,48 @@ class PackedMXFP4Experts(nn.Module):
                 dx[pairs] = dg @ w1 + du @ w3
         return (dx if need_dx else None), dw
 
+    # Prefill: at this many routed rows per expert (mean) and above, an expert's weights serve enough rows that
+    # decoding them once to bf16 and running torch._grouped_mm (tensor cores at bf16 rate) beats decoding them
+    # again in every tile of the packed GEMM (~270 TFLOP/s at K3 shapes, bench/results/moe_h200.md). Crossover by
+    # the bytes and FLOPs per weight: decode + write + read ~2.5 bytes at ~3.5 TB/s against 2 FLOPs per row at
+    # ~270 vs ~600 TFLOP/s: ~300 rows.
+    DEQUANT_MIN_ROWS_PER_EXPERT = 256
+    DEQUANT_CHUNK_BYTES = 2 << 30  # bf16 weights decoded at a time (a chunk of experts)
+
+    def _dequantized_path(self, x, rows):
+        return (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and (x.is_cuda or DEQUANT_ON_CPU)
+                and rows >= self.DEQUANT_MIN_ROWS_PER_EXPERT * self.num_experts)
+
+    def _forward_dequantized(self, x, order, offsets, k):
+        """Same result layout as the packed GEMMs (fp32, row order[m] for sorted row m). Gate/up and down outputs
+        are rounded to bf16 (torch._grouped_mm's output dtype) where the packed path keeps fp32: bf16-level
+        differences. One host synchronisation (the chunk bounds): prefill only, never inside a decode graph."""
+        G = _gemm_module()
+        E, I, D = self.num_experts, self.intermediate_size, self.hidden_size
+        out = torch.empty(order.numel(), D, device=x.device, dtype=torch.float32)
+        bounds = offsets.tolist()
+        per = max(1, self.DEQUANT_CHUNK_BYTES // (3 * I * D * 2))
+        for e0 in range(0, E, per):
+            e1 = min(E, e0 + per)
+            r0, r1 = bounds[e0], bounds[e1]
+            if r1 == r0:
+                continue
+            w1, w3, w2 = (G.dequantize_bf16(getattr(self, f"{n}_packed")[e0:e1], getattr(self, f"{n}_scale")[e0:e1])
+                          for n in ("w1", "w3", "w2"))
+            offs = offsets[e0 + 1:e1 + 1] - r0
+            rows = order[r0:r1]
+            xa = x[rows // k]
+            h = self._act(torch._grouped_mm(xa, w1.transpose(1, 2), offs=offs),
+                          torch._grouped_mm(xa, w3.transpose(1, 2), offs=offs)).to(x.dtype)
+            out[rows] = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs).float()
+        return out
+
     def _forward_triton(self, x, order, offsets, k):
         G = _gemm_module()
         I = self.intermediate_size
         x = x.contiguous()
+        if self._dequantized_path(x, order.numel()):
+            return self._forward_dequantized(x, order, offsets, k)
         tok = (order // k).to(torch.int32)
         V = _gemv_module() if order.numel() <= gemv_max_rows() else None
         if V is not None:  # decode sizes: one program per routed row, weights streamed once, CUDA-core FMAs
