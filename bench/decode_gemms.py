@@ -1,12 +1,14 @@
 """Which cuBLAS kernel each projection of a decode step gets, and how close it comes to the memory bandwidth.
 
-The decode profile of the 4.3B benchmark config (bench/results/e2e_h200.json, profile rows at 774bcb3) shows 14
-calls per step of `nvjet_sm90_tst_8x64_64x16_2x1_v_bz_TNN` at ~13.5 us each, several times slower per byte than
-the `64x8 ... TNT` kernels of the other projections. This script finds out which modules those are: it records
-every nn.Linear call of one decode step (B=1, input shape and strides), then times each distinct case alone,
-CUDA-graph-replayed, with the kernel names the profiler sees: as called, with a contiguous 2-D input, and (one
-token) as torch.mv. Suspects: the low-rank gate projections (f_a/g_a: 2304 -> 128, 14 calls per step), whose
-output width leaves a 64-wide tile grid only two blocks.
+The decode profile of the 4.3B benchmark config (bench/results/e2e_h200.json, profile rows at 774bcb3) showed 14
+calls per step of `nvjet_sm90_tst_8x64_64x16_2x1_v_bz_TNN` at ~13.7 us each, several times slower per byte than
+the `64x8 ... TNT` kernels of the other projections. This script records every nn.Linear call of one decode step
+of that model (B=1, input shape and strides), then times each distinct case alone, CUDA-graph-replayed, with the
+kernel names the profiler sees: as called, with a contiguous 2-D input, as torch.mv (one token), with the weight as
+left operand, and two narrow projections concatenated. Finding (run of aa5a787, results/decode_gemms_h200.jsonl,
+and the mlp rows of results/moe_decode_h200.json): the slow calls were the shared expert's 2304 -> 1024 gate/up
+projections; one token through that MLP took 30 us in cuBLAS and 16 us as `moe_decode.mlp_gemv`, which the model
+now uses.
 
     PYTHONPATH=$PWD/src:$PWD/kernels python bench/decode_gemms.py --out DIR     # one H200, ~1 min
 """
@@ -41,14 +43,13 @@ def main():
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    from transformers_kimi3 import Kimi3ForCausalLM
-    from transformers_kimi3.benchmark import BENCH_CONFIG
+    from transformers_kimi3.benchmark import BENCH_CONFIG, build_pair
     from transformers_kimi3.cache import Kimi3Cache
-    from transformers_kimi3.configuration_kimi3 import Kimi3TextConfig
 
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Kimi3ForCausalLM(Kimi3TextConfig(**BENCH_CONFIG)).to(torch.bfloat16).eval()
+    # the model bench/e2e.py decodes: ours loaded from the native model's folder (7 KDA + 1 MLA, one shared expert)
+    native, model = build_pair(BENCH_CONFIG, torch.device("cuda"), torch.bfloat16)
+    del native
+    torch.cuda.empty_cache()
     seen = OrderedDict()  # (in, out, input shape, input strides) -> module names
 
     def hook(name):
@@ -69,6 +70,8 @@ def main():
         rows = []
         for (fin, fout, shape, stride), names in seen.items():
             w = model.get_submodule(names[0]).weight
+            if shape[-1] != fin:  # a module that reads its weight itself (MLA's absorbed kv_b_proj): not a GEMM here
+                continue
             x = torch.empty_strided(shape, stride, device="cuda", dtype=w.dtype).normal_()
             x2 = x.reshape(-1, fin).contiguous()
             us, us2 = graph_us(lambda: F.linear(x, w)), graph_us(lambda: F.linear(x2, w))

@@ -433,10 +433,11 @@ class PackedMXFP4Experts(nn.Module):
 
     # Prefill: at this many routed rows per expert (mean) and above, an expert's weights serve enough rows that
     # decoding them once to bf16 and running torch._grouped_mm (tensor cores at bf16 rate) beats decoding them
-    # again in every tile of the packed GEMM (~270 TFLOP/s at K3 shapes, bench/results/moe_h200.md). Crossover by
-    # the bytes and FLOPs per weight: decode + write + read ~2.5 bytes at ~3.5 TB/s against 2 FLOPs per row at
-    # ~270 vs ~600 TFLOP/s: ~300 rows.
-    DEQUANT_MIN_ROWS_PER_EXPERT = 256
+    # again in every tile of the packed GEMM (~240-270 TFLOP/s at K3 shapes). Estimate per weight: decode + write +
+    # read ~2.5 bytes at ~3.5 TB/s against 2 FLOPs per row at ~250 vs ~600 TFLOP/s: ~300 rows. Measured on the H200
+    # (2ac0c97, bench/results/moe_h200.md): at 292 rows (K3's 896 experts, 16K tokens) the decoded path took
+    # 82.8 ms vs ~78 packed; at 512 rows (K3-shaped e2e config, 2K tokens) it cut the prefill from 119 to 102 ms.
+    DEQUANT_MIN_ROWS_PER_EXPERT = 384
     DEQUANT_CHUNK_BYTES = 2 << 30  # bf16 weights decoded at a time (a chunk of experts)
 
     def _dequantized_path(self, x, rows):
