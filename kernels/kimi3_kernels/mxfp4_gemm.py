@@ -553,11 +553,31 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if int(cfg.get("DEQ", 0)) == 1:
         try:
-            _mxfp4_grouped_gemm_kernel[grid](*args, DEQ=1, **meta)
+            _launch(grid, args, meta, DEQ=1)
             return c
         except Exception:  # tl.dot_scaled not supported by this Triton/GPU: in-register dequantisation instead
             if config and config.get("DEQ") == 1:
                 raise
             _DOT_SCALED["ok"] = False
-    _mxfp4_grouped_gemm_kernel[grid](*args, DEQ=0, **meta)
+    _launch(grid, args, meta, DEQ=0)
     return c
+
+
+_STAGES_THAT_FIT = {}  # (specialisation) -> num_stages that compiled within the GPU's shared memory
+
+
+def _launch(grid, args, meta, DEQ):
+    """Launch with the configured pipeline depth, or the deepest that fits in shared memory: the default tiles were
+    chosen on forward GEMMs, and the backward's layouts (trans_w, dual="in") of the same tile need more (seen on the
+    H200 at BM=128: 237,568 > 232,448 bytes). Out-of-resources is raised at compile time, before anything runs."""
+    key = tuple(sorted((k, v) for k, v in meta.items() if k != "num_stages")) + (DEQ,)
+    stages = _STAGES_THAT_FIT.get(key, meta["num_stages"])
+    while True:
+        try:
+            _mxfp4_grouped_gemm_kernel[grid](*args, DEQ=DEQ, **dict(meta, num_stages=stages))
+            _STAGES_THAT_FIT[key] = stages
+            return
+        except Exception as ex:  # triton.runtime.errors.OutOfResources (its module moved between versions)
+            if type(ex).__name__ != "OutOfResources" or stages <= 1:
+                raise
+            stages -= 1
