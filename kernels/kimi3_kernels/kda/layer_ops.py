@@ -117,7 +117,7 @@ def short_conv(x, weight, state=None):
                          f"{None if state is None else tuple(state.shape)} do not fit [B, T, D] / [D, 1, W] / "
                          "[B, D, W]")
     xc, wc = x.contiguous(), weight.contiguous()
-    sc = state.contiguous() if state is not None else None
+    sc = state.to(x.dtype).contiguous() if state is not None else None  # the reference rounds it to x's dtype too
     y = torch.empty_like(xc)
     BT, BD = 32, 128
     if T:
