@@ -21,22 +21,27 @@ except Exception:  # noqa: BLE001 - optional
 
 if HAS_TRITON:
     @triton.jit
+    def _sources(bank, partial, row, n, s, d, md, D, HAS_PARTIAL: tl.constexpr):
+        """[NP, BD] fp32: the completed blocks in rows s < n, the partial sum in row n, zeros below."""
+        v = tl.load(bank + (row * n + s[:, None]) * D + d[None, :], mask=(s < n)[:, None] & md[None, :],
+                    other=0.).to(tl.float32)
+        if HAS_PARTIAL:
+            v += tl.load(partial + row * D + d[None, :] + s[:, None] * 0, mask=(s == n)[:, None] & md[None, :],
+                         other=0.).to(tl.float32)
+        return v
+
+    @triton.jit
     def _attn_res_mix_kernel(bank, partial, nw, pw, y, n, D, eps, HAS_PARTIAL: tl.constexpr, NP: tl.constexpr,
                              BD: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         s = tl.arange(0, NP)
-        in_bank = s < n
-        valid = in_bank | (HAS_PARTIAL & (s == n))
+        valid = (s < n) | (HAS_PARTIAL & (s == n))
         ss = tl.zeros([NP], dtype=tl.float32)
         dot = tl.zeros([NP], dtype=tl.float32)
         for d0 in range(0, D, BD):  # pass 1: both sums the scores need
             d = d0 + tl.arange(0, BD)
             md = d < D
-            v = tl.load(bank + (row * n + s[:, None]) * D + d[None, :], mask=in_bank[:, None] & md[None, :],
-                        other=0.).to(tl.float32)
-            if HAS_PARTIAL:
-                v += tl.load(partial + row * D + d[None, :] + s[:, None] * 0, mask=(s == n)[:, None] & md[None, :],
-                             other=0.).to(tl.float32)
+            v = _sources(bank, partial, row, n, s, d, md, D, HAS_PARTIAL)
             q = tl.load(nw + d, mask=md, other=0.).to(tl.float32) * tl.load(pw + d, mask=md, other=0.).to(tl.float32)
             ss += tl.sum(v * v, 1)
             dot += tl.sum(v * q[None, :], 1)
@@ -46,11 +51,7 @@ if HAS_TRITON:
         for d0 in range(0, D, BD):  # pass 2: the mix
             d = d0 + tl.arange(0, BD)
             md = d < D
-            v = tl.load(bank + (row * n + s[:, None]) * D + d[None, :], mask=in_bank[:, None] & md[None, :],
-                        other=0.).to(tl.float32)
-            if HAS_PARTIAL:
-                v += tl.load(partial + row * D + d[None, :] + s[:, None] * 0, mask=(s == n)[:, None] & md[None, :],
-                             other=0.).to(tl.float32)
+            v = _sources(bank, partial, row, n, s, d, md, D, HAS_PARTIAL)
             tl.store(y + row * D + d, tl.sum(p[:, None] * v, 0).to(y.dtype.element_ty), mask=md)
 
 
