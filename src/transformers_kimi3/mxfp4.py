@@ -442,7 +442,8 @@ class PackedMXFP4Experts(nn.Module):
 
     def _dequantized_path(self, x, rows):
         return (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and (x.is_cuda or DEQUANT_ON_CPU)
-                and rows >= self.DEQUANT_MIN_ROWS_PER_EXPERT * self.num_experts)
+                and rows >= self.DEQUANT_MIN_ROWS_PER_EXPERT * self.num_experts
+                and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))  # it reads the bounds on the host
 
     def _forward_dequantized(self, x, order, offsets, k):
         """Same result layout as the packed GEMMs (fp32, row order[m] for sorted row m). Gate/up and down outputs
