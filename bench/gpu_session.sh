@@ -19,6 +19,8 @@ cd "$ROOT"
     --new-tokens 16 --budget-s 120 --out "$OUT/e2e_32k.json" > "$OUT/e2e_32k.log" 2>&1
   CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/e2e.py --stages longest --longest 131072,1048576 \
     --budget-s 180 --out "$OUT/e2e_longest.json" > "$OUT/e2e_longest.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/e2e.py --stages check_kernels \
+    --out "$OUT/e2e_check_kernels.json" > "$OUT/e2e_check_kernels.log" 2>&1
 ) &
 (
   CUDA_VISIBLE_DEVICES=1 timeout 150 python3 bench/e2e.py --model k3 --stages prefill --prefill 2048,8192 \

@@ -70,3 +70,19 @@ def test_fla_chunk_sends_prefill_to_fla_and_decode_to_our_kernel(monkeypatch):
     kda.kda_recurrent(x, x, x, x, x[..., 0], "fla_chunk", **kw)
     assert calls == [("fla_chunk", True, True, True),
                      ("ours_recurrent", ["A_log", "dt_bias", "initial_state", "lower_bound"])]
+
+
+def test_inference_kernel_switch(monkeypatch):
+    """KIMI3_INFERENCE_KERNELS=0 turns the one-launch fast paths off (the AttnRes mix here; the MoE ones in
+    test_moe.py) and kernel_status says so."""
+    import transformers_kimi3
+    from transformers_kimi3 import attn_res
+
+    monkeypatch.setattr(attn_res, "KERNEL_ON_CPU", True)
+    proj, norm = attn_res.Kimi3AttnResProj(8), attn_res.Kimi3AttnResNorm(8)
+    bank = torch.zeros(1, 2, 3, 8)
+    with torch.no_grad():
+        assert attn_res.kernel_used(bank, proj, norm) == (attn_res._kernel is not None)
+        monkeypatch.setenv("KIMI3_INFERENCE_KERNELS", "0")
+        assert not attn_res.kernel_used(bank, proj, norm)
+    assert transformers_kimi3.kernel_status("cpu")["inference_kernels"] is False

@@ -116,6 +116,9 @@ def test_one_token_mlp_gemv_is_chosen_only_where_it_applies(monkeypatch):
     assert not used(silu, (1, 1), grad=True)  # training
     monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "0")  # the decode kernels' off switch
     assert not used(silu, (1, 1))
+    monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "64")
+    monkeypatch.setenv("KIMI3_INFERENCE_KERNELS", "0")  # every inference kernel off
+    assert not used(silu, (1, 1))
 
 
 def test_decode_router_and_glu_kernels_are_chosen_only_where_they_apply(monkeypatch):
@@ -147,3 +150,7 @@ def test_decode_router_and_glu_kernels_are_chosen_only_where_they_apply(monkeypa
     silu(g, g.requires_grad_()), situ(g, g)  # autograd: the PyTorch path
     assert len(glu_calls) == 1 and len(situ_calls) == 1
     assert situ_calls[0][2:] == (situ.beta, situ.linear_beta)
+    monkeypatch.setenv("KIMI3_INFERENCE_KERNELS", "0")
+    with torch.no_grad():
+        silu(g, g), situ(g, g), plain(torch.randn(1, 64))
+    assert len(glu_calls) == 1 and len(situ_calls) == 1 and not used(plain, 1)

@@ -20,6 +20,7 @@ from .attn_res import _kernel as _attn_res_kernel
 from .cache import Kimi3Cache
 from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig, Kimi3VisionConfig, KimiK3Config
 from .image_processing_kimi3 import Kimi3ImageProcessor
+from .kernel_switch import inference_kernels_enabled
 from .kda import kernel_status as _kda_status
 from .moe import gemv_max_routes
 from .mxfp4 import kernel_status as _mxfp4_status
@@ -44,7 +45,9 @@ def kernel_status(device=None):
     """Which kernel backends are importable here and which ones the model uses (KDA; packed MXFP4 experts)."""
     kda = _kda_status(device)
     return {"kda": kda, "moe": dict(_mxfp4_status(kda["device"]), dense_experts_gemv_max_routes=gemv_max_routes()),
-            "attn_res_mix": "triton" if _attn_res_kernel is not None and kda["device"].startswith("cuda") else "torch"}
+            "attn_res_mix": "triton" if (_attn_res_kernel is not None and kda["device"].startswith("cuda")
+                                         and inference_kernels_enabled()) else "torch",
+            "inference_kernels": inference_kernels_enabled()}  # KIMI3_INFERENCE_KERNELS=0: the PyTorch paths
 
 
 def _register(name, config_cls, pairs):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernel_switch import inference_kernels_enabled
 from .mxfp4 import _on_device
 from .norms import Kimi3RMSNorm, rms
 
@@ -29,6 +30,7 @@ def kernel_used(bank, proj, norm):
     """The Triton mix runs for inference on CUDA when importable, with both weights already on the bank's device
     (under Accelerate offloading they arrive only inside their module's forward: the PyTorch path then)."""
     return (_kernel is not None and (bank.is_cuda or KERNEL_ON_CPU) and not torch.is_grad_enabled()
+            and inference_kernels_enabled()
             and proj.weight.device == bank.device == norm.weight.device
             and not any(hasattr(w, "device_mesh") for w in (proj.weight, norm.weight)))
 

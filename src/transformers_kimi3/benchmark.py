@@ -343,6 +343,47 @@ def _generate_loop_profile(m, ids, device, n=32):
                 generate_host_ops=[dict(name=k[:60], calls=c / n, self_cpu_us_per_step=t / n) for k, (c, t) in ops])
 
 
+@contextlib.contextmanager
+def _inference_kernels(on):
+    saved = os.environ.get("KIMI3_INFERENCE_KERNELS")
+    os.environ["KIMI3_INFERENCE_KERNELS"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["KIMI3_INFERENCE_KERNELS"]
+        else:
+            os.environ["KIMI3_INFERENCE_KERNELS"] = saved
+
+
+def stage_check_kernels(res, device, dtype, T):
+    """Our model with its inference kernels (convs, GLU, router, GEMVs, MoE combine, ...) against itself with
+    KIMI3_INFERENCE_KERNELS=0 (the PyTorch paths), same weights: prefill logits and greedy static-cache tokens. fp32
+    isolates the kernels' arithmetic; bf16 exercises the paths that only bf16 takes (grouped-GEMM combine)."""
+    config = dict(BENCH_CONFIG, num_local_experts=16, vocab_size=32768) if device.type == "cuda" else TINY_CONFIG
+    native, ours = build_pair(config, device, dtype)
+    del native
+    ids = torch.randint(3, ours.config.vocab_size, (1, T), device=device)
+    out = {}
+    for on in (True, False):
+        with torch.no_grad(), _inference_kernels(on):
+            out[on] = (ours(input_ids=ids, use_cache=False).logits.double(),
+                       ours.generate(ids[:, :64], max_new_tokens=16, do_sample=False, pad_token_id=0,
+                                     cache_implementation="static"))
+            ours.release_static_caches()  # the next run captures its own graph
+    (a, ga), (b, gb) = out[True], out[False]
+    row = dict(stage="check_kernels", dtype=str(dtype).replace("torch.", ""), T=T,
+               logits_rel_err=float((a - b).abs().max() / b.abs().max()),
+               argmax_agree=float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+               tokens_equal=float((ga == gb).float().mean()))
+    if not torch.equal(ga, gb):
+        row["first_difference"] = _first_difference(ours, ids[:, :64], ga[:, 64:], gb[:, 64:])
+    res.add(**row)
+    del ours
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def stage_check_fp32(res, device, T):
     """The same comparison as `check` with both models in fp32: separates implementation differences from bf16
     rounding (on a random model many logits are near-ties)."""
@@ -485,10 +526,15 @@ def main(argv=None):
             impls = [i for i in impls if i[0] in args.impls.split(",")]
         stage_decode(res, impls,
                      device, [int(x) for x in args.batches.split(",")], args.prompt, args.new_tokens, deadline)
-    if "check_fp32" in stages:  # last: it frees the bf16 pair to build an fp32 one
+    if "check_fp32" in stages or "check_kernels" in stages:  # last: they free the bf16 pair to build their own
         del native, ours
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "check_fp32" in stages:
         guarded(res, "check_fp32", stage_check_fp32, res, device, 512)
+    if "check_kernels" in stages:
+        for dtype in (torch.float32, torch.bfloat16):
+            guarded(res, "check_kernels", stage_check_kernels, res, device, dtype, 64 if args.tiny else 512)
     return res
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kda_reference import naive_chunk_kda, naive_recurrent_kda
+from .kernel_switch import inference_kernels_enabled
 from .mxfp4 import _on_device
 from .norms import Kimi3GatedRMSNorm
 
@@ -209,10 +210,12 @@ class Kimi3DeltaAttention(nn.Module):
         backend = resolve_backend(x.device, self.requested_backend)
         if (backend in ("triton", "fla_chunk") and states is not None and h0 is not None and T <= 4
                 and attention_mask is None and not torch.is_grad_enabled()
-                and all(s.is_contiguous() for s in states)):  # updated in place by the conv kernel
+                and all(s.is_contiguous() for s in states)  # updated in place by the conv kernel
+                and inference_kernels_enabled()):
             return self._fused_decode(x, states, h0)
         states = states or (None, None, None)
-        kernel = backend in ("triton", "fla_chunk") and seq_idx is None and not torch.is_grad_enabled()
+        kernel = (backend in ("triton", "fla_chunk") and seq_idx is None and not torch.is_grad_enabled()
+                  and inference_kernels_enabled())
         q, sq = self.q_conv1d(self.q_proj(x), states[0], seq_idx, kernel)
         k, sk = self.k_conv1d(self.k_proj(x), states[1], seq_idx, kernel)
         v, sv = self.v_conv1d(self.v_proj(x), states[2], seq_idx, kernel)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernel_switch import inference_kernels_enabled
 from .mxfp4 import PackedMXFP4Experts, _on_device
 from .norms import Kimi3RMSNorm
 
@@ -37,6 +38,8 @@ def _kernel_ok(x, params, routes=0):
     """Whether a moe_decode kernel may stand in for the PyTorch path: importable; CUDA; at most `gemv_max_routes()`
     routes; no autograd recording through x or params; plain parameters (DTensors under tensor parallelism stay on
     the PyTorch path)."""
+    if not inference_kernels_enabled():
+        return False
     limit = gemv_max_routes()
     return (limit is not None and routes <= limit and (x.is_cuda or KERNELS_ON_CPU)
             and not any(hasattr(p, "device_mesh") for p in params)

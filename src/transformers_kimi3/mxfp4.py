@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernel_switch import inference_kernels_enabled
+
 GROUP_SIZE = 32
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E2M1_EMAX = 2  # exponent of the largest E2M1 value (6 = 1.5 * 2^2)
@@ -443,7 +445,8 @@ class PackedMXFP4Experts(nn.Module):
     def _dequantized_path(self, x, rows):
         return (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and (x.is_cuda or DEQUANT_ON_CPU)
                 and rows >= self.DEQUANT_MIN_ROWS_PER_EXPERT * self.num_experts
-                and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))  # it reads the bounds on the host
+                and not (x.is_cuda and torch.cuda.is_current_stream_capturing())  # it reads the bounds on the host
+                and inference_kernels_enabled())
 
     def _forward_dequantized(self, x, order, offsets, k):
         """Same result layout as the packed GEMMs (fp32, row order[m] for sorted row m). Gate/up and down outputs
