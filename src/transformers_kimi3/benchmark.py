@@ -179,17 +179,18 @@ def stage_check(res, native, ours, device, T):
 
 
 @contextlib.contextmanager
-def _kda_backend(backend):
-    saved = os.environ.get("KIMI3_KDA_BACKEND")
-    if backend:
-        os.environ["KIMI3_KDA_BACKEND"] = backend
+def _env(name, value):
+    """Set an environment variable for the block (None: leave it as it is), then restore it."""
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
     try:
         yield
     finally:
         if saved is None:
-            os.environ.pop("KIMI3_KDA_BACKEND", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["KIMI3_KDA_BACKEND"] = saved
+            os.environ[name] = saved
 
 
 def _prefill_models(native, ours, device):
@@ -211,7 +212,7 @@ def stage_prefill(res, models, device, lengths, deadline):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             try:
-                with torch.no_grad(), _kda_backend(backend):
+                with torch.no_grad(), _env("KIMI3_KDA_BACKEND", backend or None):
                     s = timed(lambda: m(input_ids=ids, use_cache=False, logits_to_keep=1), device, reps=2)
             except torch.OutOfMemoryError:
                 res.add(stage="prefill", impl=name, T=T, error="out of memory")
@@ -309,7 +310,7 @@ def stage_prefill_profile(res, models, device, T):
     for name, m in models.items():
         m, backend = m if isinstance(m, tuple) else (m, None)
         ids = torch.randint(3, m.config.vocab_size, (1, T), device=device)
-        with torch.no_grad(), _kda_backend(backend):
+        with torch.no_grad(), _env("KIMI3_KDA_BACKEND", backend or None):
             step = lambda: m(input_ids=ids, use_cache=False, logits_to_keep=1)  # noqa: E731
             ms = timed(step, device, reps=2) * 1e3
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -343,19 +344,6 @@ def _generate_loop_profile(m, ids, device, n=32):
                 generate_host_ops=[dict(name=k[:60], calls=c / n, self_cpu_us_per_step=t / n) for k, (c, t) in ops])
 
 
-@contextlib.contextmanager
-def _inference_kernels(on):
-    saved = os.environ.get("KIMI3_INFERENCE_KERNELS")
-    os.environ["KIMI3_INFERENCE_KERNELS"] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["KIMI3_INFERENCE_KERNELS"]
-        else:
-            os.environ["KIMI3_INFERENCE_KERNELS"] = saved
-
-
 def stage_check_kernels(res, device, dtype, T):
     """Our model with its inference kernels (convs, GLU, router, GEMVs, MoE combine, ...) against itself with
     KIMI3_INFERENCE_KERNELS=0 (the PyTorch paths), same weights: prefill logits and greedy static-cache tokens. fp32
@@ -366,7 +354,7 @@ def stage_check_kernels(res, device, dtype, T):
     ids = torch.randint(3, ours.config.vocab_size, (1, T), device=device)
     out = {}
     for on in (True, False):
-        with torch.no_grad(), _inference_kernels(on):
+        with torch.no_grad(), _env("KIMI3_INFERENCE_KERNELS", "1" if on else "0"):
             out[on] = (ours(input_ids=ids, use_cache=False).logits.double(),
                        ours.generate(ids[:, :64], max_new_tokens=16, do_sample=False, pad_token_id=0,
                                      cache_implementation="static"))
