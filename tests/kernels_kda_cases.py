@@ -438,6 +438,34 @@ def test_combine_sorted():
 
 
 @needs_triton
+def test_grouped_experts_combine_in_the_module(monkeypatch):
+    """Kimi3Experts' prefill path (bf16, torch._grouped_mm) with the combine kernel against the same GEMM outputs
+    unsorted and summed in PyTorch, 40 tokens x top-3 (past the decode GEMV's route limit)."""
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from kimi3_testing import tiny_k3_text_config
+    from transformers_kimi3 import moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "KERNELS_ON_CPU", True)
+    monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "8")
+    gen = torch.Generator().manual_seed(3)
+    ex = moe_mod.Kimi3Experts(tiny_k3_text_config(hidden_act="silu", num_experts=6, moe_intermediate_size=32), 48)
+    for p in ex.parameters():
+        p.data = (torch.randn(p.shape, generator=gen) / 5).bfloat16()
+    x = torch.randn(40, 48, generator=gen).bfloat16()
+    idx = torch.stack([torch.randperm(6, generator=gen)[:3] for _ in range(40)])
+    w = torch.rand(40, 3, generator=gen)
+    calls = []
+    real = moe_mod._moe_decode.combine_sorted
+    monkeypatch.setattr(moe_mod._moe_decode, "combine_sorted", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        y = ex(x, idx, w)
+        ref = (ex._unsort(*ex._grouped_mm(x, idx)).float().view(40, 3, -1) * w[..., None]).sum(1)
+    assert calls == [1] and y.dtype == torch.float32
+    assert rel(y, ref) < 1e-6  # the same bf16 rows weighted and summed in fp32, another order
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,with_partial", [(1, True), (3, False), (7, True), (8, True)])
 def test_attn_res_mix(n, with_partial, dtype):

@@ -162,7 +162,7 @@ class Kimi3Experts(nn.Module):
                 and _kernel_ok(x, weights, T * k)):
             with _on_device(x):
                 return _moe_decode.expert_gemv(x, self.w1, self.w3, self.w2, topk_idx, topk_weights)
-        if x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and GROUPED_MM:
+        if (x.is_cuda or KERNELS_ON_CPU) and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and GROUPED_MM:
             out, order, offs = self._grouped_mm(x, topk_idx)
             if _kernel_ok(x, weights):  # inference: the weighted sum straight from the sorted rows, one launch
                 with _on_device(x):
