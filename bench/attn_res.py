@@ -40,7 +40,9 @@ def main():
                                                                  rep=20), 1))
                 A._kernel = saved
                 for bd, warps in ((256, 4), (512, 8), (1024, 8), (1024, 4)):
-                    f = lambda: attn_res_mix(bank, part, norm.weight, proj.weight, 1e-6, BD=bd, num_warps=warps)  # noqa: E731
+                    def f(bd=bd, warps=warps):
+                        return attn_res_mix(bank, part, norm.weight, proj.weight, 1e-6, BD=bd, num_warps=warps)
+
                     y = f()
                     row[f"bd{bd}_w{warps}_us"] = round(graph_us(f, rep=20), 1)
                     row[f"bd{bd}_w{warps}_rel"] = float((y.float() - ref.float()).norm() / ref.float().norm())

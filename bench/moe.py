@@ -82,16 +82,9 @@ def bench(fn, warm=3, rep=10):
 
 
 def graph_ms(fn, rep=50):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench(g.replay, warm=5, rep=rep)
+    from moe_decode import capture  # bench/moe_decode.py (this folder is on sys.path when run as a script)
+
+    return bench(capture(fn).replay, warm=5, rep=rep)
 
 
 def rel(a, b):

@@ -20,9 +20,8 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "kernels")]
 from kimi3_kernels import moe_decode  # noqa: E402
 
 
-def graph_us(fn, rep=200):
-    """Microseconds per call of fn captured in a CUDA graph, from `rep` back-to-back replays between two events (the
-    per-call events of bench/moe.py would add the host's launch latency to a call this short)."""
+def capture(fn):
+    """fn captured in a CUDA graph, after three warm-up calls on a side stream (Triton compiles, cuBLAS picks)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -32,6 +31,13 @@ def graph_us(fn, rep=200):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    return g
+
+
+def graph_us(fn, rep=200):
+    """Microseconds per call of fn captured in a CUDA graph, from `rep` back-to-back replays between two events (the
+    per-call events of bench/moe.py would add the host's launch latency to a call this short)."""
+    g = capture(fn)
     g.replay()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -16,7 +16,7 @@ from transformers import (
     AutoProcessor,
 )
 
-from .attn_res import _kernel as _attn_res_kernel
+from .attn_res import kernel_path as _attn_res_path
 from .cache import Kimi3Cache
 from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig, Kimi3VisionConfig, KimiK3Config
 from .image_processing_kimi3 import Kimi3ImageProcessor
@@ -45,8 +45,7 @@ def kernel_status(device=None):
     """Which kernel backends are importable here and which ones the model uses (KDA; packed MXFP4 experts)."""
     kda = _kda_status(device)
     return {"kda": kda, "moe": dict(_mxfp4_status(kda["device"]), dense_experts_gemv_max_routes=gemv_max_routes()),
-            "attn_res_mix": "triton" if (_attn_res_kernel is not None and kda["device"].startswith("cuda")
-                                         and inference_kernels_enabled()) else "torch",
+            "attn_res_mix": _attn_res_path(kda["device"]),
             "inference_kernels": inference_kernels_enabled()}  # KIMI3_INFERENCE_KERNELS=0: the PyTorch paths
 
 

@@ -26,6 +26,12 @@ except Exception:  # noqa: BLE001 - absent kernels must not stop the remote code
 KERNEL_ON_CPU = False  # tests: run the kernel on CPU tensors under TRITON_INTERPRET=1
 
 
+def kernel_path(device):
+    """What an AttnRes mix on `device` runs for inference: 'triton' or 'torch'."""
+    ok = _kernel is not None and torch.device(device).type == "cuda" and inference_kernels_enabled()
+    return "triton" if ok else "torch"
+
+
 def kernel_used(bank, proj, norm):
     """The Triton mix runs for inference on CUDA when importable, with both weights already on the bank's device
     (under Accelerate offloading they arrive only inside their module's forward: the PyTorch path then)."""

@@ -196,7 +196,8 @@ def _env(name, value):
 def _prefill_models(native, ours, device):
     models = {k: v for k, v in (("native", native), ("ours", ours)) if v is not None}
     from .kda import kernel_status
-    if kernel_status(device)["available"]["fla"] and kernel_status(device)["available"]["triton"]:
+    available = kernel_status(device)["available"]
+    if available["fla"] and available["triton"]:
         models["ours_fla_chunk"] = (ours, "fla_chunk")  # fla's chunked kernels inside our model
     return models
 

@@ -108,7 +108,8 @@ def short_conv_update(xs, states, weights):
 
 def short_conv(x, weight, state=None):
     """Prefill / a chunk of a prompt: x [B, T, D]; weight [D, 1, W]; state [B, D, W] (the last W inputs before x) or
-    None (zeros). Returns (SiLU(conv(x)) [B, T, D] and the new state [B, D, W], both in x's dtype). One launch in place of the transpose, concatenation, casts, conv and SiLU of the PyTorch path
+    None (zeros). Returns (SiLU(conv(x)) [B, T, D] and the new state [B, D, W], both in x's dtype). One launch in
+    place of the transpose, concatenation, casts, conv and SiLU of the PyTorch path
     (`transformers_kimi3.kda.causal_conv`, ~1 ms per call at 8K tokens x 4096 channels vs ~0.05 ms). No autograd."""
     B, T, D = x.shape
     W = weight.shape[-1]
