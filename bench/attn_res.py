@@ -14,7 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "kernels"), str(ROOT / "bench")]
 
-from moe_decode import graph_us, write_jsonl  # noqa: E402
+from _timing import graph_us, write_jsonl  # noqa: E402  (back-to-back replays: the GPU time of a short call)
 
 
 def main():

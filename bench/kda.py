@@ -387,15 +387,9 @@ def tile_sweep():
 
 
 def graph_time(f):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        f()
+    from _timing import capture  # bench/_timing.py (this folder is on sys.path when run as a script)
+
+    gr = capture(f)
     # 20 replays per timed region to amortise the event overhead
     def rep20():
         for _ in range(20):

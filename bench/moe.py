@@ -52,8 +52,13 @@ def load_modules():
         G = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = G
         spec.loader.exec_module(G)
-    spec = importlib.util.spec_from_file_location("kimi3_mxfp4", ROOT / "src" / "transformers_kimi3" / "mxfp4.py")
+    # a stand-in package over the source folder, so mxfp4.py's relative imports resolve without the real __init__
+    src = types.ModuleType("kimi3_src")
+    src.__path__ = [str(ROOT / "src" / "transformers_kimi3")]
+    sys.modules["kimi3_src"] = src
+    spec = importlib.util.spec_from_file_location("kimi3_src.mxfp4", ROOT / "src" / "transformers_kimi3" / "mxfp4.py")
     M = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = M
     spec.loader.exec_module(M)
     M._GEMM[:] = [G]
     return G, M, note
@@ -82,7 +87,7 @@ def bench(fn, warm=3, rep=10):
 
 
 def graph_ms(fn, rep=50):
-    from moe_decode import capture  # bench/moe_decode.py (this folder is on sys.path when run as a script)
+    from _timing import capture  # bench/_timing.py (this folder is on sys.path when run as a script)
 
     return bench(capture(fn).replay, warm=5, rep=rep)
 

@@ -17,44 +17,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "kernels")]
 
+from _timing import graph_us, write_jsonl  # noqa: E402
 from kimi3_kernels import moe_decode  # noqa: E402
-
-
-def capture(fn):
-    """fn captured in a CUDA graph, after three warm-up calls on a side stream (Triton compiles, cuBLAS picks)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
-def graph_us(fn, rep=200):
-    """Microseconds per call of fn captured in a CUDA graph, from `rep` back-to-back replays between two events (the
-    per-call events of bench/moe.py would add the host's launch latency to a call this short)."""
-    g = capture(fn)
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(rep):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / rep * 1e3
-
-
-def write_jsonl(out, name, rows):
-    """A meta line (GPU, torch, GIT_COMMIT) and then the rows, one JSON object per line."""
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, commit=os.environ.get("GIT_COMMIT"))
-    with open(os.path.join(out, name), "w") as f:
-        for r in [meta] + rows:
-            f.write(json.dumps(r) + "\n")
 
 
 def main():
