@@ -495,16 +495,16 @@ def test_attn_res_mix(n, with_partial, dtype):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul(dtype):
-    from kimi3_kernels.moe_decode import silu_mul
+def test_glu_mul_silu(dtype):
+    from kimi3_kernels.moe_decode import glu_mul
     gen = torch.Generator().manual_seed(2)
     g, u = (3 * torch.randn(5, 37, generator=gen)).to(dtype), torch.randn(5, 37, generator=gen).to(dtype)
     ref = (torch.nn.functional.silu(g.float()) * u.float()).to(dtype)
     # bf16: the interpreter truncates the final cast (the GPU rounds), one bf16 ulp
-    y = silu_mul(g, u)
+    y = glu_mul(g, u)
     assert y.dtype == dtype and (rel(y, ref) < 1e-6 if dtype == torch.float32 else bf16_ulps(y, ref) <= 1)
     with pytest.raises(ValueError):
-        silu_mul(g, u[:, :5])
+        glu_mul(g, u[:, :5])
 
 
 @needs_triton

@@ -73,8 +73,7 @@ def _recorded(monkeypatch, name, result):
 def test_decode_gemv_is_chosen_only_where_it_applies(monkeypatch):
     # few routes, SiLU experts, no autograd, plain (non-DTensor) weights
     calls = _recorded(monkeypatch, "expert_gemv", lambda x, *a: torch.zeros(x.shape[0], 32))
-    _recorded(monkeypatch, "silu_mul", lambda g, u: torch.nn.functional.silu(g) * u)  # the other paths' GLU
-    _recorded(monkeypatch, "glu_mul", lambda g, u, b, lb: g * u)
+    _recorded(monkeypatch, "glu_mul", lambda g, u, b, lb: g * u)  # the other paths' GLU
     monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "8")
     silu = Kimi3Experts(tiny_k3_text_config(hidden_act="silu", num_experts=8, moe_intermediate_size=32), 32)
     situ = Kimi3Experts(tiny_k3_text_config(num_experts=8, moe_intermediate_size=32), 32)
@@ -99,7 +98,6 @@ def test_one_token_mlp_gemv_is_chosen_only_where_it_applies(monkeypatch):
     from transformers_kimi3.moe import Kimi3MLP
 
     calls = _recorded(monkeypatch, "mlp_gemv", lambda x, g, u, d: torch.zeros(1, d.shape[0]))
-    _recorded(monkeypatch, "silu_mul", lambda g, u: g)
     _recorded(monkeypatch, "glu_mul", lambda g, u, b, lb: g)
     silu, situ = (Kimi3MLP(tiny_k3_text_config(hidden_act=a), 48) for a in ("silu", "situ"))
 
@@ -141,16 +139,15 @@ def test_decode_router_and_glu_kernels_are_chosen_only_where_they_apply(monkeypa
     assert used(plain, 4) and not used(plain, 5)  # routes <= the limit
     assert not used(grouped, 1)  # expert groups: the PyTorch path
     assert not used(plain, 1, grad=True)  # autograd recording (training)
-    glu_calls = _recorded(monkeypatch, "silu_mul", lambda g, u: g)
-    situ_calls = _recorded(monkeypatch, "glu_mul", lambda g, u, b, lb: g)
+    glu_calls = _recorded(monkeypatch, "glu_mul", lambda g, u, b, lb: g)
     silu, situ = (GLUActivation(tiny_k3_text_config(hidden_act=a)) for a in ("silu", "situ"))
     g = torch.randn(3, 5)
     with torch.no_grad():
         silu(g, g), situ(g, g)
     silu(g, g.requires_grad_()), situ(g, g)  # autograd: the PyTorch path
-    assert len(glu_calls) == 1 and len(situ_calls) == 1
-    assert situ_calls[0][2:] == (situ.beta, situ.linear_beta)
+    # SiLU without betas, SiTU with its two
+    assert [c[2:] for c in glu_calls] == [(None, None), (situ.beta, situ.linear_beta)]
     monkeypatch.setenv("KIMI3_INFERENCE_KERNELS", "0")
     with torch.no_grad():
         silu(g, g), situ(g, g), plain(torch.randn(1, 64))
-    assert len(glu_calls) == 1 and len(situ_calls) == 1 and not used(plain, 1)
+    assert len(glu_calls) == 2 and not used(plain, 1)

@@ -13,8 +13,8 @@ Rounding follows the grouped-GEMM path (`transformers_kimi3.moe.Kimi3Experts`): 
 the weights' dtype, the activation is computed in fp32 and rounded, each expert's down output is rounded before
 the fp32 weighted sum. SiLU-GLU only (Kimi Linear; K3's SiTU stays on the general path). Routes to index
 `num_experts` (another rank's expert under expert parallelism, weight 0) are skipped. Inference only (no
-backward). `route_topk` is the sigmoid router for the same few tokens in two launches instead of ~12, `silu_mul`
-the dense MLPs' GLU in one launch instead of five, `mlp_gemv` one token through a dense MLP. For prefill,
+backward). `route_topk` is the sigmoid router for the same few tokens in two launches instead of ~12, `glu_mul`
+the GLU (SiLU or K3's SiTU) in one launch instead of 5 (SiTU: 11), `mlp_gemv` one token through a dense MLP. For prefill,
 `combine_sorted` sums the grouped GEMM's expert-sorted outputs per token in one launch. Runs under
 TRITON_INTERPRET=1 on CPU tensors (CI); the references are `expert_gemv_ref` and `route_topk_ref`.
 """
@@ -174,12 +174,6 @@ def route_topk(x, weight, bias, top_k, renormalize, scaling):
                               K_POW2=triton.next_power_of_2(top_k), E_POW2=triton.next_power_of_2(E),
                               RENORM=bool(renormalize and top_k > 1), num_warps=1)
     return logits, wts, idx
-
-
-def silu_mul(gate, up):
-    """SiLU(gate) * up in fp32, rounded to gate's dtype: the GLU of the dense MLPs in one launch instead of five
-    (two casts, SiLU, product, cast back). Same shapes required."""
-    return glu_mul(gate, up)
 
 
 def glu_mul(gate, up, situ_beta=None, linear_beta=None):

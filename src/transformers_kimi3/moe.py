@@ -65,10 +65,9 @@ class GLUActivation(nn.Module):
 
     def forward(self, gate, up):
         if gate.shape == up.shape and _kernel_ok(gate, (up,)):  # inference: one launch instead of 5 (SiTU: 11)
+            betas = (self.beta, self.linear_beta) if self.kind == "situ" else (None, None)
             with _on_device(gate):
-                if self.kind == "silu":
-                    return _moe_decode.silu_mul(gate, up)
-                return _moe_decode.glu_mul(gate, up, self.beta, self.linear_beta)
+                return _moe_decode.glu_mul(gate, up, *betas)
         dtype = gate.dtype
         gate, up = gate.float(), up.float()
         if self.kind == "situ":
