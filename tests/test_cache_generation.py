@@ -212,3 +212,20 @@ def test_generate_with_chunked_prefill(model):
                                  return_dict_in_generate=True, prefill_chunk_size=16)
     assert torch.equal(whole.sequences, chunked.sequences)
     assert rel_err(torch.stack(chunked.logits), torch.stack(whole.logits)) < TOL
+
+
+def test_static_greedy_with_chunked_prefill(model, monkeypatch):
+    # long prompts at B>1 need both: the fast loop must take prefill_chunk_size, not hand it to Transformers' loop
+    from transformers_kimi3.modeling_kimi3 import Kimi3GenerationMixin
+
+    calls = []
+    fast = Kimi3GenerationMixin._static_greedy
+    monkeypatch.setattr(Kimi3GenerationMixin, "_static_greedy", lambda *a: calls.append(1) or fast(*a))
+    x = ids(2, 40, seed=9)
+    with torch.no_grad():
+        whole = model.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        chunked = [model.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static",
+                                  prefill_chunk_size=c) for c in (7, 16, 64)]
+    assert len(calls) == 3
+    for got in chunked:
+        assert torch.equal(got, whole)

@@ -473,6 +473,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--longest", default="131072,262144,524288,1048576")
     ap.add_argument("--chunk", type=int, default=65536)
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="decode stage: generate(prefill_chunk_size=N) for every implementation (long prompts at B>1)")
     ap.add_argument("--impls", default=None, help="decode rows to run, e.g. ours_static_graph")
     ap.add_argument("--model", default="kimi_linear", choices=["kimi_linear", "k3"],
                     help="kimi_linear: the 4.3B config vs native Transformers; k3: K3-shaped with MXFP4 experts, ours")
@@ -508,8 +510,9 @@ def main(argv=None):
                                                      if v is not None}, device,
                 [int(x) for x in args.longest.split(",")], args.chunk, deadline)
     if "decode" in stages:
-        static = {"cache_implementation": "static"}
-        impls = [("native", native, {}), ("ours", ours, {}), ("ours_static_graph", ours, static)]
+        chunk = {"prefill_chunk_size": args.prefill_chunk} if args.prefill_chunk else {}
+        static = {"cache_implementation": "static", **chunk}
+        impls = [("native", native, chunk), ("ours", ours, chunk), ("ours_static_graph", ours, static)]
         impls = [i for i in impls if i[1] is not None]
         if args.impls:
             impls = [i for i in impls if i[0] in args.impls.split(",")]

@@ -354,10 +354,10 @@ class Kimi3GenerationMixin(GenerationMixin):
     # fields only while off: False/None/0); anything else (sampling, beams, logits processors, streamers, scores,
     # padding, media) goes through Transformers' loop
     _GREEDY_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "do_sample",
-                      "pad_token_id", "eos_token_id", "use_cache"}
+                      "pad_token_id", "eos_token_id", "use_cache", "prefill_chunk_size"}
     _GREEDY_CONFIG = {"bos_token_id", "eos_token_id", "pad_token_id", "max_length", "max_new_tokens",
                       "min_new_tokens", "do_sample", "use_cache", "cache_implementation", "transformers_version",
-                      "_from_model_config"}
+                      "_from_model_config", "prefill_chunk_size"}
     fast_static_greedy = True
 
     def _plain_greedy(self, inputs, generation_config, kwargs):
@@ -424,7 +424,10 @@ class Kimi3GenerationMixin(GenerationMixin):
         out = torch.full((B, max_new), pad if pad is not None else 0, dtype=torch.long, device=device)
         unfinished = torch.ones(B, dtype=torch.bool, device=device)
         cache = self._pooled_static_cache(B, L + max_new, device)
-        logits = self(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        chunk = kwargs.get("prefill_chunk_size") or getattr(config, "prefill_chunk_size", None) or L
+        for start in range(0, L, chunk):  # peak memory bounded by the chunk, not the prompt
+            logits = self(input_ids=input_ids[:, start:start + chunk], past_key_values=cache, use_cache=True,
+                          logits_to_keep=1).logits[:, -1]
         # as MinNewTokensLengthLogitsProcessor: EOS ids outside the vocabulary are ignored
         eos_columns = torch.isin(torch.arange(logits.shape[-1], device=device), eos_t)
         check_every = 16
