@@ -1,0 +1,82 @@
+"""Where the packed MXFP4 grouped GEMM's time goes at one token count (K3 expert shapes, as bench/moe.py):
+
+    python bench/moe_probe.py --tokens 1024 --sweep           # wider tile sweep, gate+up and down apart
+    ncu --clock-control none --kernel-name regex:mxfp4 --launch-skip 4 --launch-count 2 \\
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \\
+        python bench/moe_probe.py --tokens 1024 --reps 3      # hardware counters of one gate+up and one down
+
+Prints one JSON line per timing: config, ms, and the weight bytes read per second (the bound at small token counts,
+where each expert's packed weights are read once and reused by ~18 rows)."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import moe  # noqa: E402  (bench/moe.py: shapes, weights, routing, timing)
+
+# (BM, BN, BK, num_warps, num_stages): around the defaults for ~18 rows per expert
+SWEEP = [(32, 64, 64, 4, 4), (32, 64, 128, 4, 3), (32, 128, 64, 4, 4), (32, 128, 64, 8, 4), (32, 128, 128, 8, 3),
+         (32, 64, 64, 4, 6), (32, 64, 256, 4, 2), (16, 64, 128, 4, 4), (16, 128, 128, 8, 4), (32, 256, 64, 8, 3)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=0, help="plain calls of the default configs (for ncu)")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (needs TRITON_INTERPRET=1)")
+    args = ap.parse_args()
+    if args.smoke:
+        moe.DEV, moe.E, moe.TOPK, moe.D, moe.INTER = "cpu", 8, 2, 64, 96
+        SWEEP[:] = [(16, 32, 64, 4, 2)]
+    G, M, _ = moe.load_modules()
+    E, D, INTER, TOPK = moe.E, moe.D, moe.INTER, moe.TOPK
+    mod = moe.make_mxfp4_weights(M)
+    n = args.tokens
+    x = torch.randn(n, D, device=moe.DEV, dtype=torch.bfloat16)
+    idx, _ = moe.routing(n, seed=n)
+    order, offsets = M._route(idx, E, sync_ok=False)
+    tok = (order // TOPK).to(torch.int32)
+    order32 = order.to(torch.int32)
+    rows = n * TOPK
+    h = torch.randn(rows, INTER, device=moe.DEV, dtype=torch.bfloat16)
+    active = int(((offsets[1:] - offsets[:-1]) > 0).sum())
+    bytes_up = active * 2 * INTER * D * (0.5 + 1 / 32)
+    bytes_dn = active * INTER * D * (0.5 + 1 / 32)
+
+    def up(cfg=None):
+        return G.mxfp4_grouped_gemm(x, mod.w1_packed, mod.w1_scale, offsets, a_rows=tok, dual="out", act="silu",
+                                    b_packed=mod.w3_packed, b_scale=mod.w3_scale, out_dtype=torch.bfloat16,
+                                    config=cfg)
+
+    def down(cfg=None):
+        return G.mxfp4_grouped_gemm(h, mod.w2_packed, mod.w2_scale, offsets, c_rows=order32, num_c_rows=rows,
+                                    config=cfg)
+
+    for _ in range(args.reps):
+        up()
+        down()
+    if moe.DEV == "cuda":
+        torch.cuda.synchronize()
+    if not args.sweep:
+        return
+    for name, fn, nbytes in (("gate_up", up, bytes_up), ("down", down, bytes_dn)):
+        for c in [None] + SWEEP:
+            for split in ((0,) if c is None else (0, 1)):
+                cfg = None if c is None else dict(BM=c[0], BN=c[1], BK=c[2], num_warps=c[3], num_stages=c[4],
+                                                  DEQ=0, SPLIT=split)
+                try:
+                    ms = moe.bench(lambda: fn(cfg), warm=2, rep=10)
+                except Exception as ex:  # a tile that does not fit
+                    print(json.dumps(dict(kernel=name, cfg=cfg, error=repr(ex)[:160])), flush=True)
+                    continue
+                print(json.dumps(dict(kernel=name, tokens=n, cfg=cfg or "default", ms=round(ms, 4),
+                                      weight_TBps=round(nbytes / ms / 1e9, 3))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
