@@ -438,10 +438,12 @@ def _next_pow2(n):
 
 # Tile shapes by BM (rows of one expert per tile: the MMA's N side), from bench/moe.py's sweeps on an H200
 # (bench/results/moe_h200.*). DEQ=1 (tl.dot_scaled's own e2m1 upcast) measured 1.4-4x slower than DEQ=0 there,
-# so it is only used when asked for.
+# so it is only used when asked for. BM=32 (1,024 tokens of K3): BK=128 from bench/moe_probe.py (9f26e99), gate+up
+# 8.89 -> 7.75 ms and down 5.79 -> 4.25 ms against BK=64; these kernels are bound by L1/shared-memory traffic
+# (ncu: 93% L1 vs 27% DRAM), and a longer K step halves the per-row scale loads.
 _TILES = {  # BM: (BN, BK, num_warps, num_stages)
     16: (64, 128, 4, 4),
-    32: (64, 64, 4, 4),
+    32: (64, 128, 4, 3),
     64: (64, 128, 4, 3),
     128: (64, 64, 8, 4),
 }
