@@ -1,6 +1,7 @@
-"""Plot bench/results/e2e_h200.json: decode tokens/s by batch (native, ours eager, ours static graph; the newest run
-with all three at two or more batch sizes) and chunked prefill time / peak memory by prompt length (ours, the newest
-run with three or more lengths).
+"""Plot bench/results/e2e_h200.json: decode tokens/s by batch after a 1,024-token prompt (native, ours eager, ours
+static graph) and long-prompt prefill time / peak memory by prompt length (ours chunked, native in one pass). Each
+point is the newest row of its kind (implementation and batch, or implementation and length) over all runs; the
+titles name the commits the points come from.
 
     PYTHONPATH=/path/to/matplotlib python bench/plot_e2e.py [--json bench/results/e2e_h200.json] [--out ...png]
 
@@ -16,12 +17,19 @@ IMPLS = [("native", "native (Transformers + fla)"), ("ours", "ours, eager"),
          ("ours_static_graph", "ours, static cache + CUDA graph")]
 
 
-def newest(runs, want):
-    """The last run whose rows satisfy want(rows)."""
-    for run in reversed(runs):
-        if want([r for r in run["rows"] if "error" not in r]):
-            return run
-    raise SystemExit("no run with the rows this plot needs")
+def newest_rows(runs, key):
+    """{key(row): (row, commit)} keeping the last run's row for each key; rows where key() is None are skipped."""
+    out = {}
+    for run in runs:
+        for r in run["rows"]:
+            k = key(r)
+            if k is not None:
+                out[k] = (r, run["meta"]["commit"])
+    return out
+
+
+def commits(points):
+    return ", ".join(sorted({c for _, c in points}))
 
 
 def main():
@@ -34,34 +42,31 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = json.load(open(args.json))["runs"]
+    runs = [run for run in json.load(open(args.json))["runs"]  # the 4.3B config; K3-shaped runs name their model
+            if not run["meta"].get("model", "").startswith("k3")]
 
-    def decode_batches(rows):  # batches with a row for every implementation, 1,024-token prompt
-        got = {(r["impl"], r["batch"]) for r in rows if r["stage"] == "decode" and r.get("prompt") == 1024}
-        return [b for b in (1, 8, 64) if all((i, b) in got for i, _ in IMPLS)]
-
-    dec = newest(runs, lambda rows: len(decode_batches(rows)) >= 2)
-    lon = newest(runs, lambda rows: sum(r["stage"] == "longest" for r in rows) >= 3)
+    dec = newest_rows(runs, lambda r: (r["impl"], r["batch"]) if r.get("stage") == "decode" and
+                      r.get("prompt") == 1024 and "error" not in r else None)
+    lon = newest_rows(runs, lambda r: (r["impl"], r["T"]) if r.get("stage") == "longest" and r.get("T") else None)
+    batches = [b for b in (1, 8, 64) if all((i, b) in dec for i, _ in IMPLS)]
+    if not batches:
+        raise SystemExit("no batch size has a decode row for every implementation")
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
-    batches = decode_batches([r for r in dec["rows"] if "error" not in r])
-    rows = {(r["impl"], r["batch"]): r for r in dec["rows"] if r["stage"] == "decode" and "error" not in r}
     width = 0.27
     for k, (impl, label) in enumerate(IMPLS):
         xs = [i + (k - 1) * width for i in range(len(batches))]
-        ys = [rows[(impl, b)]["tok_s"] for b in batches]
+        ys = [dec[(impl, b)][0]["tok_s"] for b in batches]
         bars = ax1.bar(xs, ys, width, label=label)
         ax1.bar_label(bars, labels=[f"{y:,.0f}" for y in ys], fontsize=7)
     ax1.set_yscale("log")
     ax1.set_xticks(range(len(batches)), [f"B={b}" for b in batches])
     ax1.set_ylabel("decode tokens/s (generate(), log scale)")
-    ax1.set_title(f"Decode after a 1,024-token prompt (commit {dec['meta']['commit']})", fontsize=10)
+    ax1.set_title("Decode after a 1,024-token prompt (commits "
+                  f"{commits(dec[(i, b)] for i, _ in IMPLS for b in batches)})", fontsize=9)
     ax1.legend(fontsize=8, loc="upper left")
 
-    pts = {}
-    for r in lon["rows"]:
-        if r["stage"] == "longest" and r.get("impl") == "ours" and "error" not in r:
-            pts[r["T"]] = r  # a length run twice keeps its later row
+    pts = {T: r for (impl, T), (r, _) in lon.items() if impl == "ours" and "error" not in r}
     Ts = sorted(pts)
     ax2.plot(Ts, [pts[t]["s"] for t in Ts], "o-", color="C1", label="ours: prefill time (s)")
     for t in Ts:
@@ -79,18 +84,26 @@ def main():
     ax3.set_ylim(0, 145)
     ax3.axhline(139.8, color="gray", lw=0.8, ls=":")
     ax3.text(Ts[0], 133, "H200 memory (~140 GiB)", fontsize=7, color="gray")
-    for r in lon["rows"]:
-        if r["stage"] == "longest" and r.get("impl") == "native" and r.get("error") == "out of memory":
-            ax3.plot([r["T"]], [139.8], "x", color="C0", ms=10, mew=2, label=f"native, one pass: OOM at {r['T']:,}")
+    nat = {T: r for (impl, T), (r, _) in lon.items() if impl == "native"}
+    ok = sorted(T for T, r in nat.items() if "error" not in r)
+    if ok:
+        ax2.plot(ok, [nat[t]["s"] for t in ok], "o:", color="C0", label="native, one pass: time (s)")
+        ax3.plot(ok, [nat[t]["peak_gib"] for t in ok], "s:", color="C0", mfc="none", label="native: peak (GiB)")
+        for t in ok:
+            ax2.annotate(f"{nat[t]['s']:.1f} s", (t, nat[t]["s"]), textcoords="offset points", xytext=(4, -10),
+                         fontsize=7, color="C0")
+    for T, r in sorted(nat.items()):
+        if r.get("error") == "out of memory":
+            ax3.plot([T], [139.8], "x", color="C0", ms=10, mew=2, label=f"native, one pass: OOM at {T:,}")
     ax3.set_ylabel("peak GiB (torch allocator)")
     h1, l1 = ax2.get_legend_handles_labels()
     h2, l2 = ax3.get_legend_handles_labels()
     ax2.legend(h1 + h2, l1 + l2, fontsize=8, loc="center left")
-    ax2.set_title(f"Long-prompt prefill, bf16, B=1 (commit {lon['meta']['commit']})", fontsize=10)
+    ax2.set_title(f"Long-prompt prefill, bf16, B=1 (commits {commits(lon.values())})", fontsize=9)
     fig.suptitle("Kimi Linear 4.3B benchmark config on one NVIDIA H200 (bench/results/e2e_h200.json)", fontsize=11)
     fig.tight_layout()
     fig.savefig(args.out, dpi=130)
-    print(f"wrote {args.out} (decode: {dec['meta']['commit']}, longest: {lon['meta']['commit']})")
+    print(f"wrote {args.out} (decode: {commits(dec.values())}; longest: {commits(lon.values())})")
 
 
 if __name__ == "__main__":
