@@ -1,6 +1,7 @@
 """Where the packed MXFP4 grouped GEMM's time goes at one token count (K3 expert shapes, as bench/moe.py):
 
     python bench/moe_probe.py --tokens 1024 --sweep           # wider tile sweep, gate+up and down apart
+    python bench/moe_probe.py --tokens 64 1024 --configs 16:64:64:4:4:1/32:64:64:4:4:1   # given tiles per count
     ncu --clock-control none --kernel-name regex:mxfp4 --launch-skip 4 --launch-count 2 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \\
         python bench/moe_probe.py --tokens 1024 --reps 3      # hardware counters of one gate+up and one down
@@ -23,20 +24,36 @@ SWEEP = [(32, 64, 64, 4, 4), (32, 64, 128, 4, 3), (32, 128, 64, 4, 4), (32, 128,
          (32, 64, 64, 4, 6), (32, 64, 256, 4, 2), (16, 64, 128, 4, 4), (16, 128, 128, 8, 4), (32, 256, 64, 8, 3)]
 
 
+def parse_configs(spec):
+    """'BM:BN:BK:warps:stages:PERM,...' -> list of config dicts"""
+    out = []
+    for c in spec.split(","):
+        bm, bn, bk, w, st, perm = (int(v) for v in c.split(":"))
+        out.append(dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st, DEQ=0, PERM=perm))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1024])
     ap.add_argument("--reps", type=int, default=0, help="plain calls of the default configs (for ncu)")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="the SWEEP tiles, SPLIT off and on")
+    ap.add_argument("--configs", default=None, help="'BM:BN:BK:warps:stages:PERM,...' timed after the default "
+                    "(one list per token count, separated by '/'); each output is compared with the default's")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (needs TRITON_INTERPRET=1)")
     args = ap.parse_args()
     if args.smoke:
         moe.DEV, moe.E, moe.TOPK, moe.D, moe.INTER = "cpu", 8, 2, 64, 96
         SWEEP[:] = [(16, 32, 64, 4, 2)]
     G, M, _ = moe.load_modules()
-    E, D, INTER, TOPK = moe.E, moe.D, moe.INTER, moe.TOPK
     mod = moe.make_mxfp4_weights(M)
-    n = args.tokens
+    lists = (args.configs.split("/") if args.configs else [None] * len(args.tokens))
+    for n, spec in zip(args.tokens, lists):
+        probe(G, M, mod, n, args, parse_configs(spec) if spec else [])
+
+
+def probe(G, M, mod, n, args, configs):
+    E, D, INTER, TOPK = moe.E, moe.D, moe.INTER, moe.TOPK
     x = torch.randn(n, D, device=moe.DEV, dtype=torch.bfloat16)
     idx, _ = moe.routing(n, seed=n)
     order, offsets = M._route(idx, E, sync_ok=False)
@@ -62,20 +79,24 @@ def main():
         down()
     if moe.DEV == "cuda":
         torch.cuda.synchronize()
-    if not args.sweep:
+    cands = []
+    if args.sweep:
+        cands += [dict(BM=c[0], BN=c[1], BK=c[2], num_warps=c[3], num_stages=c[4], DEQ=0, SPLIT=split)
+                  for c in SWEEP for split in (0, 1)]
+    cands += configs
+    if not cands:
         return
     for name, fn, nbytes in (("gate_up", up, bytes_up), ("down", down, bytes_dn)):
-        for c in [None] + SWEEP:
-            for split in ((0,) if c is None else (0, 1)):
-                cfg = None if c is None else dict(BM=c[0], BN=c[1], BK=c[2], num_warps=c[3], num_stages=c[4],
-                                                  DEQ=0, SPLIT=split)
-                try:
-                    ms = moe.bench(lambda: fn(cfg), warm=2, rep=10)
-                except Exception as ex:  # a tile that does not fit
-                    print(json.dumps(dict(kernel=name, cfg=cfg, error=repr(ex)[:160])), flush=True)
-                    continue
-                print(json.dumps(dict(kernel=name, tokens=n, cfg=cfg or "default", ms=round(ms, 4),
-                                      weight_TBps=round(nbytes / ms / 1e9, 3))), flush=True)
+        ref = fn().float()
+        for cfg in [None] + cands:
+            try:
+                ms = moe.bench(lambda: fn(cfg), warm=2, rep=10)
+                diff = ((fn(cfg).float() - ref).norm() / ref.norm()).item()
+            except Exception as ex:  # a tile that does not fit
+                print(json.dumps(dict(kernel=name, tokens=n, cfg=cfg, error=repr(ex)[:160])), flush=True)
+                continue
+            print(json.dumps(dict(kernel=name, tokens=n, cfg=cfg or "default", ms=round(ms, 4),
+                                  weight_TBps=round(nbytes / ms / 1e9, 3), rel_diff_vs_default=diff)), flush=True)
 
 
 if __name__ == "__main__":

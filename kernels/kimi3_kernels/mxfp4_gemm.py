@@ -168,17 +168,40 @@ if HAS_TRITON:
         return tl.reshape(tl.broadcast_to(sf[:, :, None], (R, C // 32, 16)), (R, C // 2))
 
     @triton.jit
-    def _dequant(p, s, R: tl.constexpr, C: tl.constexpr, PTX: tl.constexpr):
+    def _perm_k(x, R: tl.constexpr, C: tl.constexpr):
+        """[R, C/2] per-byte values of a weight tile (C = BK columns) from stored order P to the MMA's K order L:
+        P = (C/8) t + 2 s + h  ->  L = 8 s + 4 h + t  (t < 4, s < C/16, h < 2). A thread of the wgmma / mma A
+        operand holds bytes t and t + 4 of each 8-byte K step; after this relabelling the bytes one thread needs are
+        C/8 contiguous stored bytes, so they leave shared memory in wide loads and need no shuffle after decoding.
+        The activations are loaded in the same K order (`_k_order`), so the products are unchanged."""
+        return tl.reshape(tl.permute(tl.reshape(x, (R, 4, C // 16, 2)), (0, 2, 3, 1)), (R, C // 2))
+
+    @triton.jit
+    def _k_order(BK: tl.constexpr):
+        """Stored k (relative to the tile start) of MMA K index kappa under _perm_k: kappa = 2 L + e."""
+        kap = tl.arange(0, BK)
+        L = kap // 2
+        return 2 * ((BK // 8) * (L % 4) + 2 * (L // 8) + (L // 4) % 2) + kap % 2
+
+    @triton.jit
+    def _dequant(p, s, R: tl.constexpr, C: tl.constexpr, PTX: tl.constexpr, PERM: tl.constexpr = False):
         """p uint8 [R, C/2] (low nibble = even column), s uint8 [R, C/32] -> bf16 [R, C]. In the MMA operand layout
-        a thread holds column pairs (2j, 2j+1), i.e. whole bytes, so the interleave costs no data movement."""
+        a thread holds column pairs (2j, 2j+1), i.e. whole bytes, so the interleave costs no data movement. PERM:
+        columns in _perm_k's K order instead of the stored one."""
         if PTX:
             sb = _bcast_scale(_e8m0_to_bf16x2(s), R, C)
+            if PERM:
+                p = _perm_k(p, R, C)
+                sb = _perm_k(sb, R, C)
             w = tl.inline_asm_elementwise(_E2M1_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r,r", [p, sb], dtype=tl.int32,
                                           is_pure=True, pack=4)
             lo = w.to(tl.int16).to(tl.bfloat16, bitcast=True)
             hi = (w >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
         else:
             sf = _bcast_scale(_e8m0_to_f32(s), R, C)
+            if PERM:
+                p = _perm_k(p, R, C)
+                sf = _perm_k(sf, R, C)
             pi = p.to(tl.int32)
             lo = (_e2m1_to_f32(pi & 15) * sf).to(tl.bfloat16)
             hi = (_e2m1_to_f32(pi >> 4) * sf).to(tl.bfloat16)
@@ -241,14 +264,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _load_w(w_ptr, s, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n,
-                BN: tl.constexpr, BK: tl.constexpr, TRANS_W: tl.constexpr, PTX: tl.constexpr):
+                BN: tl.constexpr, BK: tl.constexpr, TRANS_W: tl.constexpr, PTX: tl.constexpr,
+                PERM: tl.constexpr = False):
         """Dequantised weight tile [BN, BK] from packed bytes and its scales `s` (from _load_s): element (n, k) is
-        W_e[n, k] (or W_e[k, n] with TRANS_W)."""
+        W_e[n, k] (or W_e[k, n] with TRANS_W); PERM (not with TRANS_W): k in _perm_k's order."""
         p = _load_p(w_ptr, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK, TRANS_W)
         if TRANS_W:
             return tl.trans(_dequant(p, s, BK, BN, PTX))
         else:
-            return _dequant(p, s, BN, BK, PTX)
+            return _dequant(p, s, BN, BK, PTX, PERM)
 
     @triton.jit
     def _load_w_split(w_ptr, s, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n,
@@ -263,10 +287,14 @@ if HAS_TRITON:
             return _dequant_split(p, s, BN, BK, PTX)
 
     @triton.jit
-    def _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK: tl.constexpr, STEP: tl.constexpr):
+    def _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK: tl.constexpr, STEP: tl.constexpr,
+                 PERM: tl.constexpr = False):
         """Activation tile, transposed, bf16: [BK/STEP, BM] at k = k0 + STEP*j (STEP 2: the even k; the odd ones
-        are the same pointers + 1)."""
-        offs_k = k0 + STEP * tl.arange(0, BK // STEP)
+        are the same pointers + 1); PERM (STEP 1): row j holds k = k0 + _k_order(BK)[j]."""
+        if PERM:
+            offs_k = k0 + _k_order(BK)
+        else:
+            offs_k = k0 + STEP * tl.arange(0, BK // STEP)
         mask = (offs_k[:, None] < K) & m_mask[None, :]
         return tl.load(a_ptr + rows[None, :] * stride_am + offs_k[:, None], mask=mask, other=0.0).to(tl.bfloat16)
 
@@ -304,7 +332,7 @@ if HAS_TRITON:
         E_CHUNK: tl.constexpr, NUM_E_CHUNKS: tl.constexpr,
         TRANS_W: tl.constexpr, DUAL: tl.constexpr, ACT: tl.constexpr, LINEAR_UP: tl.constexpr,
         GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, DEQ: tl.constexpr, OP_F32: tl.constexpr,
-        PTX: tl.constexpr, SPLIT: tl.constexpr,
+        PTX: tl.constexpr, SPLIT: tl.constexpr, PERM: tl.constexpr,
     ):
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BN)
@@ -359,15 +387,15 @@ if HAS_TRITON:
                 if DUAL == 1:
                     acc2 = _scaled_dot(b_ptr, s2_cur, e64, offs_n, n_mask, k0, K, stride_we, stride_wr, at, acc2, BK)
             elif not SPLIT:
-                at = _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK, 1)
+                at = _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK, 1, PERM)
                 wt = _load_w(w_ptr, s_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK,
-                             TRANS_W, PTX)
+                             TRANS_W, PTX, PERM)
                 acc = _dot(wt, at, acc, OP_F32)
                 if DUAL != 0:
                     bt = _load_w(b_ptr, s2_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK,
-                                 TRANS_W, PTX)
+                                 TRANS_W, PTX, PERM)
                     if DUAL == 2:
-                        at2 = _load_at(a2_ptr, rows, m_mask, k0, K, stride_am, BK, 1)
+                        at2 = _load_at(a2_ptr, rows, m_mask, k0, K, stride_am, BK, 1, PERM)
                         acc = _dot(bt, at2, acc, OP_F32)
                     else:
                         acc2 = _dot(bt, at, acc2, OP_F32)
@@ -552,6 +580,7 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         TRANS_W=bool(trans_w), DUAL=DUALS[dual], ACT=ACTS[act], LINEAR_UP=(act == "situ" and beta2 is None),
         GATHER_A=a_rows is not None, SCATTER_C=c_rows is not None, OP_F32=interpreter_enabled(),
         PTX=decode_mode(a.device) == "ptx", SPLIT=bool(int(cfg.get("SPLIT", _env_split()))),
+        PERM=bool(int(cfg.get("PERM", 0))) and not trans_w and BK >= 32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if int(cfg.get("DEQ", 0)) == 1:
         try:
