@@ -40,13 +40,17 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="the SWEEP tiles, SPLIT off and on")
     ap.add_argument("--configs", default=None, help="'BM:BN:BK:warps:stages:PERM,...' timed after the default "
                     "(one list per token count, separated by '/'); each output is compared with the default's")
+    ap.add_argument("--bf16", action="store_true", help="also time the whole routed MLP (gate+up, GLU, down) with "
+                    "the default tiles against bf16 torch._grouped_mm on the exact dequantised weights (moe.py's "
+                    "kernel scope; 59 GB of bf16 weights at K3 shapes)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (needs TRITON_INTERPRET=1)")
     args = ap.parse_args()
     if args.smoke:
         moe.DEV, moe.E, moe.TOPK, moe.D, moe.INTER = "cpu", 8, 2, 64, 96
         SWEEP[:] = [(16, 32, 64, 4, 2)]
     G, M, _ = moe.load_modules()
-    mod = moe.make_mxfp4_weights(M)
+    mod, w13, w2 = moe.make_weights(M) if args.bf16 else (moe.make_mxfp4_weights(M), None, None)
+    args.bf16_weights = (w13, w2)
     lists = (args.configs.split("/") if args.configs else [None] * len(args.tokens))
     for n, spec in zip(args.tokens, lists):
         probe(G, M, mod, n, args, parse_configs(spec) if spec else [])
@@ -77,6 +81,22 @@ def probe(G, M, mod, n, args, configs):
     for _ in range(args.reps):
         up()
         down()
+    w13, w2 = args.bf16_weights
+    if w13 is not None:
+        xs, offs = x[order // TOPK], offsets[1:].contiguous()
+
+        def grouped():
+            g, u = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, -1)
+            return torch._grouped_mm(torch.nn.functional.silu(g) * u, w2.transpose(1, 2), offs=offs)
+
+        def ours():
+            return G.mxfp4_grouped_gemm(up(), mod.w2_packed, mod.w2_scale, offsets, c_rows=order32, num_c_rows=rows)
+
+        t_bf16, t_ours = moe.bench(grouped), moe.bench(ours)
+        print(json.dumps(dict(kernel="routed_mlp", tokens=n, bf16_grouped_mm_ms=round(t_bf16, 4),
+                              mxfp4_default_ms=round(t_ours, 4), ratio=round(t_bf16 / t_ours, 3),
+                              default_cfg_gate_up=G.default_config(rows, E, INTER, D, "out"),
+                              default_cfg_down=G.default_config(rows, E, D, INTER))), flush=True)
     if moe.DEV == "cuda":
         torch.cuda.synchronize()
     cands = []
