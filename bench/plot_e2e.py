@@ -1,5 +1,6 @@
-"""Plot bench/results/e2e_h200.json: decode tokens/s by batch after a 1,024-token prompt (native, ours eager, ours
-static graph) and long-prompt prefill time / peak memory by prompt length (ours chunked, native in one pass). Each
+"""Plot bench/results/e2e_h200.json: prefill tokens/s by prompt length (native and ours, 2K to 1M), decode tokens/s by
+batch after a 1,024-token prompt (native, ours eager, ours static graph) and long-prompt prefill time / peak memory
+by prompt length (ours chunked, native in one pass). Each
 point is the newest row of its kind (implementation and batch, or implementation and length) over all runs; the
 titles name the commits the points come from.
 
@@ -52,7 +53,26 @@ def main():
     if not batches:
         raise SystemExit("no batch size has a decode row for every implementation")
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    pre = newest_rows(runs, lambda r: (r["impl"], r["T"]) if r.get("stage") in ("prefill", "longest") and
+                      r.get("impl") in ("native", "ours") and r.get("T") and "error" not in r else None)
+
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(18, 4.6))
+    for impl, label, style in (("native", "native (Transformers + fla), one pass", "o:"),
+                               ("ours", "ours (Triton KDA; chunked from 128K)", "s-")):
+        Ts = sorted(T for i, T in pre if i == impl)
+        ys = [pre[(impl, T)][0]["tok_s"] for T in Ts]
+        ax0.plot(Ts, ys, style, label=label)
+        for t, y in zip(Ts, ys):
+            ax0.annotate(f"{y / 1e3:.0f}k", (t, y), textcoords="offset points", xytext=(-8, 6), fontsize=7)
+    ax0.set_xscale("log", base=2)
+    Tall = sorted({T for _, T in pre})
+    ax0.set_xticks(Tall, [f"{t // 2**20}M" if t >= 2**20 else f"{t // 1024}K" for t in Tall])
+    ax0.set_xlabel("prompt tokens")
+    ax0.set_ylabel("prefill tokens/s")
+    ax0.set_ylim(bottom=0)
+    ax0.legend(fontsize=8)
+    ax0.set_title(f"Prefill throughput vs prompt length, B=1 (commits {commits(pre.values())})", fontsize=9)
+
     width = 0.27
     for k, (impl, label) in enumerate(IMPLS):
         xs = [i + (k - 1) * width for i in range(len(batches))]
@@ -103,7 +123,8 @@ def main():
     fig.suptitle("Kimi Linear 4.3B benchmark config on one NVIDIA H200 (bench/results/e2e_h200.json)", fontsize=11)
     fig.tight_layout()
     fig.savefig(args.out, dpi=130)
-    print(f"wrote {args.out} (decode: {commits(dec.values())}; longest: {commits(lon.values())})")
+    print(f"wrote {args.out} (prefill: {commits(pre.values())}; decode: {commits(dec.values())}; "
+          f"longest: {commits(lon.values())})")
 
 
 if __name__ == "__main__":
