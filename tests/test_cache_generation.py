@@ -149,15 +149,22 @@ def _hf_loop(model, *args, **kw):
         model.fast_static_greedy = True
 
 
-def test_static_greedy_loop_equals_transformers_loop(model, monkeypatch):
-    # plain greedy + static cache takes our loop (no per-step host sync); it must return exactly what
-    # Transformers' loop returns, EOS handling included. EOS ids are picked from the free-running output so that
-    # row 0 finishes first (then pads) and, in the second case, every row finishes before max_new_tokens.
+@pytest.fixture
+def fast_loop_calls(monkeypatch):
+    """A list that grows by one each time generate() takes our static greedy loop."""
     from transformers_kimi3.modeling_kimi3 import Kimi3GenerationMixin
 
     calls = []
     fast = Kimi3GenerationMixin._static_greedy
     monkeypatch.setattr(Kimi3GenerationMixin, "_static_greedy", lambda *a: calls.append(1) or fast(*a))
+    return calls
+
+
+def test_static_greedy_loop_equals_transformers_loop(model, fast_loop_calls):
+    # plain greedy + static cache takes our loop (no per-step host sync); it must return exactly what
+    # Transformers' loop returns, EOS handling included. EOS ids are picked from the free-running output so that
+    # row 0 finishes first (then pads) and, in the second case, every row finishes before max_new_tokens.
+    calls = fast_loop_calls
     x = ids(3, 9, seed=9)
     with torch.no_grad():
         free = model.generate(x, max_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -214,18 +221,13 @@ def test_generate_with_chunked_prefill(model):
     assert rel_err(torch.stack(chunked.logits), torch.stack(whole.logits)) < TOL
 
 
-def test_static_greedy_with_chunked_prefill(model, monkeypatch):
+def test_static_greedy_with_chunked_prefill(model, fast_loop_calls):
     # long prompts at B>1 need both: the fast loop must take prefill_chunk_size, not hand it to Transformers' loop
-    from transformers_kimi3.modeling_kimi3 import Kimi3GenerationMixin
-
-    calls = []
-    fast = Kimi3GenerationMixin._static_greedy
-    monkeypatch.setattr(Kimi3GenerationMixin, "_static_greedy", lambda *a: calls.append(1) or fast(*a))
     x = ids(2, 40, seed=9)
     with torch.no_grad():
         whole = model.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0)
         chunked = [model.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static",
                                   prefill_chunk_size=c) for c in (7, 16, 64)]
-    assert len(calls) == 3
+    assert len(fast_loop_calls) == 3
     for got in chunked:
         assert torch.equal(got, whole)
