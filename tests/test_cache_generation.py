@@ -231,3 +231,11 @@ def test_static_greedy_with_chunked_prefill(model, fast_loop_calls):
     assert len(fast_loop_calls) == 3
     for got in chunked:
         assert torch.equal(got, whole)
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True])
+def test_prefill_chunk_size_must_be_positive(model, bad):
+    # 0 used to mean "no chunking" silently and a negative size left the fast loop without logits
+    with pytest.raises(ValueError, match="prefill_chunk_size must be a positive"):
+        model.generate(ids(1, 8), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="static",
+                       prefill_chunk_size=bad)

@@ -336,7 +336,9 @@ class Kimi3GenerationMixin(GenerationMixin):
         `prefill_chunk_size=N` prefills long prompts N tokens at a time (KDA state and MLA latents carried)."""
         config = generation_config or self.generation_config
         impl = kwargs.pop("cache_implementation", None) or getattr(config, "cache_implementation", None)
-        chunked = kwargs.get("prefill_chunk_size") or getattr(config, "prefill_chunk_size", None)
+        chunked = kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None))
+        if chunked is not None and (isinstance(chunked, bool) or not isinstance(chunked, int) or chunked < 1):
+            raise ValueError(f"prefill_chunk_size must be a positive number of tokens, not {chunked!r}")
         if impl == "static" and self._plain_greedy(inputs, generation_config, kwargs):
             return self._static_greedy(inputs if inputs is not None else kwargs["input_ids"], config, kwargs)
         if (impl == "static" or chunked) and kwargs.get("past_key_values") is None:
