@@ -5,13 +5,26 @@
 # its own time limit and writes its JSON as it goes, so a cut run keeps what it measured. The outputs are packed
 # into $OUT/session.tgz: the device tool brings back at most 8 files.
 #
-#   OUT=/some/dir bash bench/gpu_session.sh      # ~9 minutes; needs fla in PYTHONPATH for the peer rows
+#   OUT=/some/dir bash bench/gpu_session.sh         # ~9 minutes; needs fla in PYTHONPATH for the peer rows
+#   OUT=/some/dir bash bench/gpu_session.sh mxfp4   # one GPU, ~6 minutes: item 4 (moe.py and ncu at the current tiles)
 set -u
 OUT=${OUT:?set OUT to an output folder}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 W=$(mktemp -d)
 export PYTHONPATH=${PYTHONPATH:-}:$ROOT/src:$ROOT/kernels PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 cd "$ROOT"
+
+if [ "${1:-}" = mxfp4 ]; then
+  timeout 300 python3 bench/moe.py --tokens 1 64 1024 16384 --out "$W/moe" > "$W/moe.log" 2>&1
+  timeout 150 ncu --clock-control none --kernel-name regex:mxfp4 --launch-skip 2 --launch-count 2 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    python3 bench/moe_probe.py --tokens 1024 --reps 2 > "$W/ncu.log" 2>&1
+  tar czf "$OUT/session.tgz" -C "$W" .
+  tail -8 "$W/moe.log" | cut -c1-300
+  grep -E "Duration|DRAM Throughput|L1/TEX Cache Throughput|Registers Per|Achieved Occupancy" "$W/ncu.log"
+  exit 0
+fi
 
 (
   CUDA_VISIBLE_DEVICES=0 timeout 360 python3 bench/e2e.py --stages decode --prompt 32768 --batches 64 \
