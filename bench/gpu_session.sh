@@ -6,7 +6,7 @@
 # into $OUT/session.tgz: the device tool brings back at most 8 files.
 #
 #   OUT=/some/dir bash bench/gpu_session.sh         # ~9 minutes; needs fla in PYTHONPATH for the peer rows
-#   OUT=/some/dir bash bench/gpu_session.sh mxfp4   # one GPU, ~6 minutes: item 4 (moe.py and ncu at the current tiles)
+#   OUT=/some/dir bash bench/gpu_session.sh mxfp4   # one GPU, ~6 minutes: item 5 (moe.py and ncu at the current tiles)
 set -u
 OUT=${OUT:?set OUT to an output folder}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

@@ -349,41 +349,47 @@ def kernel_profile():
         torch.cuda.empty_cache()
 
 
+# (KIMI3_KDA_INTRA_TILE "BK,warps[,stages]", KIMI3_KDA_DIAG_INV): the default first
+SWEEP_OPTIONS = [("32,4", "0"), ("32,4", "1"), ("32,4,2", "1"), ("64,4", "1"), ("16,4", "1"), ("32,8", "1"),
+                 ("32,4,2", "0")]
+
+
 def tile_sweep():
-    """Forward time for each pairwise-kernel tile (KIMI3_KDA_INTRA_TILE = "BK,warps"), then forward+backward with
-    the forward's per-chunk quantities kept (KIMI3_KDA_SAVE_FWD=1, default) or recomputed. The 76324af run of this
-    sweep also timed two-pass and diagonal-inside variants of the pairwise kernel; both were slower and are gone
+    """Forward time for each pairwise-kernel option (SWEEP_OPTIONS: K slice, warps, stages, and whether the diagonal
+    blocks' inverses come from their own kernel), then forward+backward with the default and with the separate
+    inverse kernel. The 76324af run of this sweep also timed two-pass and diagonal-inside variants of the pairwise
+    kernel, and KIMI3_KDA_SAVE_FWD; the variants were slower and are gone, SAVE_FWD=1 is the default
     (bench/results/kda_h200.md)."""
     rows = RES.setdefault("intra_tile_sweep", [])
     for H, T, lb in ((32, 16384, None), (96, 16384, -5.0)):
         q, k, v, f, beta, A_log, dtb = inputs(1, T, H, 128, 128, torch.bfloat16, seed=7)
         ref = None
-        for tile in ("32,4", "16,4", "32,8", "64,8"):
-            os.environ["KIMI3_KDA_INTRA_TILE"] = tile
+        for tile, diag_inv in SWEEP_OPTIONS:
+            os.environ["KIMI3_KDA_INTRA_TILE"], os.environ["KIMI3_KDA_DIAG_INV"] = tile, diag_inv
             try:
                 o, _ = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)
                 ref = o if ref is None else ref
                 ms = bench(lambda: chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb), rep=5)
-                row = dict(H=H, T=T, gate="k3" if lb else "softplus", tile=tile, fwd_ms=ms, rel_vs_default=rel(o, ref))
+                row = dict(H=H, T=T, gate="k3" if lb else "softplus", tile=tile, diag_inv=diag_inv, fwd_ms=ms,
+                           rel_vs_default=rel(o, ref))
             except Exception as ex:  # noqa: BLE001
-                row = dict(H=H, T=T, tile=tile, error=repr(ex)[:300])
+                row = dict(H=H, T=T, tile=tile, diag_inv=diag_inv, error=repr(ex)[:300])
             rows.append(row)
             print("sweep", json.dumps(row), flush=True)
         os.environ.pop("KIMI3_KDA_INTRA_TILE", None)
-        # forward+backward keeping the per-chunk quantities (KIMI3_KDA_SAVE_FWD=1, default) or recomputing them
         qq, kk, vv, ff = (x.clone().requires_grad_() for x in (q, k, v, f))
 
         def fb():
             o, _ = chunk_kda(qq, kk, vv, ff, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)
             o.sum().backward()
-        for save in ("0", "1"):
-            os.environ["KIMI3_KDA_SAVE_FWD"] = save
+        for diag_inv in ("0", "1"):
+            os.environ["KIMI3_KDA_DIAG_INV"] = diag_inv
             torch.cuda.reset_peak_memory_stats()
-            row = dict(H=H, T=T, gate="k3" if lb else "softplus", save_fwd=save, fwdbwd_ms=bench(fb, warm=1, rep=5),
-                       peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+            row = dict(H=H, T=T, gate="k3" if lb else "softplus", diag_inv=diag_inv,
+                       fwdbwd_ms=bench(fb, warm=1, rep=5), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
             rows.append(row)
             print("sweep", json.dumps(row), flush=True)
-        os.environ.pop("KIMI3_KDA_SAVE_FWD", None)
+        os.environ.pop("KIMI3_KDA_DIAG_INV", None)
 
 
 def graph_time(f):

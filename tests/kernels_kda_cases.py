@@ -178,11 +178,13 @@ def test_chunk_forward_varlen_bf16():
 
 
 @needs_triton
-@pytest.mark.parametrize("tile", ["16,4", "64,8", "32,8"])
-def test_chunk_forward_intra_tiles(tile, monkeypatch):
-    # the pairwise kernel's K slice and warps (bench/kda.py sweeps them on the GPU): same results, both gates,
-    # with a partial last chunk
+@pytest.mark.parametrize("tile,diag_inv", [("16,4", "0"), ("64,8", "0"), ("32,8", "0"), ("32,4,2", "0"),
+                                           ("32,4", "1"), ("16,2,2", "1")])
+def test_chunk_forward_intra_tiles(tile, diag_inv, monkeypatch):
+    # the pairwise kernel's K slice, warps and stages, and the diagonal blocks' inverses in their own kernel
+    # (bench/kda.py sweeps them on the GPU): same results, both gates, with a partial last chunk
     monkeypatch.setenv("KIMI3_KDA_INTRA_TILE", tile)
+    monkeypatch.setenv("KIMI3_KDA_DIAG_INV", diag_inv)
     for lb in (-5.0, None):
         q, k, v, f, beta, A_log, dtb, h0 = make(1, 100, 2, 64, 32, seed=12)
         o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0[:1],
@@ -225,6 +227,7 @@ def test_chunk_varlen(lb):
 @needs_triton
 @pytest.mark.parametrize("lb,env", [(-5.0, {}), (None, {}),
                                     (None, dict(KIMI3_KDA_INTRA_TILE="16,4", KIMI3_KDA_SAVE_FWD="0")),
+                                    (None, dict(KIMI3_KDA_DIAG_INV="1")),
                                     (-5.0, dict(KIMI3_KDA_SAVE_FWD="0"))])
 def test_chunk_gradients(lb, env, monkeypatch):
     # the backward reuses the per-chunk quantities the forward kept (default) or, with KIMI3_KDA_SAVE_FWD=0,

@@ -107,11 +107,12 @@ if TRITON_AVAILABLE:
         return n, tl.load(tab + 2 * i_c + 1).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
 
     @triton.jit
-    def _intra_fwd_kernel(qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, tab, cu, scale,
+    def _intra_fwd_kernel(qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, Md, tab, cu, scale,
                           H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          STORE_BWD: tl.constexpr, PREC: tl.constexpr):
+                          STORE_BWD: tl.constexpr, PREC: tl.constexpr, MINV: tl.constexpr):
         """The six off-diagonal 16x16 tiles of Aqk and P for one chunk and head, then the blockwise inverse and
-        T = M Diag(beta); the diagonal tiles come from _diag_fwd_kernel (Aqk's written, P's in Pd)."""
+        T = M Diag(beta); the diagonal tiles come from _diag_fwd_kernel (Aqk's written, P's in Pd), and with MINV
+        the inverses of the diagonal blocks of I + Diag(beta) P from _diag_inv_kernel (Md)."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
         _, t0, eos = _chunk_span(tab, cu, i_c)
@@ -195,10 +196,16 @@ if TRITON_AVAILABLE:
         b2 = tl.load(bs + r2 * H + i_h, mask=r2 < eos, other=0.)
         b3 = tl.load(bs + r3 * H + i_h, mask=r3 < eos, other=0.)
         # M = (I + Diag(beta) P)^-1, blockwise
-        m00 = _inv_unit_lower(b0[:, None] * p00, BC)
-        m11 = _inv_unit_lower(b1[:, None] * p11, BC)
-        m22 = _inv_unit_lower(b2[:, None] * p22, BC)
-        m33 = _inv_unit_lower(b3[:, None] * p33, BC)
+        if MINV:
+            m00 = _ld(Md, r0, eos, H, i_h, BC, o_c, o_c < BC)
+            m11 = _ld(Md, r1, eos, H, i_h, BC, o_c, o_c < BC)
+            m22 = _ld(Md, r2, eos, H, i_h, BC, o_c, o_c < BC)
+            m33 = _ld(Md, r3, eos, H, i_h, BC, o_c, o_c < BC)
+        else:
+            m00 = _inv_unit_lower(b0[:, None] * p00, BC)
+            m11 = _inv_unit_lower(b1[:, None] * p11, BC)
+            m22 = _inv_unit_lower(b2[:, None] * p22, BC)
+            m33 = _inv_unit_lower(b3[:, None] * p33, BC)
         l10 = b1[:, None] * p10
         l20 = b2[:, None] * p20
         l21 = b2[:, None] * p21
@@ -269,6 +276,20 @@ if TRITON_AVAILABLE:
         strict = o_c[:, None] > o_c[None, :]
         _st_blk(Aqk, tl.where(incl, acc_a, 0.) * scale, rows, eos, H, i_h, BT, sub * BC, BC)
         _st_blk(Pd, tl.where(strict, acc_k, 0.), rows, eos, H, i_h, BC, 0, BC)
+
+    @triton.jit
+    def _diag_inv_kernel(Pd, bs, Md, tab, cu, H, BT: tl.constexpr, BC: tl.constexpr):
+        """(I + Diag(beta) P_dd)^-1 for each diagonal 16x16 block, one block per program: the 15-step forward
+        substitution leaves the register-bound pairwise kernel (which then loads the result) and runs in many small
+        programs instead. Rows past the sequence end are not written."""
+        i_s = tl.program_id(0)
+        i_h = tl.program_id(1)
+        _, t0, eos = _chunk_span(tab, cu, i_s // (BT // BC))
+        o_c = tl.arange(0, BC)
+        rows = t0 + (i_s % (BT // BC)) * BC + o_c
+        b = tl.load(bs + rows * H + i_h, mask=rows < eos, other=0.)
+        m = _inv_unit_lower(b[:, None] * _ld(Pd, rows, eos, H, i_h, BC, o_c, o_c < BC), BC)
+        _st_blk(Md, m, rows, eos, H, i_h, BC, 0, BC)
 
     @triton.jit
     def _wu_fwd_kernel(qn, kn, v, gc, Tm, W, U, Qg, Kd, tab, cu, scale, H, K: tl.constexpr, V: tl.constexpr,
@@ -382,9 +403,13 @@ if TRITON_AVAILABLE:
 
 
 def _intra_tile():
+    """KIMI3_KDA_INTRA_TILE="BK,warps[,stages]" (default 32,4,1) and KIMI3_KDA_DIAG_INV=1|0 (default 0): the
+    pairwise kernel's K slice, warps and pipeline depth, and whether the diagonal blocks' inverses come from their
+    own kernel; for sweeps (bench/kda.py --sections sweep)."""
     import os
-    bk, warps = os.environ.get("KIMI3_KDA_INTRA_TILE", "32,4").split(",")
-    return int(bk), int(warps)
+    parts = [int(x) for x in os.environ.get("KIMI3_KDA_INTRA_TILE", "32,4").split(",")]
+    bk, warps, stages = (parts + [1])[:3]
+    return bk, warps, stages, os.environ.get("KIMI3_KDA_DIAG_INV", "0").strip() not in ("", "0")
 
 
 def _prec(dtype):
@@ -416,13 +441,18 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
         _diag_fwd_kernel[(info.NC * (BT // 16), H)](
             qn, kn, gc, Aqk, Pd, info.chunk_tab, info.cu, scale, H=H, K=K, BK=min(32, next_pow2(K)), BT=BT,
             BC=16, SAFE=safe, PREC=_prec(DT), num_warps=4, num_stages=1)
-        # K slice width and warps of the pairwise kernel (KIMI3_KDA_INTRA_TILE="BK,warps" for sweeps,
-        # bench/kda.py sweep); at K = 128 it sits at sm_90's 255-register cap
-        BK, warps = _intra_tile()
+        # K slice width, warps and stages of the pairwise kernel (_intra_tile, for sweeps); at K = 128 it sits at
+        # sm_90's 255-register cap
+        BK, warps, stages, minv = _intra_tile()
+        Md = Pd
+        if minv:
+            Md = torch.empty_like(Pd)
+            _diag_inv_kernel[(info.NC * (BT // 16), H)](Pd, bs, Md, info.chunk_tab, info.cu, H=H, BT=BT, BC=16,
+                                                         num_warps=1, num_stages=1)
         _intra_fwd_kernel[(info.NC, H)](
-            qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, info.chunk_tab, info.cu, scale,
-            H=H, K=K, BK=min(BK, next_pow2(K)), BT=BT, BC=16, STORE_BWD=store_bwd, PREC=_prec(DT),
-            num_warps=warps, num_stages=1)
+            qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, Md, info.chunk_tab, info.cu, scale,
+            H=H, K=K, BK=min(BK, next_pow2(K)), BT=BT, BC=16, STORE_BWD=store_bwd, PREC=_prec(DT), MINV=minv,
+            num_warps=warps, num_stages=stages)
         _wu_fwd_kernel[(info.NC, H)](
             qn, kn, v, gc, Tm, W, U, Qg, Kd, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
             BK=min(64, next_pow2(K)), BV=min(64, next_pow2(V)), BT=BT, PREC=_prec(DT), num_warps=4, num_stages=2)
