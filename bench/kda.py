@@ -352,12 +352,14 @@ def kernel_profile():
 # (KIMI3_KDA_INTRA_TILE "BK,warps[,stages]", KIMI3_KDA_DIAG_INV): the default first
 SWEEP_OPTIONS = [("32,4", "0"), ("32,4", "1"), ("32,4,2", "1"), ("64,4", "1"), ("16,4", "1"), ("32,8", "1"),
                  ("32,4,2", "0")]
+# forward+backward: the defaults first, then the separate inverse kernel and the main backward kernel's K slices
+SWEEP_FWDBWD = [{}, {"KIMI3_KDA_DIAG_INV": "1"}, {"KIMI3_KDA_MAIN_BWD_KSPLIT": "2"},
+                {"KIMI3_KDA_MAIN_BWD_KSPLIT": "4"}, {"KIMI3_KDA_DIAG_INV": "1", "KIMI3_KDA_MAIN_BWD_KSPLIT": "4"}]
 
 
 def tile_sweep():
     """Forward time for each pairwise-kernel option (SWEEP_OPTIONS: K slice, warps, stages, and whether the diagonal
-    blocks' inverses come from their own kernel), then forward+backward with the default and with the separate
-    inverse kernel. The 76324af run of this sweep also timed two-pass and diagonal-inside variants of the pairwise
+    blocks' inverses come from their own kernel), then forward+backward for each of SWEEP_FWDBWD. The 76324af run of this sweep also timed two-pass and diagonal-inside variants of the pairwise
     kernel, and KIMI3_KDA_SAVE_FWD; the variants were slower and are gone, SAVE_FWD=1 is the default
     (bench/results/kda_h200.md)."""
     rows = RES.setdefault("intra_tile_sweep", [])
@@ -382,14 +384,17 @@ def tile_sweep():
         def fb():
             o, _ = chunk_kda(qq, kk, vv, ff, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)
             o.sum().backward()
-        for diag_inv in ("0", "1"):
-            os.environ["KIMI3_KDA_DIAG_INV"] = diag_inv
+        for env in SWEEP_FWDBWD:
+            for name in ("KIMI3_KDA_DIAG_INV", "KIMI3_KDA_MAIN_BWD_KSPLIT"):
+                os.environ.pop(name, None)
+            os.environ.update(env)
             torch.cuda.reset_peak_memory_stats()
-            row = dict(H=H, T=T, gate="k3" if lb else "softplus", diag_inv=diag_inv,
+            row = dict(H=H, T=T, gate="k3" if lb else "softplus", env=env,
                        fwdbwd_ms=bench(fb, warm=1, rep=5), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
             rows.append(row)
             print("sweep", json.dumps(row), flush=True)
-        os.environ.pop("KIMI3_KDA_DIAG_INV", None)
+        for name in ("KIMI3_KDA_DIAG_INV", "KIMI3_KDA_MAIN_BWD_KSPLIT"):
+            os.environ.pop(name, None)
 
 
 def graph_time(f):

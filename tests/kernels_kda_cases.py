@@ -225,24 +225,26 @@ def test_chunk_varlen(lb):
 
 
 @needs_triton
-@pytest.mark.parametrize("lb,env", [(-5.0, {}), (None, {}),
-                                    (None, dict(KIMI3_KDA_INTRA_TILE="16,4", KIMI3_KDA_SAVE_FWD="0")),
-                                    (None, dict(KIMI3_KDA_DIAG_INV="1")),
-                                    (-5.0, dict(KIMI3_KDA_SAVE_FWD="0"))])
-def test_chunk_gradients(lb, env, monkeypatch):
+@pytest.mark.parametrize("lb,env,K", [(-5.0, {}, 16), (None, {}, 16),
+                                      (None, dict(KIMI3_KDA_INTRA_TILE="16,4", KIMI3_KDA_SAVE_FWD="0"), 16),
+                                      (None, dict(KIMI3_KDA_DIAG_INV="1"), 16),
+                                      (-5.0, dict(KIMI3_KDA_SAVE_FWD="0"), 16),
+                                      (None, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="2"), 64),
+                                      (-5.0, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="4"), 64)])
+def test_chunk_gradients(lb, env, K, monkeypatch):
     # the backward reuses the per-chunk quantities the forward kept (default) or, with KIMI3_KDA_SAVE_FWD=0,
-    # recomputes them
+    # recomputes them; KIMI3_KDA_MAIN_BWD_KSPLIT runs the main backward kernel's K columns in slices
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     from kimi3_kernels.kda import chunk_fwd
     intra_calls = []
     intra = chunk_fwd.intra_fwd
     monkeypatch.setattr(chunk_fwd, "intra_fwd", lambda *a, **kw: intra_calls.append(1) or intra(*a, **kw))
-    q, k, v, f, beta, A_log, dtb, h0 = make(1, 80, 2, 16, 32, seed=2)
+    q, k, v, f, beta, A_log, dtb, h0 = make(1, 80, 2, K, 32, seed=2)
     ins = [q, k, v, f, beta, A_log, dtb, h0]
     gen = torch.Generator().manual_seed(5)
     do = torch.randn(1, 80, 2, 32, generator=gen)
-    dS = torch.randn(1, 2, 16, 32, generator=gen)
+    dS = torch.randn(1, 2, K, 32, generator=gen)
     grads = {}
     for name in ("triton", "fp64"):
         xs = [x.double().clone().requires_grad_() if name == "fp64" else x.clone().requires_grad_() for x in ins]

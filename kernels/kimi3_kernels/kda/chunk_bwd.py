@@ -78,58 +78,77 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _main_bwd_kernel(qn, kn, v, gc, bs, Mo, Po, hs, dhs, vn, dvn, do, dv, dAs, dPs, dqn, dkn, dG, db,
                          tab, cu, scale, H, K: tl.constexpr, V: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+                         BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+                         KS: tl.constexpr):
+        """Per chunk: the gradients that flow through the chunk's state terms and the WY form (dq, dk, dG of the
+        state paths, dv, dbeta, and dA / dP for _intra_bwd_kernel). KS > 1 runs the K columns in KS slices, one
+        after the other, so that the three [BT, K] fp32 accumulators shrink by KS (at K = 128 and KS = 1 they spill);
+        the V-side products (dA, the dv term of dT, dv itself) are formed during the first slice only."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
         _, t0, eos = _chunk_span(tab, cu, i_c)
         o_t = tl.arange(0, BT)
         rows = t0 + o_t
         mr = rows < eos
-        o_k = tl.arange(0, BK)
-        mk = o_k < K
         DT = dv.dtype.element_ty
         mtt = mr[:, None] & (o_t[None, :] < BT)
         offA = (rows[:, None] * H + i_h) * BT + o_t[None, :]
         M = tl.load(Mo + offA, mask=mtt & (o_t[None, :] <= o_t[:, None]), other=0.)
         b = tl.load(bs + rows * H + i_h, mask=mr, other=0.)
         Tm = M * b[None, :]
-        dQg = tl.zeros([BT, BK], dtype=tl.float32)
-        dW = tl.zeros([BT, BK], dtype=tl.float32)
-        dKd = tl.zeros([BT, BK], dtype=tl.float32)
         dA = tl.zeros([BT, BT], dtype=tl.float32)
         dT = tl.zeros([BT, BT], dtype=tl.float32)
-        dgl = tl.zeros([BK], dtype=tl.float32)
         s_base = (i_c.to(tl.int64) * H + i_h) * K
-        for i_v in range(0, tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            mv = o_v < V
-            m_s = mk[:, None] & mv[None, :]
-            s0 = tl.load(hs + (s_base + o_k[:, None]) * V + o_v[None, :], mask=m_s, other=0.)
-            ds1 = tl.load(dhs + (s_base + o_k[:, None]) * V + o_v[None, :], mask=m_s, other=0.)
-            mrv = mr[:, None] & mv[None, :]
-            offv = (rows[:, None] * H + i_h) * V + o_v[None, :]
-            bvn = tl.load(vn + offv, mask=mrv, other=0.).to(tl.float32)
-            bdvn = tl.load(dvn + offv, mask=mrv, other=0.)
-            bdo = tl.load(do + offv, mask=mrv, other=0.).to(tl.float32)
-            bv = tl.load(v + offv, mask=mrv, other=0.).to(tl.float32)
-            dQg += tl.dot(bdo, tl.trans(s0), input_precision=PREC)
-            dA += tl.dot(bdo, tl.trans(bvn), input_precision=PREC)
-            dW -= tl.dot(bdvn, tl.trans(s0), input_precision=PREC)
-            dKd += tl.dot(bvn, tl.trans(ds1), input_precision=PREC)
-            dgl += tl.sum(s0 * ds1, 1)
-            dT += tl.dot(bdvn, tl.trans(bv), input_precision=PREC)
-            tl.store(dv + offv, tl.dot(tl.trans(Tm), bdvn, input_precision=PREC).to(DT), mask=mrv)
-        mrk = mr[:, None] & mk[None, :]
-        offk = (rows[:, None] * H + i_h) * K + o_k[None, :]
-        bq = tl.load(qn + offk, mask=mrk, other=0.).to(tl.float32)
-        bk = tl.load(kn + offk, mask=mrk, other=0.).to(tl.float32)
-        g = tl.load(gc + offk, mask=mrk, other=0.)
         last = tl.minimum(eos, t0 + BT) - 1
-        gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=mk, other=0.)
-        eg = tl.exp2(g)
-        kg = bk * eg
-        dKg = tl.dot(tl.trans(Tm), dW, input_precision=PREC)
-        dT += tl.dot(dW, tl.trans(kg), input_precision=PREC)
+        BKS: tl.constexpr = BK // KS
+        for i_s in tl.static_range(KS):
+            o_k = i_s * BKS + tl.arange(0, BKS)
+            mk = o_k < K
+            dQg = tl.zeros([BT, BKS], dtype=tl.float32)
+            dW = tl.zeros([BT, BKS], dtype=tl.float32)
+            dKd = tl.zeros([BT, BKS], dtype=tl.float32)
+            dgl = tl.zeros([BKS], dtype=tl.float32)
+            for i_v in range(0, tl.cdiv(V, BV)):
+                o_v = i_v * BV + tl.arange(0, BV)
+                mv = o_v < V
+                m_s = mk[:, None] & mv[None, :]
+                s0 = tl.load(hs + (s_base + o_k[:, None]) * V + o_v[None, :], mask=m_s, other=0.)
+                ds1 = tl.load(dhs + (s_base + o_k[:, None]) * V + o_v[None, :], mask=m_s, other=0.)
+                mrv = mr[:, None] & mv[None, :]
+                offv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+                bvn = tl.load(vn + offv, mask=mrv, other=0.).to(tl.float32)
+                bdvn = tl.load(dvn + offv, mask=mrv, other=0.)
+                bdo = tl.load(do + offv, mask=mrv, other=0.).to(tl.float32)
+                dQg += tl.dot(bdo, tl.trans(s0), input_precision=PREC)
+                dW -= tl.dot(bdvn, tl.trans(s0), input_precision=PREC)
+                dKd += tl.dot(bvn, tl.trans(ds1), input_precision=PREC)
+                dgl += tl.sum(s0 * ds1, 1)
+                if i_s == 0:
+                    bv = tl.load(v + offv, mask=mrv, other=0.).to(tl.float32)
+                    dA += tl.dot(bdo, tl.trans(bvn), input_precision=PREC)
+                    dT += tl.dot(bdvn, tl.trans(bv), input_precision=PREC)
+                    tl.store(dv + offv, tl.dot(tl.trans(Tm), bdvn, input_precision=PREC).to(DT), mask=mrv)
+            mrk = mr[:, None] & mk[None, :]
+            offk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+            bq = tl.load(qn + offk, mask=mrk, other=0.).to(tl.float32)
+            bk = tl.load(kn + offk, mask=mrk, other=0.).to(tl.float32)
+            g = tl.load(gc + offk, mask=mrk, other=0.)
+            gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=mk, other=0.)
+            eg = tl.exp2(g)
+            kg = bk * eg
+            dKg = tl.dot(tl.trans(Tm), dW, input_precision=PREC)
+            dT += tl.dot(dW, tl.trans(kg), input_precision=PREC)
+            # elementwise chain rule: Qg = scale q e^G, Kg = k e^G, Kd = k e^(G_last - G)
+            ed = tl.exp2(gl[None, :] - g)
+            kdv = bk * ed
+            bdq = dQg * eg * scale
+            bdk = dKg * eg + dKd * ed
+            dGam = dQg * bq * eg * scale + dKg * kg - dKd * kdv
+            extra = tl.sum(tl.where(mrk, dKd * kdv, 0.), 0) + dgl * tl.exp2(gl)
+            dGam += tl.where((rows == last)[:, None], extra[None, :], 0.)
+            tl.store(dqn + offk, bdq, mask=mrk)
+            tl.store(dkn + offk, bdk, mask=mrk)
+            tl.store(dG + offk, dGam, mask=mrk)
         # T = M Diag(beta)
         dbeta = tl.sum(dT * M, 0)
         dM = dT * b[None, :]
@@ -142,17 +161,6 @@ if TRITON_AVAILABLE:
         tl.store(db + rows * H + i_h, dbeta, mask=mr)
         tl.store(dPs + offA, dL * b[:, None], mask=mtt)
         tl.store(dAs + offA, tl.where(o_t[:, None] >= o_t[None, :], dA, 0.) * scale, mask=mtt)
-        # elementwise chain rule: Qg = scale q e^G, Kg = k e^G, Kd = k e^(G_last - G)
-        ed = tl.exp2(gl[None, :] - g)
-        kdv = bk * ed
-        bdq = dQg * eg * scale
-        bdk = dKg * eg + dKd * ed
-        dGam = dQg * bq * eg * scale + dKg * kg - dKd * kdv
-        extra = tl.sum(tl.where(mrk, dKd * kdv, 0.), 0) + dgl * tl.exp2(gl)
-        dGam += tl.where((rows == last)[:, None], extra[None, :], 0.)
-        tl.store(dqn + offk, bdq, mask=mrk)
-        tl.store(dkn + offk, bdk, mask=mrk)
-        tl.store(dG + offk, dGam, mask=mrk)
 
     @triton.jit
     def _ld_blk(ptr, rows, eos, H, i_h, col0, BT: tl.constexpr, BC: tl.constexpr):
@@ -348,6 +356,16 @@ if TRITON_AVAILABLE:
         tl.store(dG + off, tl.load(dG + off, mask=m, other=0.) + q * dq + k * (dr - dc), mask=m)
 
 
+def _main_bwd_ksplit(BK):
+    """KIMI3_KDA_MAIN_BWD_KSPLIT=KS (default 1): _main_bwd_kernel's K columns in KS slices (fewer live accumulators,
+    no spill at K = 128 and KS = 2 in sm_90 code; untimed, for bench/kda.py's sweep). Slices stay >= 16 wide."""
+    import os
+    ks = int(os.environ.get("KIMI3_KDA_MAIN_BWD_KSPLIT", "1"))
+    while ks > 1 and (BK % ks or BK // ks < 16):
+        ks //= 2
+    return max(ks, 1)
+
+
 def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, saved=None):
     """Returns dqn, dkn (w.r.t. the normalised q, k), dv, dG (w.r.t. the chunk-local cumsum, natural
     log units), dbeta (w.r.t. sigmoid(beta)) in fp32, and dh0. `saved` = (I, hs, vn) kept by the forward
@@ -385,7 +403,7 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
         _main_bwd_kernel[(info.NC, H)](
             qn, kn, v, gc, bs, I["M"], I["P"], hs, dhs, vn, dvn, do, dv, dAs, dPs, dqn, dkn, dG, db,
             info.chunk_tab, info.cu, scale, H=H, K=K, V=V, BK=BK, BV=min(32, next_pow2(V)), BT=BT,
-            PREC=prec, num_warps=8, num_stages=1)
+            PREC=prec, KS=_main_bwd_ksplit(BK), num_warps=8, num_stages=1)
         safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
         _intra_bwd_kernel[(info.NC, H)](
             qn, kn, gc, dAs, dPs, dqn, dkn, dG, info.chunk_tab, info.cu,
