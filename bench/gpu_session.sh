@@ -6,7 +6,8 @@
 # into $OUT/session.tgz: the device tool brings back at most 8 files.
 #
 #   OUT=/some/dir bash bench/gpu_session.sh         # ~9 minutes; needs fla in PYTHONPATH for the peer rows
-#   OUT=/some/dir bash bench/gpu_session.sh mxfp4   # one GPU, ~6 minutes: item 5 (moe.py and ncu at the current tiles)
+#   OUT=/some/dir bash bench/gpu_session.sh second  # two GPUs, ~8 minutes: items 4 (KDA kernel options sweep) and 5
+#                                                   # (moe.py and ncu at the current MXFP4 tiles)
 set -u
 OUT=${OUT:?set OUT to an output folder}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -14,13 +15,20 @@ W=$(mktemp -d)
 export PYTHONPATH=${PYTHONPATH:-}:$ROOT/src:$ROOT/kernels PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 cd "$ROOT"
 
-if [ "${1:-}" = mxfp4 ]; then
-  timeout 300 python3 bench/moe.py --tokens 1 64 1024 16384 --out "$W/moe" > "$W/moe.log" 2>&1
-  timeout 150 ncu --clock-control none --kernel-name regex:mxfp4 --launch-skip 2 --launch-count 2 \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-    python3 bench/moe_probe.py --tokens 1024 --reps 2 > "$W/ncu.log" 2>&1
+if [ "${1:-}" = second ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout 420 python3 bench/kda.py --out "$W/kda_sweep" --sections sweep \
+    > "$W/kda_sweep.log" 2>&1 &
+  (
+    CUDA_VISIBLE_DEVICES=1 timeout 300 python3 bench/moe.py --tokens 1 64 1024 16384 --out "$W/moe" \
+      > "$W/moe.log" 2>&1
+    CUDA_VISIBLE_DEVICES=1 timeout 150 ncu --clock-control none --kernel-name regex:mxfp4 --launch-skip 2 \
+      --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+      python3 bench/moe_probe.py --tokens 1024 --reps 2 > "$W/ncu.log" 2>&1
+  ) &
+  wait
   tar czf "$OUT/session.tgz" -C "$W" .
+  grep -h '^sweep' "$W/kda_sweep.log" | cut -c1-300
   tail -8 "$W/moe.log" | cut -c1-300
   grep -E "Duration|DRAM Throughput|L1/TEX Cache Throughput|Registers Per|Achieved Occupancy" "$W/ncu.log"
   exit 0
