@@ -25,12 +25,16 @@ if [ "${1:-}" = second ]; then
       --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
       python3 bench/moe_probe.py --tokens 1024 --reps 2 > "$W/ncu.log" 2>&1
+    # K-permuted tiles at 16K tokens (BM=128) whose sm_90 code has no operand shuffle and asynchronous MMA waits
+    CUDA_VISIBLE_DEVICES=1 timeout 100 python3 bench/moe_probe.py --tokens 16384 \
+      --configs 128:64:64:4:4:1,128:128:64:8:3:1,128:64:64:8:4:1 > "$W/probe_16k.log" 2>&1
   ) &
   wait
   tar czf "$OUT/session.tgz" -C "$W" .
   grep -h '^sweep' "$W/kda_sweep.log" | cut -c1-300
   tail -8 "$W/moe.log" | cut -c1-300
   grep -E "Duration|DRAM Throughput|L1/TEX Cache Throughput|Registers Per|Achieved Occupancy" "$W/ncu.log"
+  cut -c1-250 "$W/probe_16k.log"
   exit 0
 fi
 
