@@ -54,12 +54,13 @@ def _kernel_checks(G, R, torch):
             # parity split: even / odd weight columns as two half-width operands against strided activation halves
             "split": dict(BM=16, BN=64, BK=64, DEQ=0, SPLIT=1),
             # K permuted inside each tile (weights and activations alike); BK=128 > K=96: a half-masked tile
-            "perm": dict(BM=16, BN=64, BK=64, DEQ=0, PERM=1), "perm_bk128": dict(BM=16, BN=32, BK=128, DEQ=0, PERM=1)}
+            "perm": dict(BM=16, BN=64, BK=64, DEQ=0, PERM=1), "perm_bk128": dict(BM=16, BN=32, BK=128, DEQ=0, PERM=1),
+            "perm_bk32": dict(BM=16, BN=32, BK=32, DEQ=0, PERM=1)}
     for mode, kw in {"plain": {}, "dual_out": dict(dual="out"), "silu": dict(dual="out", act="silu"),
                      "situ": dict(dual="out", act="situ", act_params=(4.0, 25.0)),
                      "situ_linear_up": dict(dual="out", act="situ", act_params=(4.0, None))}.items():
         for cname, cfg in cfgs.items():
-            if cname in ("bk32", "perm_bk128") and mode not in ("plain", "situ"):
+            if cname in ("bk32", "perm_bk128", "perm_bk32") and mode not in ("plain", "situ"):
                 continue
             c = G.mxfp4_grouped_gemm(x, wp, ws, offs, config=cfg, **common, **kw)
             r = R(x, wp, ws, offs, **common, **kw)
@@ -224,7 +225,7 @@ def test_interpreter_active(results):
 def test_kernel_matches_reference(results):
     # same bf16 operands, fp32 accumulation in another order; fused GLU outputs are fp32 here: 1e-5
     kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_", "gemv_"))}
-    assert len(kernel) == 34, sorted(kernel)
+    assert len(kernel) == 36, sorted(kernel)
     bad = {k: v for k, v in kernel.items() if not v < 1e-5}
     assert not bad, bad
 
