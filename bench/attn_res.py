@@ -33,7 +33,7 @@ def main():
             for n in (2, 4, 8):
                 bank = torch.randn(1, T, n, D, device="cuda", dtype=torch.bfloat16)
                 part = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16)
-                A.KERNEL_ON_CPU, saved = False, A._kernel
+                A.KERNELS_ON_CPU, saved = False, A._kernel
                 A._kernel = None  # the PyTorch path
                 ref = A.attn_res_mix(bank, part, proj, norm)
                 row = dict(T=T, n=n, D=D, torch_us=round(graph_us(lambda: A.attn_res_mix(bank, part, proj, norm),

@@ -50,13 +50,13 @@ def main():
         SWEEP[:] = [(16, 32, 64, 4, 2)]
     G, M, _ = moe.load_modules()
     mod, w13, w2 = moe.make_weights(M) if args.bf16 else (moe.make_mxfp4_weights(M), None, None)
-    args.bf16_weights = (w13, w2)
     lists = (args.configs.split("/") if args.configs else [None] * len(args.tokens))
     for n, spec in zip(args.tokens, lists):
-        probe(G, M, mod, n, args, parse_configs(spec) if spec else [])
+        probe(G, M, mod, n, args, parse_configs(spec) if spec else [], w13, w2)
 
 
-def probe(G, M, mod, n, args, configs):
+def probe(G, M, mod, n, args, configs, w13=None, w2=None):
+    """Times at n tokens; w13 / w2: the exact bf16 weights for the whole-MLP comparison (--bf16), else None."""
     E, D, INTER, TOPK = moe.E, moe.D, moe.INTER, moe.TOPK
     x = torch.randn(n, D, device=moe.DEV, dtype=torch.bfloat16)
     idx, _ = moe.routing(n, seed=n)
@@ -81,7 +81,6 @@ def probe(G, M, mod, n, args, configs):
     for _ in range(args.reps):
         up()
         down()
-    w13, w2 = args.bf16_weights
     if w13 is not None:
         xs, offs = x[order // TOPK], offsets[1:].contiguous()
 

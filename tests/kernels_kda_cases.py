@@ -600,7 +600,7 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
                                      ("triton_static", "triton", 32)):
         monkeypatch.setattr(kda_layer, "resolve_backend", lambda device, requested=None, announce=True, b=backend: b)
         monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "16" if backend == "triton" else "0")
-        monkeypatch.setattr(attn_res_mod, "KERNEL_ON_CPU", backend == "triton")  # the AttnRes mix in one launch
+        monkeypatch.setattr(attn_res_mod, "KERNELS_ON_CPU", backend == "triton")  # the AttnRes mix in one launch
         cache = Kimi3Cache(model.config, max_length=max_length)
         with torch.no_grad():
             out = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]

@@ -78,7 +78,7 @@ def test_inference_kernel_switch(monkeypatch):
     import transformers_kimi3
     from transformers_kimi3 import attn_res
 
-    monkeypatch.setattr(attn_res, "KERNEL_ON_CPU", True)
+    monkeypatch.setattr(attn_res, "KERNELS_ON_CPU", True)
     proj, norm = attn_res.Kimi3AttnResProj(8), attn_res.Kimi3AttnResNorm(8)
     bank = torch.zeros(1, 2, 3, 8)
     with torch.no_grad():

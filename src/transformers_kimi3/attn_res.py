@@ -23,7 +23,7 @@ try:  # optional: the mix in one Triton launch (kimi3_kernels/attn_res.py)
 except Exception:  # noqa: BLE001 - absent kernels must not stop the remote code from loading
     _kernel = None
 
-KERNEL_ON_CPU = False  # tests: run the kernel on CPU tensors under TRITON_INTERPRET=1
+KERNELS_ON_CPU = False  # tests: run the kernel on CPU tensors under TRITON_INTERPRET=1
 
 
 def kernel_path(device):
@@ -35,7 +35,7 @@ def kernel_path(device):
 def kernel_used(bank, proj, norm):
     """The Triton mix runs for inference on CUDA when importable, with both weights already on the bank's device
     (under Accelerate offloading they arrive only inside their module's forward: the PyTorch path then)."""
-    return (_kernel is not None and (bank.is_cuda or KERNEL_ON_CPU) and not torch.is_grad_enabled()
+    return (_kernel is not None and (bank.is_cuda or KERNELS_ON_CPU) and not torch.is_grad_enabled()
             and inference_kernels_enabled()
             and proj.weight.device == bank.device == norm.weight.device
             and not any(hasattr(w, "device_mesh") for w in (proj.weight, norm.weight)))

@@ -131,7 +131,6 @@ class Kimi3TopkRouter(nn.Module):
         return logits, weights * self.routed_scaling_factor, idx
 
 
-
 class Kimi3Experts(nn.Module):
     """Routed experts as 3-D weights (checkpoint names w1 = gate, w3 = up, w2 = down, stacked over experts).
 
