@@ -35,6 +35,7 @@ T0 = time.time()
 
 def save(out):
     RES["elapsed_s"] = time.time() - T0
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "kda_h200.json"), "w") as fh:
         json.dump(RES, fh, indent=1)
 
@@ -350,11 +351,11 @@ def kernel_profile():
 
 
 # (KIMI3_KDA_INTRA_TILE "BK,warps[,stages]", KIMI3_KDA_DIAG_INV): the default first
-SWEEP_OPTIONS = [("32,4", "0"), ("32,4", "1"), ("32,4,2", "1"), ("64,4", "1"), ("16,4", "1"), ("32,8", "1"),
-                 ("32,4,2", "0")]
-# forward+backward: the defaults first, then the separate inverse kernel and the main backward kernel's K slices
-SWEEP_FWDBWD = [{}, {"KIMI3_KDA_DIAG_INV": "1"}, {"KIMI3_KDA_MAIN_BWD_KSPLIT": "2"},
-                {"KIMI3_KDA_MAIN_BWD_KSPLIT": "4"}, {"KIMI3_KDA_DIAG_INV": "1", "KIMI3_KDA_MAIN_BWD_KSPLIT": "4"}]
+SWEEP_OPTIONS = [("32,4,2", "1"), ("32,4", "1"), ("32,4,2", "0"), ("32,4", "0"), ("32,4,3", "1"), ("64,4,2", "1"),
+                 ("16,4,2", "1"), ("32,2,2", "1")]
+# forward+backward: the defaults first, then the inverses inside the pairwise kernel and other main-backward K slices
+SWEEP_FWDBWD = [{}, {"KIMI3_KDA_DIAG_INV": "0"}, {"KIMI3_KDA_MAIN_BWD_KSPLIT": "1"},
+                {"KIMI3_KDA_MAIN_BWD_KSPLIT": "4"}, {"KIMI3_KDA_DIAG_INV": "0", "KIMI3_KDA_MAIN_BWD_KSPLIT": "1"}]
 
 
 def tile_sweep():

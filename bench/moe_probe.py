@@ -25,11 +25,12 @@ SWEEP = [(32, 64, 64, 4, 4), (32, 64, 128, 4, 3), (32, 128, 64, 4, 4), (32, 128,
 
 
 def parse_configs(spec):
-    """'BM:BN:BK:warps:stages:PERM,...' -> list of config dicts"""
+    """'BM:BN:BK:warps:stages:PERM[:AK],...' -> list of config dicts; AK=1: the activations stored in the tile's
+    K order beforehand (`permute_k`, a_kperm=BK; implies PERM)"""
     out = []
     for c in spec.split(","):
-        bm, bn, bk, w, st, perm = (int(v) for v in c.split(":"))
-        out.append(dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st, DEQ=0, PERM=perm))
+        bm, bn, bk, w, st, perm, ak = ([int(v) for v in c.split(":")] + [0])[:7]
+        out.append(dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st, DEQ=0, PERM=perm, AK=ak))
     return out
 
 
@@ -69,14 +70,26 @@ def probe(G, M, mod, n, args, configs, w13=None, w2=None):
     bytes_up = active * 2 * INTER * D * (0.5 + 1 / 32)
     bytes_dn = active * INTER * D * (0.5 + 1 / 32)
 
+    def kperm(cfg, a, N, K, dual):
+        """(a, a_kperm, tile) for a config: AK=1 (or "kperm" for the default tile) permutes a's columns here, so the
+        copy is timed with the kernel (the module makes it once per layer for x; h comes out of gate+up permuted)"""
+        if cfg == "kperm":
+            bk = G.kperm_bk(rows, E, N, K, dual)
+            return (G.permute_k(a, bk), bk, None) if bk else (a, 0, None)
+        if cfg and cfg.get("AK"):
+            return G.permute_k(a, cfg["BK"]), cfg["BK"], {k: v for k, v in cfg.items() if k != "AK"}
+        return a, 0, ({k: v for k, v in cfg.items() if k != "AK"} if cfg else None)
+
     def up(cfg=None):
-        return G.mxfp4_grouped_gemm(x, mod.w1_packed, mod.w1_scale, offsets, a_rows=tok, dual="out", act="silu",
+        a, bk, cfg = kperm(cfg, x, INTER, D, "out")
+        return G.mxfp4_grouped_gemm(a, mod.w1_packed, mod.w1_scale, offsets, a_rows=tok, dual="out", act="silu",
                                     b_packed=mod.w3_packed, b_scale=mod.w3_scale, out_dtype=torch.bfloat16,
-                                    config=cfg)
+                                    config=cfg, a_kperm=bk)
 
     def down(cfg=None):
-        return G.mxfp4_grouped_gemm(h, mod.w2_packed, mod.w2_scale, offsets, c_rows=order32, num_c_rows=rows,
-                                    config=cfg)
+        a, bk, cfg = kperm(cfg, h, D, INTER, None)
+        return G.mxfp4_grouped_gemm(a, mod.w2_packed, mod.w2_scale, offsets, c_rows=order32, num_c_rows=rows,
+                                    config=cfg, a_kperm=bk)
 
     for _ in range(args.reps):
         up()
@@ -88,8 +101,14 @@ def probe(G, M, mod, n, args, configs, w13=None, w2=None):
             g, u = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, -1)
             return torch._grouped_mm(torch.nn.functional.silu(g) * u, w2.transpose(1, 2), offs=offs)
 
-        def ours():
-            return G.mxfp4_grouped_gemm(up(), mod.w2_packed, mod.w2_scale, offsets, c_rows=order32, num_c_rows=rows)
+        bk_up, bk_dn = G.kperm_bk(rows, E, INTER, D, "out"), G.kperm_bk(rows, E, D, INTER)
+
+        def ours():  # as the module: K-permuted x and h where the default tiles take them
+            hh = G.mxfp4_grouped_gemm(G.permute_k(x, bk_up) if bk_up else x, mod.w1_packed, mod.w1_scale, offsets,
+                                      a_rows=tok, dual="out", act="silu", b_packed=mod.w3_packed,
+                                      b_scale=mod.w3_scale, out_dtype=torch.bfloat16, a_kperm=bk_up, c_kperm=bk_dn)
+            return G.mxfp4_grouped_gemm(hh, mod.w2_packed, mod.w2_scale, offsets, c_rows=order32, num_c_rows=rows,
+                                        a_kperm=bk_dn)
 
         t_bf16, t_ours = moe.bench(grouped), moe.bench(ours)
         print(json.dumps(dict(kernel="routed_mlp", tokens=n, bf16_grouped_mm_ms=round(t_bf16, 4),
@@ -107,7 +126,7 @@ def probe(G, M, mod, n, args, configs, w13=None, w2=None):
         return
     for name, fn, nbytes in (("gate_up", up, bytes_up), ("down", down, bytes_dn)):
         ref = fn().float()
-        for cfg in [None] + cands:
+        for cfg in [None, "kperm"] + cands:
             try:
                 ms = moe.bench(lambda: fn(cfg), warm=2, rep=10)
                 diff = ((fn(cfg).float() - ref).norm() / ref.norm()).item()

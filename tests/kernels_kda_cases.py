@@ -227,13 +227,15 @@ def test_chunk_varlen(lb):
 @needs_triton
 @pytest.mark.parametrize("lb,env,K", [(-5.0, {}, 16), (None, {}, 16),
                                       (None, dict(KIMI3_KDA_INTRA_TILE="16,4", KIMI3_KDA_SAVE_FWD="0"), 16),
-                                      (None, dict(KIMI3_KDA_DIAG_INV="1"), 16),
+                                      (None, dict(KIMI3_KDA_DIAG_INV="0"), 16),
                                       (-5.0, dict(KIMI3_KDA_SAVE_FWD="0"), 16),
-                                      (None, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="2"), 64),
+                                      (None, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="1"), 64),
+                                      (None, {}, 64),
                                       (-5.0, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="4"), 64)])
 def test_chunk_gradients(lb, env, K, monkeypatch):
     # the backward reuses the per-chunk quantities the forward kept (default) or, with KIMI3_KDA_SAVE_FWD=0,
-    # recomputes them; KIMI3_KDA_MAIN_BWD_KSPLIT runs the main backward kernel's K columns in slices
+    # recomputes them; KIMI3_KDA_MAIN_BWD_KSPLIT runs the main backward kernel's K columns in slices (default 2;
+    # 1 = all at once), KIMI3_KDA_DIAG_INV=0 keeps the diagonal blocks' inverses inside the pairwise kernel
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     from kimi3_kernels.kda import chunk_fwd

@@ -94,6 +94,31 @@ def _kernel_checks(G, R, torch):
                              config=dict(BM=16, BN=64, BK=64, SPLIT=1))
     out["bwd_trans_dual_out_split"] = _rel(c, R(a, wtp, wts, offs, trans_w=True, b_packed=btp, b_scale=bts,
                                                 dual="out"))
+    # activations stored in the K order of the PERM tiles (permute_k / a_kperm), and gate+up writing its output in
+    # that order for the down GEMM (c_kperm): K and N multiples of BK, two tile widths
+    K2, N2 = 128, 128
+    x2 = torch.randn(T, K2, generator=gen).bfloat16()
+    w1p, w1s = weights(E, N2, K2)
+    w3p, w3s = weights(E, N2, K2)
+    w2p, w2s = weights(E, K2, N2)
+    up = dict(a_rows=tok, b_packed=w3p, b_scale=w3s, dual="out", act="silu")
+    h_ref = R(x2, w1p, w1s, offs, **up)
+    hb = h_ref.bfloat16()  # the down GEMM's input, exact in bf16 (see the backward layouts below)
+    y_ref = R(hb, w2p, w2s, offs, c_rows=order.to(torch.int32), num_c_rows=M)
+    for bk, cfg in ((64, None), (128, dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=1)),
+                    (32, dict(BM=16, BN=32, BK=32, num_warps=4, num_stages=1))):
+        h = G.mxfp4_grouped_gemm(G.permute_k(x2, bk), w1p, w1s, offs, a_kperm=bk, c_kperm=bk, config=cfg, **up)
+        out[f"kperm{bk}_gate_up"] = _rel(h, G.permute_k(h_ref, bk))
+        y = G.mxfp4_grouped_gemm(G.permute_k(hb, bk), w2p, w2s, offs, c_rows=order.to(torch.int32), num_c_rows=M,
+                                 a_kperm=bk, config=cfg)
+        out[f"kperm{bk}_down"] = _rel(y, y_ref)
+    for bad in (dict(a_kperm=48), dict(c_kperm=256), dict(a_kperm=64, trans_w=True),
+                dict(a_kperm=64, config=dict(BM=16, BN=32, BK=32))):
+        try:
+            G.mxfp4_grouped_gemm(x2, w1p, w1s, offs, a_rows=tok, **bad)
+            out[f"kperm_refused_{sorted(bad)}"] = 1.0  # accepted: fails the < tolerance check
+        except ValueError:
+            out[f"kperm_refused_{sorted(bad)}"] = 0.0
     # default configuration (as the module calls it), and many rows per expert (several m-blocks)
     xm = torch.randn(70, K, generator=gen).bfloat16()
     offs2 = torch.tensor([0, 40, 40, 70, 70, 70], dtype=torch.int32)
@@ -153,6 +178,23 @@ def _module_checks(mxfp4, torch):
         out[f"launches_gemv_{name}"] = len(calls)
         out[f"module_{name}_dx"] = _rel(x.grad, xr.grad)
         out[f"module_{name}_dw"] = _rel(w.grad, wr.grad)
+    # K-permuted operands through the module (x permuted once, h written permuted by gate+up), with K-permuted
+    # default tiles at this size (BM=16: BK 64 for gate+up, 32 for down), against the module with plain tiles
+    G = mxfp4._gemm_module()
+    os.environ["KIMI3_MXFP4_GEMV_MAX_ROWS"] = "0"
+    mod = mxfp4.PackedMXFP4Experts.from_float(w1, w3, w2, mxfp4.silu_glu)
+    with torch.no_grad():
+        plain = mod(x0, idx, tw)
+        saved = dict(G._PERM_TILES)
+        G._PERM_TILES.update({(16, "out"): (32, 64, 4, 1), (16, None): (32, 32, 4, 1)})
+        bks = G.kperm_bk(T * k, E, I, D, "out"), G.kperm_bk(T * k, E, D, I)
+        try:
+            permuted = mod(x0, idx, tw)
+        finally:
+            G._PERM_TILES.clear()
+            G._PERM_TILES.update(saved)
+    out["module_kperm_bks"] = list(bks)
+    out["module_kperm_vs_plain"] = _rel(permuted, plain)
     # prefill: experts decoded to bf16 in chunks (two experts per chunk here) + torch._grouped_mm, against the
     # packed GEMMs on the same inputs; an unused expert (5) leaves its chunk's bounds empty
     from kimi3_kernels.mxfp4_gemm import dequantize_bf16
@@ -224,8 +266,8 @@ def test_interpreter_active(results):
 
 def test_kernel_matches_reference(results):
     # same bf16 operands, fp32 accumulation in another order; fused GLU outputs are fp32 here: 1e-5
-    kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_", "gemv_"))}
-    assert len(kernel) == 36, sorted(kernel)
+    kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_", "gemv_", "kperm"))}
+    assert len(kernel) == 46, sorted(kernel)
     bad = {k: v for k, v in kernel.items() if not v < 1e-5}
     assert not bad, bad
 
@@ -249,6 +291,10 @@ def test_module_triton_path_matches_dequantise_then_matmul(results):
         # backward: the kernel also rounds dgate/dup (fp32) to bf16 operands (measured ~4e-3): bound 2e-2
         assert results[f"module_{name}_dx"] < 2e-2, results
         assert results[f"module_{name}_dw"] < 2e-2, results
+    # K-permuted operands in the module: the same products summed in another order, then rounded to bf16 (h and
+    # y); measured 0.0 here, a wrong column order gives ~1.4
+    assert results["module_kperm_bks"] == [64, 32]
+    assert results["module_kperm_vs_plain"] < 1e-3, results
 
 
 def _load_gemm_module():

@@ -188,6 +188,15 @@ if HAS_TRITON:
         return 2 * ((BK // 8) * (L % 4) + 2 * (L // 8) + (L // 4) % 2) + kap % 2
 
     @triton.jit
+    def _kperm_pos(n, B: tl.constexpr):
+        """Inverse of _k_order over blocks of B columns: where column n sits when a matrix's columns are stored in
+        the K order of PERM tiles with BK = B (what `permute_k` does on the host)."""
+        r = n % B
+        P = r // 2
+        L = 8 * ((P % (B // 8)) // 2) + 4 * (P % 2) + P // (B // 8)
+        return n - r + 2 * L + r % 2
+
+    @triton.jit
     def _dequant(p, s, R: tl.constexpr, C: tl.constexpr, PTX: tl.constexpr, PERM: tl.constexpr = False):
         """p uint8 [R, C/2] (low nibble = even column), s uint8 [R, C/32] -> bf16 [R, C]. In the MMA operand layout
         a thread holds column pairs (2j, 2j+1), i.e. whole bytes, so the interleave costs no data movement. PERM:
@@ -292,10 +301,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK: tl.constexpr, STEP: tl.constexpr,
-                 PERM: tl.constexpr = False):
+                 PERM: tl.constexpr = False, A_KPERM: tl.constexpr = False):
         """Activation tile, transposed, bf16: [BK/STEP, BM] at k = k0 + STEP*j (STEP 2: the even k; the odd ones
-        are the same pointers + 1); PERM (STEP 1): row j holds k = k0 + _k_order(BK)[j]."""
-        if PERM:
+        are the same pointers + 1); PERM (STEP 1): row j holds k = k0 + _k_order(BK)[j], gathered in pairs, unless
+        A_KPERM: the caller stored the columns in that order already (`permute_k`), so they load contiguously."""
+        if PERM and not A_KPERM:
             offs_k = k0 + _k_order(BK)
         else:
             offs_k = k0 + STEP * tl.arange(0, BK // STEP)
@@ -336,7 +346,7 @@ if HAS_TRITON:
         E_CHUNK: tl.constexpr, NUM_E_CHUNKS: tl.constexpr,
         TRANS_W: tl.constexpr, DUAL: tl.constexpr, ACT: tl.constexpr, LINEAR_UP: tl.constexpr,
         GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, DEQ: tl.constexpr, OP_F32: tl.constexpr,
-        PTX: tl.constexpr, SPLIT: tl.constexpr, PERM: tl.constexpr,
+        PTX: tl.constexpr, SPLIT: tl.constexpr, PERM: tl.constexpr, A_KPERM: tl.constexpr, C_KPERM: tl.constexpr,
     ):
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BN)
@@ -391,7 +401,7 @@ if HAS_TRITON:
                 if DUAL == 1:
                     acc2 = _scaled_dot(b_ptr, s2_cur, e64, offs_n, n_mask, k0, K, stride_we, stride_wr, at, acc2, BK)
             elif not SPLIT:
-                at = _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK, 1, PERM)
+                at = _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK, 1, PERM, A_KPERM)
                 wt = _load_w(w_ptr, s_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK,
                              TRANS_W, PTX, PERM)
                 acc = _dot(wt, at, acc, OP_F32)
@@ -399,7 +409,7 @@ if HAS_TRITON:
                     bt = _load_w(b_ptr, s2_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK,
                                  TRANS_W, PTX, PERM)
                     if DUAL == 2:
-                        at2 = _load_at(a2_ptr, rows, m_mask, k0, K, stride_am, BK, 1, PERM)
+                        at2 = _load_at(a2_ptr, rows, m_mask, k0, K, stride_am, BK, 1, PERM, A_KPERM)
                         acc = _dot(bt, at2, acc, OP_F32)
                     else:
                         acc2 = _dot(bt, at, acc2, OP_F32)
@@ -445,7 +455,10 @@ if HAS_TRITON:
         else:
             crow = offs_m.to(tl.int64)
         c_mask = m_mask[:, None] & n_mask[None, :]
-        c_ptrs = c_ptr + crow[:, None] * stride_cm + offs_n[None, :]
+        if C_KPERM > 0:  # columns stored for the next GEMM's PERM tiles (A_KPERM there)
+            c_ptrs = c_ptr + crow[:, None] * stride_cm + _kperm_pos(offs_n, C_KPERM)[None, :]
+        else:
+            c_ptrs = c_ptr + crow[:, None] * stride_cm + offs_n[None, :]
         if DUAL == 1:
             if ACT == 0:
                 tl.store(c_ptrs, tl.trans(acc).to(c_ptr.dtype.element_ty), mask=c_mask)
@@ -520,6 +533,30 @@ def default_config(M, E, N, K, dual=None, trans_w=False):
     return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=0)
 
 
+def kperm_index(K, BK, device=None):
+    """int64 [K]: the stored column at each position of a matrix whose columns are in the K order of PERM tiles
+    with this BK (`_k_order` per block of BK columns); K must be a multiple of BK."""
+    if BK < 32 or BK & (BK - 1) or K % BK:
+        raise ValueError(f"K-permuted columns need a power-of-two BK >= 32 that divides K, got K={K}, BK={BK}")
+    kap = torch.arange(BK)
+    L = kap // 2
+    order = 2 * ((BK // 8) * (L % 4) + 2 * (L // 8) + (L // 4) % 2) + kap % 2
+    return (torch.arange(0, K, BK)[:, None] + order[None, :]).reshape(-1).to(device)
+
+
+def permute_k(a, BK):
+    """a [..., K] with its columns in the K order of PERM tiles with this BK: the `a_kperm=BK` input of
+    `mxfp4_grouped_gemm`, whose activation loads are then contiguous instead of gathered in pairs."""
+    return a.index_select(-1, kperm_index(a.shape[-1], BK, a.device))
+
+
+def kperm_bk(M, E, N, K, dual=None):
+    """BK of the default tile of this forward GEMM if it takes K-permuted activations (PERM, K a multiple of BK),
+    else 0: the `a_kperm` to give it, and the `c_kperm` of the GEMM that produces its input."""
+    cfg = default_config(M, E, N, K, dual)
+    return cfg["BK"] if cfg.get("PERM") and K % cfg["BK"] == 0 else 0
+
+
 def block_prefix(expert_offsets, BM):
     """[E+1] int32: cumulative number of BM-row blocks per expert (what the kernel searches)."""
     counts = (expert_offsets[1:] - expert_offsets[:-1]).to(torch.int32)
@@ -542,7 +579,7 @@ def _shapes(a, w_packed, w_scale, trans_w):
 
 def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a_rows=None, c_rows=None,
                        num_c_rows=None, a2=None, b_packed=None, b_scale=None, dual=None, act=None,
-                       act_params=(4.0, 25.0), out_dtype=torch.float32, config=None):
+                       act_params=(4.0, 25.0), out_dtype=torch.float32, config=None, a_kperm=0, c_kperm=0):
     """Grouped MXFP4 GEMM (see the module docstring).
 
     a [Ra, K] float (bf16 preferred); w_packed/w_scale stacked MXFP4 [E, N, K/2]/[E, N, K/32] (or [E, K, N/2]/
@@ -551,6 +588,9 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     num_c_rows rows, default M, and must be covered); dual None | "out" | "in" with b_packed/b_scale (and a2 for
     "in"); act None | "silu" | "situ" (dual="out" only; act_params = (beta1, beta2 or None = linear up));
     returns C [num_c_rows, N] (dual="out" without act: [num_c_rows, 2N] = [A W^T | A B^T]) in out_dtype.
+    a_kperm=BK: the columns of `a` (and `a2`) are in the K order of PERM tiles with this BK (`permute_k`), which
+    fixes the tile's BK and PERM; c_kperm=BK: write C's columns in that order (each half of a dual "out" apart),
+    for a next GEMM with a_kperm=BK. Both are for forward GEMMs (not trans_w).
     """
     E, N, K = _shapes(a, w_packed, w_scale, trans_w)
     if K % 32 or N % 32:
@@ -569,6 +609,19 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         cfg.update(config)
     if cfg.get("DEQ", 0) == 1 and (trans_w or dual == "in"):
         cfg["DEQ"] = 0
+    if a_kperm or c_kperm:
+        if trans_w:
+            raise ValueError("a_kperm / c_kperm are for forward GEMMs (trans_w=False)")
+        if c_kperm:
+            kperm_index(N, c_kperm)  # validates c_kperm against N
+        if a_kperm:
+            kperm_index(K, a_kperm)
+            if config and config.get("BK", a_kperm) != a_kperm:
+                raise ValueError(f"a_kperm={a_kperm} needs a tile with BK={a_kperm}, got BK={config['BK']}")
+            if cfg["BK"] != a_kperm or not cfg.get("PERM"):  # the default tile is not K-permuted at this BK
+                BN, _, warps, stages = _PERM_TILES.get((cfg["BM"], dual), _TILES[cfg["BM"]])
+                cfg.update(BN=BN, BK=a_kperm, num_warps=warps, num_stages=stages)
+            cfg.update(PERM=1, DEQ=0, SPLIT=0)  # the other K paths read the columns in stored order
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     bcum = block_prefix(expert_offsets, BM)
     max_blocks = min(E, M) + triton.cdiv(M, BM)
@@ -596,7 +649,8 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         TRANS_W=bool(trans_w), DUAL=DUALS[dual], ACT=ACTS[act], LINEAR_UP=(act == "situ" and beta2 is None),
         GATHER_A=a_rows is not None, SCATTER_C=c_rows is not None, OP_F32=interpreter_enabled(),
         PTX=decode_mode(a.device) == "ptx", SPLIT=bool(int(cfg.get("SPLIT", _env_split()))),
-        PERM=bool(int(cfg.get("PERM", 0))) and not trans_w and BK >= 32,
+        PERM=bool(int(cfg.get("PERM", 0))) and not trans_w and BK >= 32, A_KPERM=bool(a_kperm),
+        C_KPERM=int(c_kperm),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if int(cfg.get("DEQ", 0)) == 1:
         try:

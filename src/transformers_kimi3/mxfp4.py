@@ -486,20 +486,27 @@ class PackedMXFP4Experts(nn.Module):
             h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
             return V.mxfp4_grouped_gemv(h, self.w2_packed, self.w2_scale, offsets, c_rows=order.to(torch.int32),
                                         num_c_rows=order.numel())
-        common = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, a_rows=tok, dual="out")
+        # where the default tiles take K-permuted operands, the activations are stored in that order once (x here,
+        # h by the gate+up epilogue), so the tiles load them contiguously instead of gathering pairs of columns
+        M, E, D = order.numel(), self.num_experts, self.hidden_size
+        bk_up, bk_dn = G.kperm_bk(M, E, I, D, "out"), G.kperm_bk(M, E, D, I)
+        if bk_up:
+            x = G.permute_k(x, bk_up)
+        common = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, a_rows=tok, dual="out", a_kperm=bk_up,
+                      c_kperm=bk_dn)
         fuse = self._fused is not None
         if fuse and self._fused[0] == "situ":
             # measured on an H200 (bench/results/moe_h200.md): the fused SiTU epilogue costs ~35% at prefill tile
             # sizes (BM=128), so there the GLU runs in PyTorch between the launches
-            fuse = G.default_config(order.numel(), self.num_experts, I, self.hidden_size, "out")["BM"] < 128
+            fuse = G.default_config(M, E, I, D, "out")["BM"] < 128
         if fuse:
             h = G.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, act=self._fused[0],
                                      act_params=self._fused[1:] or (1.0, 1.0), out_dtype=x.dtype, **common)
         else:
             gu = G.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, **common)
-            h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
+            h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)  # elementwise: h keeps gu's column order
         return G.mxfp4_grouped_gemm(h, self.w2_packed, self.w2_scale, offsets, c_rows=order.to(torch.int32),
-                                    num_c_rows=order.numel())
+                                    num_c_rows=order.numel(), a_kperm=bk_dn)
 
     def _backward_triton(self, x, topk_w, dy, order, offsets, k, need_dx=True):
         G = _gemm_module()

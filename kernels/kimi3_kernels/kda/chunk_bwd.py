@@ -357,10 +357,12 @@ if TRITON_AVAILABLE:
 
 
 def _main_bwd_ksplit(BK):
-    """KIMI3_KDA_MAIN_BWD_KSPLIT=KS (default 1): _main_bwd_kernel's K columns in KS slices (fewer live accumulators,
-    no spill at K = 128 and KS = 2 in sm_90 code; untimed, for bench/kda.py's sweep). Slices stay >= 16 wide."""
+    """KIMI3_KDA_MAIN_BWD_KSPLIT=KS (default 2): _main_bwd_kernel's K columns in KS slices (fewer live accumulators:
+    the sm_90 spill falls from 808 to 400 bytes per thread at K = 128). In the H200 sweep (9b619ae) forward+backward
+    at H=32 / 96, T=16K took 17.88 / 38.58 ms with KS=1, 16.96 / 36.28 with KS=2, 17.65 / 38.00 with KS=4.
+    Slices stay >= 16 wide."""
     import os
-    ks = int(os.environ.get("KIMI3_KDA_MAIN_BWD_KSPLIT", "1"))
+    ks = int(os.environ.get("KIMI3_KDA_MAIN_BWD_KSPLIT", "2"))
     while ks > 1 and (BK % ks or BK // ks < 16):
         ks //= 2
     return max(ks, 1)
