@@ -186,7 +186,7 @@ def _module_checks(mxfp4, torch):
     with torch.no_grad():
         plain = mod(x0, idx, tw)
         saved = dict(G._PERM_TILES)
-        G._PERM_TILES.update({(16, "out"): (32, 64, 4, 1), (16, None): (32, 32, 4, 1)})
+        G._PERM_TILES.update({(16, "out"): (32, 64, 4, 1, 1), (16, None): (32, 32, 4, 1, 1)})
         bks = G.kperm_bk(T * k, E, I, D, "out"), G.kperm_bk(T * k, E, D, I)
         try:
             permuted = mod(x0, idx, tw)

@@ -492,12 +492,23 @@ _TILES = {  # BM: (BN, BK, num_warps, num_stages)
     64: (64, 128, 4, 3),
     128: (64, 64, 8, 4),
 }
-# Forward tiles that take the K-permuted operand order (PERM, `_perm_k`), by (BM, dual): from bench/moe_probe.py at
-# 1,024 tokens of K3 (572cb17, same process as the default tiles): gate+up 7.19 -> 6.94 ms, down 4.01 -> 3.62 ms.
-# Where PERM was timed slower (BM=16 at BK=64, BM=32 at BK=64) the plain tiles stay.
-_PERM_TILES = {
-    (32, "out"): (64, 128, 4, 3),
-    (32, None): (128, 128, 8, 3),
+# Forward tiles that take the K-permuted operand order (PERM, `_perm_k`), by (BM, dual), and whether they read the
+# activations pre-permuted (AK: `permute_k` / a_kperm, contiguous loads) or gather them in pairs. From
+# bench/moe_probe.py on an H200 (a1c0b11, same process as the plain tiles; bench/results/moe_h200.md), K3 shapes:
+#   64 tokens (BM=16): gate+up 4.36 -> 3.89 ms with pairs gathered (pre-permuted: 5.38); down stays plain (2.36; the
+#     best pre-permuted tile, BK=256, 2.22 here but 0.41 vs 0.21 ms at 1 token)
+#   1,024 tokens (BM=32): gate+up 6.97 -> 5.91 ms, down 3.61 -> 3.30 ms (PERM tiles of 572cb17, now pre-permuted)
+#   16,384 tokens (BM=128): gate+up 48.3 -> 34.2 ms, down 25.0 -> 23.3 ms (same tiles with pairs gathered: 61.7 / 37.3)
+#   BM=64 (~40-70 rows per expert): the BM=32 tiles; at 16,384 tokens they beat the old BM=128 tile (39.8 / 22.9 ms)
+# The backward layouts (trans_w, dual="in") use _TILES.
+_PERM_TILES = {  # (BM, dual): (BN, BK, num_warps, num_stages, AK)
+    (16, "out"): (64, 128, 4, 4, 0),
+    (32, "out"): (64, 128, 4, 3, 1),
+    (32, None): (128, 128, 8, 3, 1),
+    (64, "out"): (64, 128, 4, 3, 1),
+    (64, None): (128, 128, 8, 3, 1),
+    (128, "out"): (64, 128, 4, 3, 1),
+    (128, None): (64, 128, 4, 3, 1),
 }
 _DOT_SCALED = {"ok": True}  # set to False if tl.dot_scaled fails to build on this Triton
 
@@ -527,8 +538,9 @@ def default_config(M, E, N, K, dual=None, trans_w=False):
     avg = M / max(1, min(E, M))
     BM = min(128, max(16, _next_pow2(int(avg + 8))))  # 1 row/expert: 16; ~18 (1k tokens of K3): 32
     if not trans_w and dual != "in" and (BM, dual) in _PERM_TILES:
-        BN, BK, warps, stages = _PERM_TILES[BM, dual]
-        return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=0, PERM=1)
+        BN, BK, warps, stages, ak = _PERM_TILES[BM, dual]
+        if not (ak and K % BK):  # pre-permuted activations need whole K tiles; else the plain tile
+            return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=0, PERM=1, AK=ak)
     BN, BK, warps, stages = _TILES[BM]
     return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=0)
 
@@ -551,10 +563,10 @@ def permute_k(a, BK):
 
 
 def kperm_bk(M, E, N, K, dual=None):
-    """BK of the default tile of this forward GEMM if it takes K-permuted activations (PERM, K a multiple of BK),
-    else 0: the `a_kperm` to give it, and the `c_kperm` of the GEMM that produces its input."""
+    """BK of the default tile of this forward GEMM if it reads pre-permuted activations (AK in _PERM_TILES), else 0:
+    the `a_kperm` to give it, and the `c_kperm` of the GEMM that produces its input."""
     cfg = default_config(M, E, N, K, dual)
-    return cfg["BK"] if cfg.get("PERM") and K % cfg["BK"] == 0 else 0
+    return cfg["BK"] if cfg.get("AK") else 0
 
 
 def block_prefix(expert_offsets, BM):
@@ -619,7 +631,7 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
             if config and config.get("BK", a_kperm) != a_kperm:
                 raise ValueError(f"a_kperm={a_kperm} needs a tile with BK={a_kperm}, got BK={config['BK']}")
             if cfg["BK"] != a_kperm or not cfg.get("PERM"):  # the default tile is not K-permuted at this BK
-                BN, _, warps, stages = _PERM_TILES.get((cfg["BM"], dual), _TILES[cfg["BM"]])
+                BN, _, warps, stages = _PERM_TILES.get((cfg["BM"], dual), _TILES[cfg["BM"]])[:4]
                 cfg.update(BN=BN, BK=a_kperm, num_warps=warps, num_stages=stages)
             cfg.update(PERM=1, DEQ=0, SPLIT=0)  # the other K paths read the columns in stored order
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
