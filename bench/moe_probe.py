@@ -72,7 +72,7 @@ def probe(G, M, mod, n, args, configs, w13=None, w2=None):
 
     def kperm(cfg, a, N, K, dual):
         """(a, a_kperm, tile) for a config: AK=1 (or "kperm" for the default tile) permutes a's columns here, so the
-        copy is timed with the kernel (the module makes it once per layer for x; h comes out of gate+up permuted)"""
+        copy is timed with the kernel (the module makes it once per GEMM, as here)"""
         if cfg == "kperm":
             bk = G.kperm_bk(rows, E, N, K, dual)
             return (G.permute_k(a, bk), bk, None) if bk else (a, 0, None)
@@ -106,9 +106,9 @@ def probe(G, M, mod, n, args, configs, w13=None, w2=None):
         def ours():  # as the module: K-permuted x and h where the default tiles take them
             hh = G.mxfp4_grouped_gemm(G.permute_k(x, bk_up) if bk_up else x, mod.w1_packed, mod.w1_scale, offsets,
                                       a_rows=tok, dual="out", act="silu", b_packed=mod.w3_packed,
-                                      b_scale=mod.w3_scale, out_dtype=torch.bfloat16, a_kperm=bk_up, c_kperm=bk_dn)
-            return G.mxfp4_grouped_gemm(hh, mod.w2_packed, mod.w2_scale, offsets, c_rows=order32, num_c_rows=rows,
-                                        a_kperm=bk_dn)
+                                      b_scale=mod.w3_scale, out_dtype=torch.bfloat16, a_kperm=bk_up)
+            return G.mxfp4_grouped_gemm(G.permute_k(hh, bk_dn) if bk_dn else hh, mod.w2_packed, mod.w2_scale,
+                                        offsets, c_rows=order32, num_c_rows=rows, a_kperm=bk_dn)
 
         t_bf16, t_ours = moe.bench(grouped), moe.bench(ours)
         print(json.dumps(dict(kernel="routed_mlp", tokens=n, bf16_grouped_mm_ms=round(t_bf16, 4),

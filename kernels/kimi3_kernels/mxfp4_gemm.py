@@ -188,15 +188,6 @@ if HAS_TRITON:
         return 2 * ((BK // 8) * (L % 4) + 2 * (L // 8) + (L // 4) % 2) + kap % 2
 
     @triton.jit
-    def _kperm_pos(n, B: tl.constexpr):
-        """Inverse of _k_order over blocks of B columns: where column n sits when a matrix's columns are stored in
-        the K order of PERM tiles with BK = B (what `permute_k` does on the host)."""
-        r = n % B
-        P = r // 2
-        L = 8 * ((P % (B // 8)) // 2) + 4 * (P % 2) + P // (B // 8)
-        return n - r + 2 * L + r % 2
-
-    @triton.jit
     def _dequant(p, s, R: tl.constexpr, C: tl.constexpr, PTX: tl.constexpr, PERM: tl.constexpr = False):
         """p uint8 [R, C/2] (low nibble = even column), s uint8 [R, C/32] -> bf16 [R, C]. In the MMA operand layout
         a thread holds column pairs (2j, 2j+1), i.e. whole bytes, so the interleave costs no data movement. PERM:
@@ -346,7 +337,7 @@ if HAS_TRITON:
         E_CHUNK: tl.constexpr, NUM_E_CHUNKS: tl.constexpr,
         TRANS_W: tl.constexpr, DUAL: tl.constexpr, ACT: tl.constexpr, LINEAR_UP: tl.constexpr,
         GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, DEQ: tl.constexpr, OP_F32: tl.constexpr,
-        PTX: tl.constexpr, SPLIT: tl.constexpr, PERM: tl.constexpr, A_KPERM: tl.constexpr, C_KPERM: tl.constexpr,
+        PTX: tl.constexpr, SPLIT: tl.constexpr, PERM: tl.constexpr, A_KPERM: tl.constexpr,
     ):
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BN)
@@ -455,10 +446,7 @@ if HAS_TRITON:
         else:
             crow = offs_m.to(tl.int64)
         c_mask = m_mask[:, None] & n_mask[None, :]
-        if C_KPERM > 0:  # columns stored for the next GEMM's PERM tiles (A_KPERM there)
-            c_ptrs = c_ptr + crow[:, None] * stride_cm + _kperm_pos(offs_n, C_KPERM)[None, :]
-        else:
-            c_ptrs = c_ptr + crow[:, None] * stride_cm + offs_n[None, :]
+        c_ptrs = c_ptr + crow[:, None] * stride_cm + offs_n[None, :]
         if DUAL == 1:
             if ACT == 0:
                 tl.store(c_ptrs, tl.trans(acc).to(c_ptr.dtype.element_ty), mask=c_mask)
@@ -564,7 +552,7 @@ def permute_k(a, BK):
 
 def kperm_bk(M, E, N, K, dual=None):
     """BK of the default tile of this forward GEMM if it reads pre-permuted activations (AK in _PERM_TILES), else 0:
-    the `a_kperm` to give it, and the `c_kperm` of the GEMM that produces its input."""
+    the `a_kperm` to give it (after `permute_k(a, BK)`)."""
     cfg = default_config(M, E, N, K, dual)
     return cfg["BK"] if cfg.get("AK") else 0
 
@@ -591,7 +579,7 @@ def _shapes(a, w_packed, w_scale, trans_w):
 
 def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a_rows=None, c_rows=None,
                        num_c_rows=None, a2=None, b_packed=None, b_scale=None, dual=None, act=None,
-                       act_params=(4.0, 25.0), out_dtype=torch.float32, config=None, a_kperm=0, c_kperm=0):
+                       act_params=(4.0, 25.0), out_dtype=torch.float32, config=None, a_kperm=0):
     """Grouped MXFP4 GEMM (see the module docstring).
 
     a [Ra, K] float (bf16 preferred); w_packed/w_scale stacked MXFP4 [E, N, K/2]/[E, N, K/32] (or [E, K, N/2]/
@@ -600,9 +588,9 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     num_c_rows rows, default M, and must be covered); dual None | "out" | "in" with b_packed/b_scale (and a2 for
     "in"); act None | "silu" | "situ" (dual="out" only; act_params = (beta1, beta2 or None = linear up));
     returns C [num_c_rows, N] (dual="out" without act: [num_c_rows, 2N] = [A W^T | A B^T]) in out_dtype.
-    a_kperm=BK: the columns of `a` (and `a2`) are in the K order of PERM tiles with this BK (`permute_k`), which
-    fixes the tile's BK and PERM; c_kperm=BK: write C's columns in that order (each half of a dual "out" apart),
-    for a next GEMM with a_kperm=BK. Both are for forward GEMMs (not trans_w).
+    a_kperm=BK (forward GEMMs only): the columns of `a` (and `a2`) are in the K order of PERM tiles with this BK
+    (`permute_k`), which fixes the tile's BK and PERM. (Writing C in that order from the epilogue was tried: its
+    2-byte scattered stores cost ~11 ms at 16K tokens of K3, against ~1 ms for `permute_k` afterwards.)
     """
     E, N, K = _shapes(a, w_packed, w_scale, trans_w)
     if K % 32 or N % 32:
@@ -621,19 +609,16 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         cfg.update(config)
     if cfg.get("DEQ", 0) == 1 and (trans_w or dual == "in"):
         cfg["DEQ"] = 0
-    if a_kperm or c_kperm:
+    if a_kperm:
         if trans_w:
-            raise ValueError("a_kperm / c_kperm are for forward GEMMs (trans_w=False)")
-        if c_kperm:
-            kperm_index(N, c_kperm)  # validates c_kperm against N
-        if a_kperm:
-            kperm_index(K, a_kperm)
-            if config and config.get("BK", a_kperm) != a_kperm:
-                raise ValueError(f"a_kperm={a_kperm} needs a tile with BK={a_kperm}, got BK={config['BK']}")
-            if cfg["BK"] != a_kperm or not cfg.get("PERM"):  # the default tile is not K-permuted at this BK
-                BN, _, warps, stages = _PERM_TILES.get((cfg["BM"], dual), _TILES[cfg["BM"]])[:4]
-                cfg.update(BN=BN, BK=a_kperm, num_warps=warps, num_stages=stages)
-            cfg.update(PERM=1, DEQ=0, SPLIT=0)  # the other K paths read the columns in stored order
+            raise ValueError("a_kperm is for forward GEMMs (trans_w=False)")
+        kperm_index(K, a_kperm)
+        if config and config.get("BK", a_kperm) != a_kperm:
+            raise ValueError(f"a_kperm={a_kperm} needs a tile with BK={a_kperm}, got BK={config['BK']}")
+        if cfg["BK"] != a_kperm or not cfg.get("PERM"):  # the default tile is not K-permuted at this BK
+            BN, _, warps, stages = _PERM_TILES.get((cfg["BM"], dual), _TILES[cfg["BM"]])[:4]
+            cfg.update(BN=BN, BK=a_kperm, num_warps=warps, num_stages=stages)
+        cfg.update(PERM=1, DEQ=0, SPLIT=0)  # the other K paths read the columns in stored order
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     bcum = block_prefix(expert_offsets, BM)
     max_blocks = min(E, M) + triton.cdiv(M, BM)
@@ -662,7 +647,6 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         GATHER_A=a_rows is not None, SCATTER_C=c_rows is not None, OP_F32=interpreter_enabled(),
         PTX=decode_mode(a.device) == "ptx", SPLIT=bool(int(cfg.get("SPLIT", _env_split()))),
         PERM=bool(int(cfg.get("PERM", 0))) and not trans_w and BK >= 32, A_KPERM=bool(a_kperm),
-        C_KPERM=int(c_kperm),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if int(cfg.get("DEQ", 0)) == 1:
         try:

@@ -486,14 +486,13 @@ class PackedMXFP4Experts(nn.Module):
             h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
             return V.mxfp4_grouped_gemv(h, self.w2_packed, self.w2_scale, offsets, c_rows=order.to(torch.int32),
                                         num_c_rows=order.numel())
-        # where the default tiles take K-permuted operands, the activations are stored in that order once (x here,
-        # h by the gate+up epilogue), so the tiles load them contiguously instead of gathering pairs of columns
+        # where the default tiles take K-permuted operands, the activations (x, then h) are copied into that order
+        # once, so the tiles load them contiguously instead of gathering pairs of columns in every n-tile
         M, E, D = order.numel(), self.num_experts, self.hidden_size
         bk_up, bk_dn = G.kperm_bk(M, E, I, D, "out"), G.kperm_bk(M, E, D, I)
         if bk_up:
             x = G.permute_k(x, bk_up)
-        common = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, a_rows=tok, dual="out", a_kperm=bk_up,
-                      c_kperm=bk_dn)
+        common = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, a_rows=tok, dual="out", a_kperm=bk_up)
         fuse = self._fused is not None
         if fuse and self._fused[0] == "situ":
             # measured on an H200 (bench/results/moe_h200.md): the fused SiTU epilogue costs ~35% at prefill tile
@@ -504,7 +503,9 @@ class PackedMXFP4Experts(nn.Module):
                                      act_params=self._fused[1:] or (1.0, 1.0), out_dtype=x.dtype, **common)
         else:
             gu = G.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, **common)
-            h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)  # elementwise: h keeps gu's column order
+            h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
+        if bk_dn:
+            h = G.permute_k(h, bk_dn)
         return G.mxfp4_grouped_gemm(h, self.w2_packed, self.w2_scale, offsets, c_rows=order.to(torch.int32),
                                     num_c_rows=order.numel(), a_kperm=bk_dn)
 
