@@ -251,15 +251,21 @@ def run(args):
             best = None
             for c in ([None] + SWEEP[regime]) if args.sweep else [None]:
                 cfg = None if c is None else cfg_dict(c)
+                # the default tile as the module runs it: activations copied into its K order where it takes them
+                # so (the copy timed too); sweep tiles read them in stored order
                 try:
                     if kname == "gate_up":
-                        fn = lambda cfg=cfg: G.mxfp4_grouped_gemm(  # noqa: E731
-                            x, mod.w1_packed, mod.w1_scale, offsets, a_rows=tok, dual="out", act="silu",
-                            b_packed=mod.w3_packed, b_scale=mod.w3_scale, out_dtype=torch.bfloat16, config=cfg)
+                        bk = G.kperm_bk(Mrows, E, INTER, D, "out") if cfg is None else 0
+                        fn = lambda cfg=cfg, bk=bk: G.mxfp4_grouped_gemm(  # noqa: E731
+                            G.permute_k(x, bk) if bk else x, mod.w1_packed, mod.w1_scale, offsets, a_rows=tok,
+                            dual="out", act="silu", b_packed=mod.w3_packed, b_scale=mod.w3_scale,
+                            out_dtype=torch.bfloat16, config=cfg, a_kperm=bk)
                     else:
+                        bk = G.kperm_bk(Mrows, E, D, INTER) if cfg is None else 0
                         hh = torch.randn(Mrows, INTER, device=DEV, dtype=torch.bfloat16)
-                        fn = lambda cfg=cfg, hh=hh: G.mxfp4_grouped_gemm(  # noqa: E731
-                            hh, mod.w2_packed, mod.w2_scale, offsets, c_rows=order32, num_c_rows=Mrows, config=cfg)
+                        fn = lambda cfg=cfg, hh=hh, bk=bk: G.mxfp4_grouped_gemm(  # noqa: E731
+                            G.permute_k(hh, bk) if bk else hh, mod.w2_packed, mod.w2_scale, offsets, c_rows=order32,
+                            num_c_rows=Mrows, config=cfg, a_kperm=bk)
                     t = bench(fn, warm=2, rep=10)
                 except Exception as ex:  # a config that does not compile or run
                     sweeps[f"{kname}:{c}"] = repr(ex)[:200]
@@ -316,6 +322,12 @@ def run(args):
         ref_s = fp32_reference(mod, M, x, idx, w, situ, nt)
         mod.glu_act, mod._fused = situ, M.fused_act_spec(situ)
         row["rel_err_mxfp4_situ_vs_fp32"] = rel(mod(x, idx, w).float()[:nt], ref_s)
+        # K3's module forward with SiTU: the default choice of fused / unfused GLU, and the fused epilogue forced
+        row["mxfp4_situ_full_forward_ms"] = bench(lambda: mod(x, idx, w))
+        if G.default_config(Mrows, E, INTER, D, "out")["BM"] > mod.SITU_FUSED_MAX_BM:
+            mod.SITU_FUSED_MAX_BM = 128
+            row["mxfp4_situ_fused_full_forward_ms"] = bench(lambda: mod(x, idx, w))
+            del mod.SITU_FUSED_MAX_BM  # back to the class default
         mod.glu_act, mod._fused = M.silu_glu, M.fused_act_spec(M.silu_glu)
         res["rows"].append(row)
         log(n, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "sweep_ms"})
