@@ -322,12 +322,7 @@ def run(args):
         ref_s = fp32_reference(mod, M, x, idx, w, situ, nt)
         mod.glu_act, mod._fused = situ, M.fused_act_spec(situ)
         row["rel_err_mxfp4_situ_vs_fp32"] = rel(mod(x, idx, w).float()[:nt], ref_s)
-        # K3's module forward with SiTU: the default choice of fused / unfused GLU, and the fused epilogue forced
-        row["mxfp4_situ_full_forward_ms"] = bench(lambda: mod(x, idx, w))
-        if G.default_config(Mrows, E, INTER, D, "out")["BM"] > mod.SITU_FUSED_MAX_BM:
-            mod.SITU_FUSED_MAX_BM = 128
-            row["mxfp4_situ_fused_full_forward_ms"] = bench(lambda: mod(x, idx, w))
-            del mod.SITU_FUSED_MAX_BM  # back to the class default
+        row["mxfp4_situ_full_forward_ms"] = bench(lambda: mod(x, idx, w))  # K3's module forward (SiTU-GLU)
         mod.glu_act, mod._fused = M.silu_glu, M.fused_act_spec(M.silu_glu)
         res["rows"].append(row)
         log(n, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "sweep_ms"})

@@ -240,8 +240,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _load_s(s_ptr, e64, offs_n, n_mask, k0, N, K, stride_se, stride_sr, pid_n,
-                BN: tl.constexpr, BK: tl.constexpr, TRANS_W: tl.constexpr):
-        """E8M0 scales of a weight tile: [BN, BK/32] (or [BK, BN/32] with TRANS_W). Out-of-range k gives 127."""
+                BN: tl.constexpr, BK: tl.constexpr, TRANS_W: tl.constexpr, EVEN: tl.constexpr = False):
+        """E8M0 scales of a weight tile: [BN, BK/32] (or [BK, BN/32] with TRANS_W). Out-of-range k gives 127.
+        EVEN (not TRANS_W): BN divides N and BK divides K, so the tile needs no mask (k0 must be in range)."""
         if TRANS_W:
             offs_k = k0 + tl.arange(0, BK)
             sc = pid_n * (BN // 32) + tl.arange(0, BN // 32)
@@ -249,12 +250,14 @@ if HAS_TRITON:
                            mask=(offs_k[:, None] < K) & (sc[None, :] < N // 32), other=127)
         else:
             sc = k0 // 32 + tl.arange(0, BK // 32)
+            if EVEN:
+                return tl.load(s_ptr + e64 * stride_se + offs_n[:, None] * stride_sr + sc[None, :])
             return tl.load(s_ptr + e64 * stride_se + offs_n[:, None] * stride_sr + sc[None, :],
                            mask=n_mask[:, None] & (sc[None, :] < K // 32), other=127)
 
     @triton.jit
     def _load_p(w_ptr, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n,
-                BN: tl.constexpr, BK: tl.constexpr, TRANS_W: tl.constexpr):
+                BN: tl.constexpr, BK: tl.constexpr, TRANS_W: tl.constexpr, EVEN: tl.constexpr = False):
         """Packed bytes of a weight tile: [BN, BK/2] from W_e [N, K/2], or [BK, BN/2] from W_e [K, N/2] (TRANS_W)."""
         if TRANS_W:
             offs_k = k0 + tl.arange(0, BK)
@@ -263,16 +266,18 @@ if HAS_TRITON:
                            mask=(offs_k[:, None] < K) & (pc[None, :] < N // 2), other=0)
         else:
             pc = k0 // 2 + tl.arange(0, BK // 2)
+            if EVEN:  # whole tiles (see _load_s): unmasked, so the copies need no per-step predicates
+                return tl.load(w_ptr + e64 * stride_we + offs_n[:, None] * stride_wr + pc[None, :])
             return tl.load(w_ptr + e64 * stride_we + offs_n[:, None] * stride_wr + pc[None, :],
                            mask=n_mask[:, None] & (pc[None, :] < K // 2), other=0)
 
     @triton.jit
     def _load_w(w_ptr, s, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n,
                 BN: tl.constexpr, BK: tl.constexpr, TRANS_W: tl.constexpr, PTX: tl.constexpr,
-                PERM: tl.constexpr = False):
+                PERM: tl.constexpr = False, EVEN: tl.constexpr = False):
         """Dequantised weight tile [BN, BK] from packed bytes and its scales `s` (from _load_s): element (n, k) is
         W_e[n, k] (or W_e[k, n] with TRANS_W); PERM (not with TRANS_W): k in _perm_k's order."""
-        p = _load_p(w_ptr, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK, TRANS_W)
+        p = _load_p(w_ptr, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK, TRANS_W, EVEN)
         if TRANS_W:
             return tl.trans(_dequant(p, s, BK, BN, PTX))
         else:
@@ -292,7 +297,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK: tl.constexpr, STEP: tl.constexpr,
-                 PERM: tl.constexpr = False, A_KPERM: tl.constexpr = False):
+                 PERM: tl.constexpr = False, A_KPERM: tl.constexpr = False, EVEN: tl.constexpr = False):
         """Activation tile, transposed, bf16: [BK/STEP, BM] at k = k0 + STEP*j (STEP 2: the even k; the odd ones
         are the same pointers + 1); PERM (STEP 1): row j holds k = k0 + _k_order(BK)[j], gathered in pairs, unless
         A_KPERM: the caller stored the columns in that order already (`permute_k`), so they load contiguously."""
@@ -300,7 +305,10 @@ if HAS_TRITON:
             offs_k = k0 + _k_order(BK)
         else:
             offs_k = k0 + STEP * tl.arange(0, BK // STEP)
-        mask = (offs_k[:, None] < K) & m_mask[None, :]
+        if EVEN:  # BK divides K: only the rows need a mask
+            mask = (offs_k[:, None] >= 0) & m_mask[None, :]
+        else:
+            mask = (offs_k[:, None] < K) & m_mask[None, :]
         return tl.load(a_ptr + rows[None, :] * stride_am + offs_k[:, None], mask=mask, other=0.0).to(tl.bfloat16)
 
     @triton.jit
@@ -337,7 +345,7 @@ if HAS_TRITON:
         E_CHUNK: tl.constexpr, NUM_E_CHUNKS: tl.constexpr,
         TRANS_W: tl.constexpr, DUAL: tl.constexpr, ACT: tl.constexpr, LINEAR_UP: tl.constexpr,
         GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, DEQ: tl.constexpr, OP_F32: tl.constexpr,
-        PTX: tl.constexpr, SPLIT: tl.constexpr, PERM: tl.constexpr, A_KPERM: tl.constexpr,
+        PTX: tl.constexpr, SPLIT: tl.constexpr, PERM: tl.constexpr, A_KPERM: tl.constexpr, EVEN: tl.constexpr,
     ):
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BN)
@@ -373,34 +381,37 @@ if HAS_TRITON:
         acc2 = tl.zeros((AR, BM), dtype=tl.float32)
         acc2_o = tl.zeros((AR, BM), dtype=tl.float32)
         # the scale tiles are too narrow for Triton's cp.async pipelining: prefetch them one step ahead by hand
-        s_nxt = _load_s(ws_ptr, e64, offs_n, n_mask, 0, N, K, stride_se, stride_sr, pid_n, BN, BK, TRANS_W)
+        s_nxt = _load_s(ws_ptr, e64, offs_n, n_mask, 0, N, K, stride_se, stride_sr, pid_n, BN, BK, TRANS_W, EVEN)
         if DUAL != 0:
-            s2_nxt = _load_s(bs_ptr, e64, offs_n, n_mask, 0, N, K, stride_se, stride_sr, pid_n, BN, BK, TRANS_W)
+            s2_nxt = _load_s(bs_ptr, e64, offs_n, n_mask, 0, N, K, stride_se, stride_sr, pid_n, BN, BK, TRANS_W,
+                             EVEN)
         else:
             s2_nxt = s_nxt
         for k0 in range(0, K, BK):
             s_cur = s_nxt
             s2_cur = s2_nxt
-            s_nxt = _load_s(ws_ptr, e64, offs_n, n_mask, k0 + BK, N, K, stride_se, stride_sr, pid_n, BN, BK,
-                            TRANS_W)
+            # EVEN tiles have no mask: the prefetch after the last step re-reads the last tile instead
+            k_nxt = tl.minimum(k0 + BK, K - BK) if EVEN else k0 + BK
+            s_nxt = _load_s(ws_ptr, e64, offs_n, n_mask, k_nxt, N, K, stride_se, stride_sr, pid_n, BN, BK,
+                            TRANS_W, EVEN)
             if DUAL != 0:
-                s2_nxt = _load_s(bs_ptr, e64, offs_n, n_mask, k0 + BK, N, K, stride_se, stride_sr, pid_n, BN, BK,
-                                 TRANS_W)
+                s2_nxt = _load_s(bs_ptr, e64, offs_n, n_mask, k_nxt, N, K, stride_se, stride_sr, pid_n, BN, BK,
+                                 TRANS_W, EVEN)
             if DEQ == 1:
                 at = _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK, 1)
                 acc = _scaled_dot(w_ptr, s_cur, e64, offs_n, n_mask, k0, K, stride_we, stride_wr, at, acc, BK)
                 if DUAL == 1:
                     acc2 = _scaled_dot(b_ptr, s2_cur, e64, offs_n, n_mask, k0, K, stride_we, stride_wr, at, acc2, BK)
             elif not SPLIT:
-                at = _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK, 1, PERM, A_KPERM)
+                at = _load_at(a_ptr, rows, m_mask, k0, K, stride_am, BK, 1, PERM, A_KPERM, EVEN)
                 wt = _load_w(w_ptr, s_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK,
-                             TRANS_W, PTX, PERM)
+                             TRANS_W, PTX, PERM, EVEN)
                 acc = _dot(wt, at, acc, OP_F32)
                 if DUAL != 0:
                     bt = _load_w(b_ptr, s2_cur, e64, offs_n, n_mask, k0, N, K, stride_we, stride_wr, pid_n, BN, BK,
-                                 TRANS_W, PTX, PERM)
+                                 TRANS_W, PTX, PERM, EVEN)
                     if DUAL == 2:
-                        at2 = _load_at(a2_ptr, rows, m_mask, k0, K, stride_am, BK, 1, PERM, A_KPERM)
+                        at2 = _load_at(a2_ptr, rows, m_mask, k0, K, stride_am, BK, 1, PERM, A_KPERM, EVEN)
                         acc = _dot(bt, at2, acc, OP_F32)
                     else:
                         acc2 = _dot(bt, at, acc2, OP_F32)
@@ -485,13 +496,14 @@ _TILES = {  # BM: (BN, BK, num_warps, num_stages)
 # bench/moe_probe.py on an H200 (a1c0b11, same process as the plain tiles; bench/results/moe_h200.md), K3 shapes:
 #   64 tokens (BM=16): gate+up 4.36 -> 3.89 ms with pairs gathered (pre-permuted: 5.38); down stays plain (2.36; the
 #     best pre-permuted tile, BK=256, 2.22 here but 0.41 vs 0.21 ms at 1 token)
-#   1,024 tokens (BM=32): gate+up 6.97 -> 5.91 ms, down 3.61 -> 3.30 ms (PERM tiles of 572cb17, now pre-permuted)
+#   1,024 tokens (BM=32): gate+up 6.97 -> 5.91 ms, down 3.61 -> 3.30 ms (PERM tiles of 572cb17, now pre-permuted);
+#     gate+up with 2 stages instead of 3: 6.24 -> 5.65 ms (19b363b)
 #   16,384 tokens (BM=128): gate+up 48.3 -> 34.2 ms, down 25.0 -> 23.3 ms (same tiles with pairs gathered: 61.7 / 37.3)
 #   BM=64 (~40-70 rows per expert): the BM=32 tiles; at 16,384 tokens they beat the old BM=128 tile (39.8 / 22.9 ms)
 # The backward layouts (trans_w, dual="in") use _TILES.
 _PERM_TILES = {  # (BM, dual): (BN, BK, num_warps, num_stages, AK)
     (16, "out"): (64, 128, 4, 4, 0),
-    (32, "out"): (64, 128, 4, 3, 1),
+    (32, "out"): (64, 128, 4, 2, 1),
     (32, None): (128, 128, 8, 3, 1),
     (64, "out"): (64, 128, 4, 3, 1),
     (64, None): (128, 128, 8, 3, 1),
@@ -647,6 +659,8 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         GATHER_A=a_rows is not None, SCATTER_C=c_rows is not None, OP_F32=interpreter_enabled(),
         PTX=decode_mode(a.device) == "ptx", SPLIT=bool(int(cfg.get("SPLIT", _env_split()))),
         PERM=bool(int(cfg.get("PERM", 0))) and not trans_w and BK >= 32, A_KPERM=bool(a_kperm),
+        # whole tiles in the forward layout: loads without masks (the other layouts keep theirs)
+        EVEN=not trans_w and K % BK == 0 and N % BN == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if int(cfg.get("DEQ", 0)) == 1:
         try:

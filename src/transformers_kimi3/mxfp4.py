@@ -441,7 +441,6 @@ class PackedMXFP4Experts(nn.Module):
     # 82.8 ms vs ~78 packed; at 512 rows (K3-shaped e2e config, 2K tokens) it cut the prefill from 119 to 102 ms.
     DEQUANT_MIN_ROWS_PER_EXPERT = 384
     DEQUANT_CHUNK_BYTES = 2 << 30  # bf16 weights decoded at a time (a chunk of experts)
-    SITU_FUSED_MAX_BM = 64  # largest tile height (BM) at which K3's SiTU-GLU runs in the gate+up epilogue
 
     def _dequantized_path(self, x, rows):
         return (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and (x.is_cuda or DEQUANT_ON_CPU)
@@ -494,12 +493,9 @@ class PackedMXFP4Experts(nn.Module):
         if bk_up:
             x = G.permute_k(x, bk_up)
         common = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, a_rows=tok, dual="out", a_kperm=bk_up)
-        fuse = self._fused is not None
-        if fuse and self._fused[0] == "situ":
-            # measured on an H200 (bench/results/moe_h200.md): the fused SiTU epilogue cost ~35% at prefill tile
-            # sizes (BM=128), so there the GLU runs in PyTorch between the launches
-            fuse = G.default_config(M, E, I, D, "out")["BM"] <= self.SITU_FUSED_MAX_BM
-        if fuse:
+        # the GLU runs in the gate+up epilogue whenever the kernel knows it: K3's SiTU too, at every tile height
+        # since the K-permuted BM=128 tiles (H200, 19b363b: 16,384 tokens 63.2 ms fused vs 83.2 ms unfused)
+        if self._fused is not None:
             h = G.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, act=self._fused[0],
                                      act_params=self._fused[1:] or (1.0, 1.0), out_dtype=x.dtype, **common)
         else:
