@@ -91,9 +91,9 @@ def probe(G, M, mod, n, args, configs, w13=None, w2=None):
         return G.mxfp4_grouped_gemm(a, mod.w2_packed, mod.w2_scale, offsets, c_rows=order32, num_c_rows=rows,
                                     config=cfg, a_kperm=bk)
 
-    for _ in range(args.reps):
-        up()
-        down()
+    for _ in range(args.reps):  # as the module runs them (K-permuted activations where the tiles take them)
+        up("kperm")
+        down("kperm")
     if w13 is not None:
         xs, offs = x[order // TOPK], offsets[1:].contiguous()
 
