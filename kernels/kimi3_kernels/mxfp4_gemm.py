@@ -306,7 +306,7 @@ if HAS_TRITON:
         else:
             offs_k = k0 + STEP * tl.arange(0, BK // STEP)
         if EVEN:  # BK divides K: only the rows need a mask
-            mask = (offs_k[:, None] >= 0) & m_mask[None, :]
+            mask = tl.broadcast_to(m_mask[None, :], (BK // STEP, m_mask.shape[0]))
         else:
             mask = (offs_k[:, None] < K) & m_mask[None, :]
         return tl.load(a_ptr + rows[None, :] * stride_am + offs_k[:, None], mask=mask, other=0.0).to(tl.bfloat16)
@@ -545,15 +545,21 @@ def default_config(M, E, N, K, dual=None, trans_w=False):
     return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=0)
 
 
+_KPERM_INDEX = {}  # (K, BK, device) -> index: one host-to-device copy per shape, none inside a CUDA graph capture
+
+
 def kperm_index(K, BK, device=None):
     """int64 [K]: the stored column at each position of a matrix whose columns are in the K order of PERM tiles
     with this BK (`_k_order` per block of BK columns); K must be a multiple of BK."""
     if BK < 32 or BK & (BK - 1) or K % BK:
         raise ValueError(f"K-permuted columns need a power-of-two BK >= 32 that divides K, got K={K}, BK={BK}")
-    kap = torch.arange(BK)
-    L = kap // 2
-    order = 2 * ((BK // 8) * (L % 4) + 2 * (L // 8) + (L // 4) % 2) + kap % 2
-    return (torch.arange(0, K, BK)[:, None] + order[None, :]).reshape(-1).to(device)
+    key = (K, BK, torch.device(device) if device is not None else None)
+    if key not in _KPERM_INDEX:
+        kap = torch.arange(BK)
+        L = kap // 2
+        order = 2 * ((BK // 8) * (L % 4) + 2 * (L // 8) + (L // 4) % 2) + kap % 2
+        _KPERM_INDEX[key] = (torch.arange(0, K, BK)[:, None] + order[None, :]).reshape(-1).to(device)
+    return _KPERM_INDEX[key]
 
 
 def permute_k(a, BK):
