@@ -6,8 +6,8 @@
 # into $OUT/session.tgz: the device tool brings back at most 8 files.
 #
 #   OUT=/some/dir bash bench/gpu_session.sh         # ~9 minutes; needs fla in PYTHONPATH for the peer rows
-#   OUT=/some/dir bash bench/gpu_session.sh second  # two GPUs, ~3 minutes: the KDA kernel options sweep; moe.py
-#                                                   # (item 4) and ncu at the current MXFP4 tiles
+#   OUT=/some/dir bash bench/gpu_session.sh second  # two GPUs, ~4 minutes: the KDA kernel options sweep and MXFP4
+#                                                   # tile probes; moe.py (item 4) and ncu at the current tiles
 set -u
 OUT=${OUT:?set OUT to an output folder}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -16,8 +16,15 @@ export PYTHONPATH=${PYTHONPATH:-}:$ROOT/src:$ROOT/kernels PYTHONUNBUFFERED=1 HF_
 cd "$ROOT"
 
 if [ "${1:-}" = second ]; then
-  CUDA_VISIBLE_DEVICES=0 timeout 420 python3 bench/kda.py --out "$W/kda_sweep" --sections sweep \
-    > "$W/kda_sweep.log" 2>&1 &
+  (
+    CUDA_VISIBLE_DEVICES=0 timeout 300 python3 bench/kda.py --out "$W/kda_sweep" --sections sweep \
+      > "$W/kda_sweep.log" 2>&1
+    # MXFP4 tiles around the defaults where they were never swept at their own size (BM=64 at 2K tokens, BM=128 at
+    # 4K) and at 16K (0.87x against the 0.9x goal); the BK=256 down tile between 1 and 64 tokens
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/moe_probe.py --tokens 2048 4096 16384 8 16 --configs \
+      64:64:128:4:2:1:1,64:128:128:4:3:1:1,64:64:128:4:4:1:1/128:64:128:4:2:1:1,128:64:128:4:4:1:1,64:64:128:4:3:1:1,64:128:128:8:3:1:1/128:64:128:4:2:1:1,128:64:128:4:4:1:1,64:128:128:8:3:1:1,64:64:128:4:3:1:1/16:64:256:4:3:1:1,16:64:256:4:2:1:1/16:64:256:4:3:1:1,16:64:256:4:2:1:1 \
+      > "$W/probe.log" 2>&1
+  ) &
   (
     CUDA_VISIBLE_DEVICES=1 timeout 300 python3 bench/moe.py --tokens 1 2 8 16 64 1024 16384 --out "$W/moe" \
       > "$W/moe.log" 2>&1
@@ -31,6 +38,7 @@ if [ "${1:-}" = second ]; then
   grep -h '^sweep' "$W/kda_sweep.log" | cut -c1-300
   tail -8 "$W/moe.log" | cut -c1-300
   grep -E "Duration|DRAM Throughput|L1/TEX Cache Throughput|Registers Per|Achieved Occupancy" "$W/ncu.log"
+  cut -c1-200 "$W/probe.log"
   exit 0
 fi
 
