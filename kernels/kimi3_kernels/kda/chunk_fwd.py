@@ -403,9 +403,9 @@ if TRITON_AVAILABLE:
 
 
 def _intra_tile():
-    """KIMI3_KDA_INTRA_TILE="BK,warps[,stages]" (default 32,4,2) and KIMI3_KDA_DIAG_INV=1|0 (default 1): the
-    pairwise kernel's K slice, warps and pipeline depth, and whether the diagonal blocks' inverses come from their
-    own kernel. Defaults from bench/kda.py --sections sweep on an H200 (9b619ae, bench/results/kda_h200.md): the
+    """KIMI3_KDA_INTRA_TILE="BK,warps[,stages]" (default 32,4,2; stages 1 when left out) and KIMI3_KDA_DIAG_INV=1|0
+    (default 1): the pairwise kernel's K slice, warps and pipeline depth, and whether the diagonal blocks' inverses
+    come from their own kernel. Defaults from bench/kda.py --sections sweep on an H200 (9b619ae, bench/results/kda_h200.md): the
     forward at H=32 / 96, T=16K went from 4.77 / 11.53 ms (32,4,1, inverses inside) to 3.76 / 9.08 ms."""
     import os
     parts = [int(x) for x in os.environ.get("KIMI3_KDA_INTRA_TILE", "32,4,2").split(",")]
