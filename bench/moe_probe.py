@@ -101,14 +101,8 @@ def probe(G, M, mod, n, args, configs, w13=None, w2=None):
             g, u = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, -1)
             return torch._grouped_mm(torch.nn.functional.silu(g) * u, w2.transpose(1, 2), offs=offs)
 
-        bk_up, bk_dn = G.kperm_bk(rows, E, INTER, D, "out"), G.kperm_bk(rows, E, D, INTER)
-
-        def ours():  # as the module: K-permuted x and h where the default tiles take them
-            hh = G.mxfp4_grouped_gemm(G.permute_k(x, bk_up) if bk_up else x, mod.w1_packed, mod.w1_scale, offsets,
-                                      a_rows=tok, dual="out", act="silu", b_packed=mod.w3_packed,
-                                      b_scale=mod.w3_scale, out_dtype=torch.bfloat16, a_kperm=bk_up)
-            return G.mxfp4_grouped_gemm(G.permute_k(hh, bk_dn) if bk_dn else hh, mod.w2_packed, mod.w2_scale,
-                                        offsets, c_rows=order32, num_c_rows=rows, a_kperm=bk_dn)
+        def ours():  # the module's own GEMM path (K-permuted x and h where the default tiles take them)
+            return mod._forward_triton(x, order, offsets, TOPK)
 
         t_bf16, t_ours = moe.bench(grouped), moe.bench(ours)
         print(json.dumps(dict(kernel="routed_mlp", tokens=n, bf16_grouped_mm_ms=round(t_bf16, 4),

@@ -23,8 +23,9 @@ weight; `decode_mode`), or by fp32 bit arithmetic (~7 per weight; the interprete
 KIMI3_MXFP4_DECODE=portable for A/B timing): both give the same bits (bench/mxfp4_decode_check.py checks it on a GPU).
 
 Forward tiles may take K in a permuted order inside each tile (PERM, `_perm_k`): the weight bytes one thread of the
-MMA operand needs are then contiguous, and the activations are gathered in the same order. The sum over K does not
-change, only its rounding order. Which tiles use it: `_PERM_TILES`, from timings on an H200.
+MMA operand needs are then contiguous, and the activations are gathered in the same order, or, with `a_kperm`,
+were stored in that order beforehand (`permute_k`) and load contiguously. The sum over K does not change, only its
+rounding order. Which tiles use it, and which read pre-permuted activations: `_PERM_TILES`, from timings on an H200.
 
 `mxfp4_grouped_gemm_ref` in `mxfp4_gemm_ref.py` has the same signature and semantics in PyTorch (one expert
 dequantised at a time). Runs under TRITON_INTERPRET=1 on CPU tensors (small shapes, for CI).
