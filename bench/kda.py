@@ -350,52 +350,101 @@ def kernel_profile():
         torch.cuda.empty_cache()
 
 
-# (KIMI3_KDA_INTRA_TILE "BK,warps[,stages]", KIMI3_KDA_DIAG_INV): the default first
-SWEEP_OPTIONS = [("32,4,2", "1"), ("32,4", "1"), ("32,4,2", "0"), ("32,4", "0"), ("32,4,3", "1"), ("64,4,2", "1"),
-                 ("16,4,2", "1"), ("32,2,2", "1")]
-# forward+backward: the defaults first, then the inverses inside the pairwise kernel and other main-backward K slices
-SWEEP_FWDBWD = [{}, {"KIMI3_KDA_DIAG_INV": "0"}, {"KIMI3_KDA_MAIN_BWD_KSPLIT": "1"},
-                {"KIMI3_KDA_MAIN_BWD_KSPLIT": "4"}, {"KIMI3_KDA_DIAG_INV": "0", "KIMI3_KDA_MAIN_BWD_KSPLIT": "1"}]
+# Launch options tried per kernel (KIMI3_KDA_LAUNCH "name=tile:warps:stages", empty = default; kimi3_kernels.kda._utils
+# .LAUNCH_DEFAULTS), each against the defaults: forward kernels timed on the forward, backward ones on forward+backward.
+TUNE_FWD = {
+    "intra_fwd": ["32:1:1", "32:2:1", "32:1:2", "32:2:2", "64:1:1", "64:2:1", "64:2:2", "16:1:1", "16:2:1",
+                  "64:4:2", "32:4:3"],
+    "diag_fwd": ["32:1:1", "32:2:1", "64:1:1", "64:2:1", "64:4:1", "32:4:2", "128:4:1"],
+    "wu_fwd": ["64:2:2", "64:8:2", "64:4:3", "64:4:1", "32:4:2", "32:2:2", "128:8:2"],
+    "state_fwd": ["32:4:2", "64:8:2", "64:4:2", "16:4:2", "32:8:3", "32:8:1"],
+    "output_fwd": ["64:8:2", "64:2:2", "32:4:2", "128:8:2", "64:4:3"],
+    "prep_fwd": [":1:", ":2:", ":8:"],
+}
+TUNE_BWD = {
+    "intra_bwd": ["32:1:1", "32:2:1", "32:2:2", "16:2:1", "16:4:1", "64:4:1", "64:2:1", "32:4:2"],
+    "main_bwd": ["32:4:1", "32:8:2", "64:8:1", "16:8:1", "32:4:2"],
+    "state_bwd": ["32:4:2", "64:8:2", "16:8:2", "32:8:3"],
+    "prep_bwd": [":1:", ":2:", ":8:"],
+}
 
 
-def tile_sweep():
-    """Forward time for each pairwise-kernel option (SWEEP_OPTIONS: K slice, warps, stages, and whether the diagonal
-    blocks' inverses come from their own kernel), then forward+backward for each of SWEEP_FWDBWD. The 76324af run of this sweep also timed two-pass and diagonal-inside variants of the pairwise
-    kernel, and KIMI3_KDA_SAVE_FWD; the variants were slower and are gone, SAVE_FWD=1 is the default
-    (bench/results/kda_h200.md)."""
-    rows = RES.setdefault("intra_tile_sweep", [])
-    for H, T, lb in ((32, 16384, None), (96, 16384, -5.0)):
+def tune():
+    """Every kernel's launch options against the defaults (TUNE_FWD / TUNE_BWD), one kernel at a time, at H=32
+    T=16K (softplus gate) and H=96 T=16K (K3 gate); then the per-kernel winners (> 1% faster on both shapes)
+    together. Rows: ms, and the output's (forward) or dq's (backward) difference to the defaults' result."""
+    rows = RES.setdefault("tune", [])
+    shapes = ((32, 16384, None), (96, 16384, -5.0))
+    best = {}
+    for H, T, lb in shapes:
         q, k, v, f, beta, A_log, dtb = inputs(1, T, H, 128, 128, torch.bfloat16, seed=7)
-        ref = None
-        for tile, diag_inv in SWEEP_OPTIONS:
-            os.environ["KIMI3_KDA_INTRA_TILE"], os.environ["KIMI3_KDA_DIAG_INV"] = tile, diag_inv
-            try:
-                o, _ = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)
-                ref = o if ref is None else ref
-                ms = bench(lambda: chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb), rep=5)
-                row = dict(H=H, T=T, gate="k3" if lb else "softplus", tile=tile, diag_inv=diag_inv, fwd_ms=ms,
-                           rel_vs_default=rel(o, ref))
-            except Exception as ex:  # noqa: BLE001
-                row = dict(H=H, T=T, tile=tile, diag_inv=diag_inv, error=repr(ex)[:300])
-            rows.append(row)
-            print("sweep", json.dumps(row), flush=True)
-        os.environ.pop("KIMI3_KDA_INTRA_TILE", None)
-        qq, kk, vv, ff = (x.clone().requires_grad_() for x in (q, k, v, f))
+        xs = [x.clone().requires_grad_() for x in (q, k, v, f)]
+        gate = "k3" if lb else "softplus"
+
+        def fwd():
+            return chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)[0]
 
         def fb():
-            o, _ = chunk_kda(qq, kk, vv, ff, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)
-            o.sum().backward()
-        for env in SWEEP_FWDBWD:
-            for name in ("KIMI3_KDA_DIAG_INV", "KIMI3_KDA_MAIN_BWD_KSPLIT"):
-                os.environ.pop(name, None)
-            os.environ.update(env)
-            torch.cuda.reset_peak_memory_stats()
-            row = dict(H=H, T=T, gate="k3" if lb else "softplus", env=env,
-                       fwdbwd_ms=bench(fb, warm=1, rep=5), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
-            rows.append(row)
-            print("sweep", json.dumps(row), flush=True)
-        for name in ("KIMI3_KDA_DIAG_INV", "KIMI3_KDA_MAIN_BWD_KSPLIT"):
-            os.environ.pop(name, None)
+            for x in xs:
+                x.grad = None
+            chunk_kda(*xs, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)[0].sum().backward()
+            return xs[0].grad
+
+        def one(kernel, opt, fn, key):
+            os.environ["KIMI3_KDA_LAUNCH"] = f"{kernel}={opt}" if kernel else ""
+            try:
+                out = fn().clone()
+                ms = bench(fn, warm=1, rep=5)
+                row = dict(H=H, T=T, gate=gate, kernel=kernel, option=opt, pass_=key, ms=ms)
+            except Exception as ex:  # noqa: BLE001
+                out, row = None, dict(H=H, T=T, gate=gate, kernel=kernel, option=opt, error=repr(ex)[:300])
+            os.environ.pop("KIMI3_KDA_LAUNCH", None)
+            return out, row
+
+        for table, fn, key in ((TUNE_FWD, fwd, "fwd"), (TUNE_BWD, fb, "fwdbwd")):
+            ref, base = one(None, "default", fn, key)
+            rows.append(base)
+            print("tune", json.dumps(base), flush=True)
+            for kernel, opts in table.items():
+                for opt in opts:
+                    out, row = one(kernel, opt, fn, key)
+                    if out is not None:
+                        row["rel_vs_default"] = rel(out, ref)
+                        row["ratio_vs_default"] = base["ms"] / row["ms"]
+                        best.setdefault((kernel, opt), []).append(row["ratio_vs_default"])
+                    rows.append(row)
+                    print("tune", json.dumps(row), flush=True)
+                save(ARGS.out)
+        del q, k, v, f, xs
+        torch.cuda.empty_cache()
+    # winners: best option per kernel among those > 1% faster at every shape
+    picks = {}
+    for (kernel, opt), ratios in best.items():
+        if len(ratios) == len(shapes) and min(ratios) > 1.01:
+            score = sum(ratios) / len(ratios)
+            if score > picks.get(kernel, ("", 0.0))[1]:
+                picks[kernel] = (opt, score)
+    spec = ",".join(f"{kernel}={opt}" for kernel, (opt, _) in sorted(picks.items()))
+    RES["tune_picks"] = spec
+    print("tune picks", spec, flush=True)
+    if spec:
+        for H, T, lb in shapes:
+            q, k, v, f, beta, A_log, dtb = inputs(1, T, H, 128, 128, torch.bfloat16, seed=7)
+            xs = [x.clone().requires_grad_() for x in (q, k, v, f)]
+
+            def fb():
+                chunk_kda(*xs, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)[0].sum().backward()
+            for env in ("", spec):
+                os.environ["KIMI3_KDA_LAUNCH"] = env
+                row = dict(H=H, T=T, gate="k3" if lb else "softplus", launch=env or "default",
+                           fwd_ms=bench(lambda: chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb,
+                                                          lower_bound=lb), rep=10),
+                           fwdbwd_ms=bench(fb, warm=1, rep=5))
+                rows.append(row)
+                print("tune", json.dumps(row), flush=True)
+            os.environ.pop("KIMI3_KDA_LAUNCH", None)
+            del q, k, v, f, xs
+            torch.cuda.empty_cache()
 
 
 def graph_time(f):
@@ -492,8 +541,8 @@ if __name__ == "__main__":
         section("ceilings", ceilings, ARGS.out)
     if "check" in secs:
         section("check", check, ARGS.out)
-    if "sweep" in secs:
-        section("intra_tile_sweep", tile_sweep, ARGS.out)
+    if "tune" in secs:
+        section("tune", tune, ARGS.out)
     if "prof" in secs:
         section("kernel_profile", kernel_profile, ARGS.out)
     if "decode" in secs:

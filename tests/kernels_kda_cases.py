@@ -135,6 +135,18 @@ def test_state_layout_helpers():
     assert vk.shape == (3, 2, 32, 16) and torch.equal(state_vk_to_kv(vk), s)
 
 
+def test_launch_config(monkeypatch):
+    from kimi3_kernels.kda._utils import LAUNCH_DEFAULTS, launch_config
+    monkeypatch.setenv("KIMI3_KDA_LAUNCH", "intra_fwd=64:2:, state_fwd=:4:3")
+    assert launch_config("intra_fwd") == (64, 2, LAUNCH_DEFAULTS["intra_fwd"][2])
+    assert launch_config("state_fwd") == (LAUNCH_DEFAULTS["state_fwd"][0], 4, 3)
+    assert launch_config("wu_fwd") == LAUNCH_DEFAULTS["wu_fwd"]
+    for bad in ("intra_fwd=64:2", "intra=64:2:1", "intra_fwd=a:2:1"):
+        monkeypatch.setenv("KIMI3_KDA_LAUNCH", bad)
+        with pytest.raises(ValueError, match="KIMI3_KDA_LAUNCH"):
+            launch_config("wu_fwd")
+
+
 def test_import_without_triton():
     code = ("import sys; sys.modules['triton'] = None; sys.path.insert(0, %r)\n"
             "import kimi3_kernels, torch\n"
@@ -178,12 +190,15 @@ def test_chunk_forward_varlen_bf16():
 
 
 @needs_triton
-@pytest.mark.parametrize("tile,diag_inv", [("16,4", "0"), ("64,8", "0"), ("32,8", "0"), ("32,4,2", "0"),
-                                           ("32,4", "1"), ("16,2,2", "1")])
-def test_chunk_forward_intra_tiles(tile, diag_inv, monkeypatch):
-    # the pairwise kernel's K slice, warps and stages, and the diagonal blocks' inverses in their own kernel
-    # (bench/kda.py sweeps them on the GPU): same results, both gates, with a partial last chunk
-    monkeypatch.setenv("KIMI3_KDA_INTRA_TILE", tile)
+@pytest.mark.parametrize("launch,diag_inv", [("intra_fwd=16:4:1", "0"), ("intra_fwd=64:8:1", "0"),
+                                             ("intra_fwd=32:8:1", "0"), ("intra_fwd=32:4:2", "0"),
+                                             ("intra_fwd=32:4:1", "1"), ("intra_fwd=16:2:2", "1"),
+                                             ("intra_fwd=64:1:1,diag_fwd=64:1:1,wu_fwd=32:2:1,state_fwd=64:4:1,"
+                                              "output_fwd=32:2:3,prep_fwd=:1:", "1")])
+def test_chunk_forward_launch_options(launch, diag_inv, monkeypatch):
+    # the kernels' tile widths, warps and stages (KIMI3_KDA_LAUNCH) and the diagonal blocks' inverses in their own
+    # kernel (bench/kda.py sweeps them on the GPU): same results, both gates, with a partial last chunk
+    monkeypatch.setenv("KIMI3_KDA_LAUNCH", launch)
     monkeypatch.setenv("KIMI3_KDA_DIAG_INV", diag_inv)
     for lb in (-5.0, None):
         q, k, v, f, beta, A_log, dtb, h0 = make(1, 100, 2, 64, 32, seed=12)
@@ -226,12 +241,14 @@ def test_chunk_varlen(lb):
 
 @needs_triton
 @pytest.mark.parametrize("lb,env,K", [(-5.0, {}, 16), (None, {}, 16),
-                                      (None, dict(KIMI3_KDA_INTRA_TILE="16,4", KIMI3_KDA_SAVE_FWD="0"), 16),
+                                      (None, dict(KIMI3_KDA_LAUNCH="intra_fwd=16:4:1", KIMI3_KDA_SAVE_FWD="0"), 16),
                                       (None, dict(KIMI3_KDA_DIAG_INV="0"), 16),
                                       (-5.0, dict(KIMI3_KDA_SAVE_FWD="0"), 16),
                                       (None, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="1"), 64),
                                       (None, {}, 64),
-                                      (-5.0, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="4"), 64)])
+                                      (-5.0, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="4"), 64),
+                                      (-5.0, dict(KIMI3_KDA_LAUNCH="main_bwd=16:4:2,intra_bwd=16:2:2,"
+                                                  "state_bwd=16:4:1,prep_bwd=:2:1"), 64)])
 def test_chunk_gradients(lb, env, K, monkeypatch):
     # the backward reuses the per-chunk quantities the forward kept (default) or, with KIMI3_KDA_SAVE_FWD=0,
     # recomputes them; KIMI3_KDA_MAIN_BWD_KSPLIT runs the main backward kernel's K columns in slices (default 2;

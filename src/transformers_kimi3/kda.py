@@ -62,7 +62,7 @@ def kernel_status(device=None, requested=None):
         "torch": True,
     }
     # the chunk kernels' A/B options (environment variables read at each call; bench/kda.py sweeps them)
-    options = {name: os.environ.get(name) for name in ("KIMI3_KDA_INTRA_TILE", "KIMI3_KDA_DIAG_INV",
+    options = {name: os.environ.get(name) for name in ("KIMI3_KDA_LAUNCH", "KIMI3_KDA_DIAG_INV",
                                                        "KIMI3_KDA_MAIN_BWD_KSPLIT", "KIMI3_KDA_SAVE_FWD")
                if os.environ.get(name)}
     return {"device": str(device), "available": available,

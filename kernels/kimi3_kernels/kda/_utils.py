@@ -73,3 +73,43 @@ class SeqInfo:
         self.chunk_tab = (torch.tensor(tab, dtype=torch.int32, device=device).view(-1, 2)
                           if tab else torch.zeros(0, 2, dtype=torch.int32, device=device))
         self.chunk_off = torch.tensor(off, dtype=torch.int32, device=device)
+
+
+# Launch settings of the chunk kernels, tuned at K = V = 128: name -> (tile, num_warps, num_stages). `tile` is the
+# width the kernel is tiled over (its K slice or value tile: see the launch in chunk_fwd.py / chunk_bwd.py / gate.py;
+# None: whole rows), capped at the head dim for smaller heads.
+LAUNCH_DEFAULTS = {
+    "prep_fwd": (None, 4, 3),
+    "diag_fwd": (32, 4, 1),
+    "diag_inv": (None, 1, 1),
+    "intra_fwd": (32, 4, 2),
+    "wu_fwd": (64, 4, 2),
+    "state_fwd": (32, 8, 2),
+    "output_fwd": (64, 4, 2),
+    "state_bwd": (32, 8, 2),
+    "main_bwd": (32, 8, 1),
+    "intra_bwd": (32, 4, 1),
+    "prep_bwd": (None, 4, 3),
+}
+
+
+def launch_config(name: str):
+    """(tile, num_warps, num_stages) of chunk kernel `name`: LAUNCH_DEFAULTS, or what KIMI3_KDA_LAUNCH says, e.g.
+    KIMI3_KDA_LAUNCH="intra_fwd=32:2:1,state_fwd=:4:" (an empty field keeps the default). Read at every call, so
+    bench/kda.py --sections tune can time the options in one process."""
+    import os
+    tile, warps, stages = LAUNCH_DEFAULTS[name]
+    spec = os.environ.get("KIMI3_KDA_LAUNCH", "").strip()
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        key, _, vals = item.partition("=")
+        fields = vals.split(":")
+        if key.strip() not in LAUNCH_DEFAULTS or len(fields) != 3 or not all(f.strip().isdigit() or not f.strip()
+                                                                              for f in fields):
+            raise ValueError(f"KIMI3_KDA_LAUNCH: cannot read {item!r}; expected name=tile:warps:stages with name in "
+                             f"{sorted(LAUNCH_DEFAULTS)} (empty fields keep the default)")
+        if key.strip() == name:
+            new = [int(f) if f.strip() else None for f in fields]
+            tile = new[0] if new[0] is not None else tile
+            warps = new[1] or warps
+            stages = new[2] or stages
+    return tile, warps, stages

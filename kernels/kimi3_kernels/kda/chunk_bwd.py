@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, next_pow2
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, launch_config, next_pow2
 from .chunk_fwd import SAFE_LOWER_BOUND, _prec
 
 if TRITON_AVAILABLE:
@@ -388,12 +388,13 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
     BK = next_pow2(K)
     prec = _prec(qn.dtype)
     if info.N > 0:
-        BV = min(32, next_pow2(V)) if BK >= 128 else min(64, next_pow2(V))
+        bv, warps, stages = launch_config("state_bwd")
+        BV = min(bv, next_pow2(V))
         _state_bwd_kernel[(triton.cdiv(V, BV) * info.N * H,)](
             I["W"], I["Qg"], I["Kd"], I["Aqk"], gc, do, dht if dht is not None else do,
             dh0 if dh0 is not None else do, dhs, dvn, info.cu, info.chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_DHT=dht is not None, HAS_H0=h0 is not None,
-            PREC=prec, num_warps=8 if BK >= 128 else 4, num_stages=2)
+            PREC=prec, num_warps=warps, num_stages=stages)
     dv = torch.zeros(TT, H, V, device=dev, dtype=v.dtype)
     dqn = torch.zeros(TT, H, K, device=dev, dtype=torch.float32)
     dkn = torch.zeros_like(dqn)
@@ -402,12 +403,14 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
     dAs = torch.empty(TT, H, BT, device=dev, dtype=torch.float32)
     dPs = torch.empty_like(dAs)
     if info.NC > 0:
+        bv, warps, stages = launch_config("main_bwd")
         _main_bwd_kernel[(info.NC, H)](
             qn, kn, v, gc, bs, I["M"], I["P"], hs, dhs, vn, dvn, do, dv, dAs, dPs, dqn, dkn, dG, db,
-            info.chunk_tab, info.cu, scale, H=H, K=K, V=V, BK=BK, BV=min(32, next_pow2(V)), BT=BT,
-            PREC=prec, KS=_main_bwd_ksplit(BK), num_warps=8, num_stages=1)
+            info.chunk_tab, info.cu, scale, H=H, K=K, V=V, BK=BK, BV=min(bv, next_pow2(V)), BT=BT,
+            PREC=prec, KS=_main_bwd_ksplit(BK), num_warps=warps, num_stages=stages)
         safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
+        bk, warps, stages = launch_config("intra_bwd")
         _intra_bwd_kernel[(info.NC, H)](
             qn, kn, gc, dAs, dPs, dqn, dkn, dG, info.chunk_tab, info.cu,
-            H=H, K=K, BK=min(32, BK), BT=BT, BC=16, SAFE=safe, PREC=prec, num_warps=4, num_stages=1)
+            H=H, K=K, BK=min(bk, BK), BT=BT, BC=16, SAFE=safe, PREC=prec, num_warps=warps, num_stages=stages)
     return dqn, dkn, dv, dG, db, dh0

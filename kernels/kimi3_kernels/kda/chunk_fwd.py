@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, next_pow2
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, launch_config, next_pow2
 
 # K3's bound (-5): 15 steps inside a 16-row sub-tile stay above -75 nats, so exp(+span) < 4e32.
 SAFE_LOWER_BOUND = -5.5
@@ -402,15 +402,12 @@ if TRITON_AVAILABLE:
         tl.store(o + offv, acc.to(o.dtype.element_ty), mask=mr[:, None] & mv[None, :])
 
 
-def _intra_tile():
-    """KIMI3_KDA_INTRA_TILE="BK,warps[,stages]" (default 32,4,2; stages 1 when left out) and KIMI3_KDA_DIAG_INV=1|0
-    (default 1): the pairwise kernel's K slice, warps and pipeline depth, and whether the diagonal blocks' inverses
-    come from their own kernel. Defaults from bench/kda.py --sections sweep on an H200 (9b619ae, bench/results/kda_h200.md): the
-    forward at H=32 / 96, T=16K went from 4.77 / 11.53 ms (32,4,1, inverses inside) to 3.76 / 9.08 ms."""
+def _diag_inv():
+    """KIMI3_KDA_DIAG_INV=1|0 (default 1): the inverses of the diagonal blocks come from `_diag_inv_kernel`, not from
+    inside the pairwise kernel (forward at H=32 / 96, T=16K on an H200: 4.77 / 11.53 -> 4.00 / 10.02 ms, 9b619ae,
+    bench/results/kda_h200.md)."""
     import os
-    parts = [int(x) for x in os.environ.get("KIMI3_KDA_INTRA_TILE", "32,4,2").split(",")]
-    bk, warps, stages = (parts + [1])[:3]
-    return bk, warps, stages, os.environ.get("KIMI3_KDA_DIAG_INV", "1").strip() not in ("", "0")
+    return os.environ.get("KIMI3_KDA_DIAG_INV", "1").strip() not in ("", "0")
 
 
 def _prec(dtype):
@@ -439,24 +436,28 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
         # off-diagonal ones and the solve in the pairwise kernel: forward 1.38x at H=32, T=16K and 1.05x at H=96
         # on the H200 against the diagonal tiles inside the pairwise kernel, which, like splitting the pairwise
         # kernel in two launches, was slower at both shapes (bench/results/kda_h200.md, sweep of 76324af).
+        bk, warps, stages = launch_config("diag_fwd")
         _diag_fwd_kernel[(info.NC * (BT // 16), H)](
-            qn, kn, gc, Aqk, Pd, info.chunk_tab, info.cu, scale, H=H, K=K, BK=min(32, next_pow2(K)), BT=BT,
-            BC=16, SAFE=safe, PREC=_prec(DT), num_warps=4, num_stages=1)
-        # K slice width, warps and stages of the pairwise kernel (_intra_tile, for sweeps); at K = 128 it sits at
-        # sm_90's 255-register cap
-        BK, warps, stages, minv = _intra_tile()
+            qn, kn, gc, Aqk, Pd, info.chunk_tab, info.cu, scale, H=H, K=K, BK=min(bk, next_pow2(K)), BT=BT,
+            BC=16, SAFE=safe, PREC=_prec(DT), num_warps=warps, num_stages=stages)
         Md = Pd
+        minv = _diag_inv()
         if minv:
             Md = torch.empty_like(Pd)
+            _, warps, stages = launch_config("diag_inv")
             _diag_inv_kernel[(info.NC * (BT // 16), H)](Pd, bs, Md, info.chunk_tab, info.cu, H=H, BT=BT, BC=16,
-                                                         num_warps=1, num_stages=1)
+                                                         num_warps=warps, num_stages=stages)
+        # at K = 128 the pairwise kernel sits at sm_90's 255-register cap
+        bk, warps, stages = launch_config("intra_fwd")
         _intra_fwd_kernel[(info.NC, H)](
             qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, Md, info.chunk_tab, info.cu, scale,
-            H=H, K=K, BK=min(BK, next_pow2(K)), BT=BT, BC=16, STORE_BWD=store_bwd, PREC=_prec(DT), MINV=minv,
+            H=H, K=K, BK=min(bk, next_pow2(K)), BT=BT, BC=16, STORE_BWD=store_bwd, PREC=_prec(DT), MINV=minv,
             num_warps=warps, num_stages=stages)
+        bk, warps, stages = launch_config("wu_fwd")
         _wu_fwd_kernel[(info.NC, H)](
             qn, kn, v, gc, Tm, W, U, Qg, Kd, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
-            BK=min(64, next_pow2(K)), BV=min(64, next_pow2(V)), BT=BT, PREC=_prec(DT), num_warps=4, num_stages=2)
+            BK=min(bk, next_pow2(K)), BV=min(bk, next_pow2(V)), BT=BT, PREC=_prec(DT), num_warps=warps,
+            num_stages=stages)
     out = dict(Aqk=Aqk, W=W, U=U, Qg=Qg, Kd=Kd)
     if store_bwd:
         out.update(M=Mo, P=Po)
@@ -481,18 +482,20 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, store_states, s
     vn = torch.empty(TT, H, V, device=dev, dtype=W.dtype) if store_vn else None
     if N > 0:
         BK = next_pow2(K)
-        BV = min(32, next_pow2(V)) if BK >= 128 else min(64, next_pow2(V))
+        bv, warps, stages = launch_config("state_fwd")
+        BV = min(bv, next_pow2(V))
         dummy = W
         _state_fwd_kernel[(triton.cdiv(V, BV) * N * H,)](
             W, I["U"], I["Kd"], gc, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
             hs if hs is not None else dummy, vn if vn is not None else dummy, info.cu, info.chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, BT=CHUNK_SIZE, HAS_H0=h0 is not None,
             STORE_FINAL=output_final_state, STORE_STATES=hs is not None, STORE_VN=store_vn, PREC=_prec(W.dtype),
-            num_warps=8 if BK >= 128 else 4, num_stages=2)
+            num_warps=warps, num_stages=stages)
         if compute_o and info.NC > 0:
-            BVo = min(64, next_pow2(V))
+            bv, warps, stages = launch_config("output_fwd")
+            BVo = min(bv, next_pow2(V))
             _output_fwd_kernel[(info.NC, triton.cdiv(V, BVo), H)](
                 I["Qg"], I["Aqk"], vn, hs, o, info.chunk_tab, info.cu, H=H, K=K, V=V, BK=min(64, next_pow2(K)),
-                BV=BVo, BT=CHUNK_SIZE, PREC=_prec(W.dtype), num_warps=4, num_stages=2)
+                BV=BVo, BT=CHUNK_SIZE, PREC=_prec(W.dtype), num_warps=warps, num_stages=stages)
     hs = hs[:info.NC] if store_states else None
     return o, ht, hs, vn

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, next_pow2
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, launch_config, next_pow2
 
 if TRITON_AVAILABLE:
     import triton
@@ -128,11 +128,12 @@ def prep_fwd(q, k, g, beta, A_log, dt_bias, lower_bound, use_l2, info, inter_dty
     rq = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
     rk = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
     if info.NC > 0:
+        _, warps, stages = launch_config("prep_fwd")
         _prep_fwd_kernel[(info.NC, H)](
             q, k, g, beta, A_log, dt_bias, qn, kn, gc, bs, rq, rk, info.chunk_tab, info.cu,
             float(lower_bound) if lower_bound is not None else 0.0,
             H=H, K=K, BK=next_pow2(K), BT=CHUNK_SIZE, USE_LB=lower_bound is not None, L2=use_l2,
-            num_warps=4)
+            num_warps=warps, num_stages=stages)
     return qn, kn, gc, bs, (rq if use_l2 else None), (rk if use_l2 else None)
 
 
@@ -148,11 +149,12 @@ def prep_bwd(q, k, g, A_log, dt_bias, beta_s, rq, rk, dgc, dqn, dkn, dbeta_s, lo
     dA_part = torch.zeros(NC, H, device=dev, dtype=torch.float32)
     ddt_part = torch.zeros(NC, H, K, device=dev, dtype=torch.float32)
     if info.NC > 0:
+        _, warps, stages = launch_config("prep_bwd")
         _prep_bwd_kernel[(info.NC, H)](
             q, k, g, A_log, dt_bias, beta_s, rq if use_l2 else beta_s, rk if use_l2 else beta_s,
             dgc, dqn, dkn, dbeta_s, dq, dk, df, dbeta, dA_part, ddt_part, info.chunk_tab, info.cu,
             float(lower_bound) if lower_bound is not None else 0.0,
             H=H, K=K, BK=next_pow2(K), BT=CHUNK_SIZE, USE_LB=lower_bound is not None, L2=use_l2,
-            num_warps=4)
+            num_warps=warps, num_stages=stages)
     # tokens outside every sequence (T beyond cu_seqlens[-1]) get zero gradients
     return dq, dk, df, dbeta, dA_part.sum(0), ddt_part.sum(0).reshape(H * K)
