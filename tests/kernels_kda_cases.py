@@ -194,7 +194,7 @@ def test_chunk_forward_varlen_bf16():
                                              ("intra_fwd=32:8:1", "0"), ("intra_fwd=32:4:2", "0"),
                                              ("intra_fwd=32:4:1", "1"), ("intra_fwd=16:2:2", "1"),
                                              ("intra_fwd=64:1:1,diag_fwd=64:1:1,wu_fwd=32:2:1,state_fwd=64:4:1,"
-                                              "output_fwd=32:2:3,prep_fwd=:1:", "1")])
+                                              "output_fwd=32:2:3,prep_fwd=:1:,diag_fwd_loop=32:2:1", "1")])
 def test_chunk_forward_launch_options(launch, diag_inv, monkeypatch):
     # the kernels' tile widths, warps and stages (KIMI3_KDA_LAUNCH) and the diagonal blocks' inverses in their own
     # kernel (bench/kda.py sweeps them on the GPU): same results, both gates, with a partial last chunk
@@ -248,7 +248,8 @@ def test_chunk_varlen(lb):
                                       (None, {}, 64),
                                       (-5.0, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="4"), 64),
                                       (-5.0, dict(KIMI3_KDA_LAUNCH="main_bwd=16:4:2,intra_bwd=16:2:2,"
-                                                  "state_bwd=16:4:1,prep_bwd=:2:1"), 64)])
+                                                  "state_bwd=16:4:1,prep_bwd=:2:1"), 64),
+                                      (None, dict(KIMI3_KDA_LAUNCH="intra_bwd_loop=16:2:2"), 16)])
 def test_chunk_gradients(lb, env, K, monkeypatch):
     # the backward reuses the per-chunk quantities the forward kept (default) or, with KIMI3_KDA_SAVE_FWD=0,
     # recomputes them; KIMI3_KDA_MAIN_BWD_KSPLIT runs the main backward kernel's K columns in slices (default 2;

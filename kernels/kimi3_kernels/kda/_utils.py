@@ -75,20 +75,26 @@ class SeqInfo:
         self.chunk_off = torch.tensor(off, dtype=torch.int32, device=device)
 
 
-# Launch settings of the chunk kernels, tuned at K = V = 128: name -> (tile, num_warps, num_stages). `tile` is the
-# width the kernel is tiled over (its K slice or value tile: see the launch in chunk_fwd.py / chunk_bwd.py / gate.py;
-# None: whole rows), capped at the head dim for smaller heads.
+# Launch settings of the chunk kernels at K = V = 128: name -> (tile, num_warps, num_stages). `tile` is the width the
+# kernel is tiled over (its K slice or value tile: see the launch in chunk_fwd.py / chunk_bwd.py / gate.py; None:
+# whole rows), capped at the head dim for smaller heads. The kernels with diagonal 16x16 tiles have one entry for
+# bounded gates (K3: one matmul per tile) and one for the per-column loop of unbounded ones (`_loop`, Kimi Linear).
+# From `bench/kda.py --sections tune` on an H200 (bench/results/kda_h200.md): at 22fef45, one kernel at a time against
+# the settings before, H=32 T=16K softplus gate and H=96 T=16K K3 gate, forward 3.92 -> 3.31 and 9.21 -> 7.18 ms,
+# forward+backward 16.04 -> 14.53 and 33.92 -> 31.69 ms with the round's picks together.
 LAUNCH_DEFAULTS = {
-    "prep_fwd": (None, 4, 3),
-    "diag_fwd": (32, 4, 1),
+    "prep_fwd": (None, 8, 3),
+    "diag_fwd": (32, 1, 1),
+    "diag_fwd_loop": (64, 4, 1),
     "diag_inv": (None, 1, 1),
-    "intra_fwd": (32, 4, 2),
-    "wu_fwd": (64, 4, 2),
-    "state_fwd": (32, 8, 2),
+    "intra_fwd": (32, 2, 2),
+    "wu_fwd": (128, 8, 2),
+    "state_fwd": (64, 4, 2),
     "output_fwd": (64, 4, 2),
     "state_bwd": (32, 8, 2),
     "main_bwd": (32, 8, 1),
-    "intra_bwd": (32, 4, 1),
+    "intra_bwd": (32, 4, 2),
+    "intra_bwd_loop": (64, 4, 1),
     "prep_bwd": (None, 4, 3),
 }
 

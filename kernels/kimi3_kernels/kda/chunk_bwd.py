@@ -409,7 +409,7 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
             info.chunk_tab, info.cu, scale, H=H, K=K, V=V, BK=BK, BV=min(bv, next_pow2(V)), BT=BT,
             PREC=prec, KS=_main_bwd_ksplit(BK), num_warps=warps, num_stages=stages)
         safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
-        bk, warps, stages = launch_config("intra_bwd")
+        bk, warps, stages = launch_config("intra_bwd" if safe else "intra_bwd_loop")
         _intra_bwd_kernel[(info.NC, H)](
             qn, kn, gc, dAs, dPs, dqn, dkn, dG, info.chunk_tab, info.cu,
             H=H, K=K, BK=min(bk, BK), BT=BT, BC=16, SAFE=safe, PREC=prec, num_warps=warps, num_stages=stages)

@@ -436,7 +436,7 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
         # off-diagonal ones and the solve in the pairwise kernel: forward 1.38x at H=32, T=16K and 1.05x at H=96
         # on the H200 against the diagonal tiles inside the pairwise kernel, which, like splitting the pairwise
         # kernel in two launches, was slower at both shapes (bench/results/kda_h200.md, sweep of 76324af).
-        bk, warps, stages = launch_config("diag_fwd")
+        bk, warps, stages = launch_config("diag_fwd" if safe else "diag_fwd_loop")
         _diag_fwd_kernel[(info.NC * (BT // 16), H)](
             qn, kn, gc, Aqk, Pd, info.chunk_tab, info.cu, scale, H=H, K=K, BK=min(bk, next_pow2(K)), BT=BT,
             BC=16, SAFE=safe, PREC=_prec(DT), num_warps=warps, num_stages=stages)
