@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Batches of H200 measurements, each one device call on a machine with two or four GPUs (one job per GPU). Each job has its own
+# Batches of H200 measurements, each one device call on a two-GPU machine (one job per GPU). Each job has its own
 # time limit and writes its JSON as it goes, so a cut run keeps what it measured. The outputs are packed into
 # $OUT/session.tgz: the device tool brings back at most 8 files.
 #
@@ -7,9 +7,10 @@
 #                                                 # tune); GPU 1 moe.py between 1 and 16K tokens, MXFP4 tiles at 16K
 #   OUT=/some/dir bash bench/gpu_session.sh e2e   # ~6 min: the static-graph decode at B=64 after a 32K prompt; the
 #                                                 # decode and prefill profiles
-#   OUT=/some/dir bash bench/gpu_session.sh fla   # four GPUs, ~8 min: fla's KDA rows in the same process as ours, one
-#                                                 # shape per process (fla autotunes for minutes), the correctness
-#                                                 # checks, the 8K prefills; needs fla in PYTHONPATH
+#   OUT=/some/dir bash bench/gpu_session.sh fla   # ~9 min: fla's KDA rows in the same process as ours, one shape
+#                                                 # per process (fla autotunes for minutes), the correctness checks;
+#                                                 # needs fla in PYTHONPATH
+#   OUT=/some/dir bash bench/gpu_session.sh prefill  # ~4 min: the 4.3B and K3-shaped prefills (e2e.py)
 set -u
 OUT=${OUT:?set OUT to an output folder}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -50,35 +51,37 @@ e2e)
   grep -h '"stage"' "$W"/e2e_*.log | cut -c1-300
   ;;
 fla)
-  # four GPUs: fla's KDA rows in the same process as ours, one shape per process (fla autotunes for minutes per
-  # shape), the correctness checks, and the 4.3B / K3-shaped prefill
+  # fla's KDA rows in the same process as ours, one shape per process (fla autotunes for minutes per shape), then
+  # the correctness checks
   (
-    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/kda.py --out "$W/kda_16k" --sections time \
+    CUDA_VISIBLE_DEVICES=0 timeout 190 python3 bench/kda.py --out "$W/kda_16k" --sections time \
       --shapes 32:16384:sp > "$W/kda_16k.log" 2>&1
-    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/e2e.py --stages prefill --prefill 8192 \
-      --out "$W/e2e_prefill.json" > "$W/e2e_prefill.log" 2>&1
-  ) &
-  (
-    CUDA_VISIBLE_DEVICES=1 timeout 170 python3 bench/kda.py --out "$W/kda_4k" --sections time \
+    CUDA_VISIBLE_DEVICES=0 timeout 160 python3 bench/kda.py --out "$W/kda_4k" --sections time \
       --shapes 32:4096:sp > "$W/kda_4k.log" 2>&1
-    CUDA_VISIBLE_DEVICES=1 timeout 230 python3 bench/kda.py --out "$W/kda_check" --sections check \
+    CUDA_VISIBLE_DEVICES=0 timeout 190 python3 bench/kda.py --out "$W/kda_check" --sections check \
       > "$W/kda_check.log" 2>&1
   ) &
-  CUDA_VISIBLE_DEVICES=2 timeout 330 python3 bench/kda.py --out "$W/kda_96_32k" --sections time \
-    --shapes 96:32768:k3 > "$W/kda_96_32k.log" 2>&1 &
   (
-    CUDA_VISIBLE_DEVICES=3 timeout 300 python3 bench/kda.py --out "$W/kda_64k" --sections time \
+    CUDA_VISIBLE_DEVICES=1 timeout 300 python3 bench/kda.py --out "$W/kda_96_32k" --sections time \
+      --shapes 96:32768:k3 > "$W/kda_96_32k.log" 2>&1
+    CUDA_VISIBLE_DEVICES=1 timeout 240 python3 bench/kda.py --out "$W/kda_64k" --sections time \
       --shapes 32:65536:sp > "$W/kda_64k.log" 2>&1
-    CUDA_VISIBLE_DEVICES=3 timeout 120 python3 bench/e2e.py --model k3 --stages prefill --prefill 2048,8192 \
-      --out "$W/e2e_k3_prefill.json" > "$W/e2e_k3_prefill.log" 2>&1
   ) &
   wait
   tar czf "$OUT/session.tgz" -C "$W" .
   grep -h '^fla\|^ours' "$W"/kda_*.log | cut -c1-300
+  ;;
+prefill)
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 bench/e2e.py --stages prefill --prefill 8192 \
+    --out "$W/e2e_prefill.json" > "$W/e2e_prefill.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 240 python3 bench/e2e.py --model k3 --stages prefill --prefill 2048,8192 \
+    --out "$W/e2e_k3_prefill.json" > "$W/e2e_k3_prefill.log" 2>&1 &
+  wait
+  tar czf "$OUT/session.tgz" -C "$W" .
   grep -h '"stage"' "$W"/e2e_*.log | cut -c1-300
   ;;
 *)
-  echo "usage: OUT=dir bash bench/gpu_session.sh tune|e2e|fla" >&2
+  echo "usage: OUT=dir bash bench/gpu_session.sh tune|e2e|fla|prefill" >&2
   exit 2
   ;;
 esac
