@@ -10,7 +10,8 @@
 #   OUT=/some/dir bash bench/gpu_session.sh fla   # ~9 min: fla's KDA rows in the same process as ours, one shape
 #                                                 # per process (fla autotunes for minutes), the correctness checks;
 #                                                 # needs fla in PYTHONPATH
-#   OUT=/some/dir bash bench/gpu_session.sh prefill  # ~4 min: the 4.3B and K3-shaped prefills (e2e.py)
+#   OUT=/some/dir bash bench/gpu_session.sh prefill  # ~6 min: the 4.3B and K3-shaped prefills (e2e.py), fla's H=32
+#                                                    # T=16K row, moe.py at 4K and 16K tokens
 set -u
 OUT=${OUT:?set OUT to an output folder}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -72,12 +73,22 @@ fla)
   grep -h '^fla\|^ours' "$W"/kda_*.log | cut -c1-300
   ;;
 prefill)
-  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 bench/e2e.py --stages prefill --prefill 8192 \
-    --out "$W/e2e_prefill.json" > "$W/e2e_prefill.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 timeout 240 python3 bench/e2e.py --model k3 --stages prefill --prefill 2048,8192 \
-    --out "$W/e2e_k3_prefill.json" > "$W/e2e_k3_prefill.log" 2>&1 &
+  # the 4.3B and K3-shaped prefills; fla's H=32 T=16K KDA row; the MXFP4 GEMMs at 4K and 16K tokens
+  (
+    CUDA_VISIBLE_DEVICES=0 timeout 190 python3 bench/kda.py --out "$W/kda_16k" --sections time \
+      --shapes 32:16384:sp > "$W/kda_16k.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/moe.py --tokens 4096 16384 --out "$W/moe" > "$W/moe.log" 2>&1
+  ) &
+  (
+    CUDA_VISIBLE_DEVICES=1 timeout 170 python3 bench/e2e.py --stages prefill --prefill 8192 \
+      --out "$W/e2e_prefill.json" > "$W/e2e_prefill.log" 2>&1
+    CUDA_VISIBLE_DEVICES=1 timeout 170 python3 bench/e2e.py --model k3 --stages prefill --prefill 2048,8192 \
+      --out "$W/e2e_k3_prefill.json" > "$W/e2e_k3_prefill.log" 2>&1
+  ) &
   wait
   tar czf "$OUT/session.tgz" -C "$W" .
+  grep -h '^fla\|^ours' "$W"/kda_*.log | cut -c1-300
+  tail -4 "$W/moe.log" | cut -c1-300
   grep -h '"stage"' "$W"/e2e_*.log | cut -c1-300
   ;;
 *)

@@ -499,7 +499,8 @@ _TILES = {  # BM: (BN, BK, num_warps, num_stages)
 #     best pre-permuted tile, BK=256, 2.22 here but 0.41 vs 0.21 ms at 1 token)
 #   1,024 tokens (BM=32): gate+up 6.97 -> 5.91 ms, down 3.61 -> 3.30 ms (PERM tiles of 572cb17, now pre-permuted);
 #     gate+up with 2 stages instead of 3: 6.24 -> 5.65 ms (19b363b)
-#   16,384 tokens (BM=128): gate+up 48.3 -> 34.2 ms, down 25.0 -> 23.3 ms (same tiles with pairs gathered: 61.7 / 37.3)
+#   16,384 tokens (BM=128): gate+up 48.3 -> 34.2 ms, down 25.0 -> 23.3 ms (same tiles with pairs gathered: 61.7 / 37.3);
+#     down with BN=128, BK=64, 8 warps: 21.69 -> 20.83 ms (91aea39, same process)
 #   BM=64 (~40-70 rows per expert): the BM=32 tiles; at 16,384 tokens they beat the old BM=128 tile (39.8 / 22.9 ms)
 # The backward layouts (trans_w, dual="in") use _TILES.
 _PERM_TILES = {  # (BM, dual): (BN, BK, num_warps, num_stages, AK)
@@ -509,7 +510,7 @@ _PERM_TILES = {  # (BM, dual): (BN, BK, num_warps, num_stages, AK)
     (64, "out"): (64, 128, 4, 3, 1),
     (64, None): (128, 128, 8, 3, 1),
     (128, "out"): (64, 128, 4, 3, 1),
-    (128, None): (64, 128, 4, 3, 1),
+    (128, None): (128, 64, 8, 3, 1),
 }
 _DOT_SCALED = {"ok": True}  # set to False if tl.dot_scaled fails to build on this Triton
 
