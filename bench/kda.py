@@ -113,6 +113,7 @@ def check():
     def rec(**kw):
         C.append(kw)
         print(kw, flush=True)
+        save(ARGS.out)  # a run cut by its time limit keeps the rows it has
 
     # 1) forward at real shapes vs the fp32 PyTorch chunk reference and vs fla (same bf16 inputs)
     for lb in (-5.0, None):
