@@ -2,8 +2,9 @@
 
     python bench/plot_kda.py [--json bench/results/kda_h200.json] [--out bench/results/kda_h200.png]
 
-H=32 (softplus gate): ours and fla from the same run. H=96 (K3 gate): ours against the fla anchor measured
-earlier (not the same run; "fla_anchors" in the JSON). Needs matplotlib (not a project requirement).
+The newest timings with fla 0.6.0 in the same process ("time_tuned_same_run_fla": one shape per process, so every
+point pairs ours with fla measured beside it); H=32 with the softplus gate, H=96 with K3's. Needs matplotlib (not a
+project requirement).
 """
 from __future__ import annotations
 
@@ -24,9 +25,8 @@ def main():
     import matplotlib.pyplot as plt
 
     res = json.load(open(args.json))
-    run = next(r for r in res["timings_runs"] if r.get("current_default"))
-    rows = [r for r in run["rows"] if "varlen" not in r]
-    anchor96 = sorted(res["fla_anchors"]["H96_k3_gate"], key=lambda r: r["T"])
+    rows = [r for r in res["time_tuned_same_run_fla"]["rows"] if "varlen" not in r]
+    commits = "/".join(sorted({r["commit"] for r in rows}))
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for ax, key, title in ((axes[0], "fwd", "forward"), (axes[1], "fwdbwd", "forward + backward")):
@@ -34,14 +34,10 @@ def main():
             rs = sorted((r for r in rows if r["H"] == H), key=lambda r: r["T"])
             gate = "K3 gate" if rs[0]["gate"].startswith("k3") else "softplus gate"
             ax.plot([r["T"] for r in rs], [r[f"ours_{key}_ms"] for r in rs], "o-", color=color,
-                    label=f"ours H={H} ({gate}), {run['commit']}")
+                    label=f"ours H={H} ({gate}), {commits}")
             fla = [r for r in rs if f"fla_{key}_ms" in r]
-            if fla:
-                ax.plot([r["T"] for r in fla], [r[f"fla_{key}_ms"] for r in fla], "s--", color=color, alpha=0.7,
-                        label=f"fla 0.6.0 H={H}, same run")
-            elif H == 96:
-                ax.plot([r["T"] for r in anchor96], [r[f"fla_{key}_ms"] for r in anchor96], "s:", color=color,
-                        alpha=0.7, mfc="none", label="fla 0.6.0 H=96, anchor (not same run)")
+            ax.plot([r["T"] for r in fla], [r[f"fla_{key}_ms"] for r in fla], "s--", color=color, alpha=0.7,
+                    label=f"fla 0.6.0 H={H}, same process")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ts = sorted({r["T"] for r in rows})
