@@ -301,6 +301,12 @@ def run(args):
             try:
                 row["mxfp4_full_forward_graph_ms"] = graph_ms(lambda: mod(x, idx, w))
                 row["grouped_mm_full_forward_graph_ms"] = graph_ms(grouped_full)
+                if n <= 2:  # the grouped GEMV path (off by default: KIMI3_MXFP4_GEMV_MAX_ROWS), never timed in a graph
+                    os.environ["KIMI3_MXFP4_GEMV_MAX_ROWS"] = str(Mrows)
+                    try:
+                        row["mxfp4_gemv_full_forward_graph_ms"] = graph_ms(lambda: mod(x, idx, w))
+                    finally:
+                        os.environ.pop("KIMI3_MXFP4_GEMV_MAX_ROWS", None)
             except Exception as ex:
                 row["graph_error"] = repr(ex)[:200]
         row["speedup_vs_grouped_mm"] = row["grouped_mm_ms"] / row["mxfp4_ms"]
