@@ -73,6 +73,32 @@ def _kernel_checks(G, R, torch):
         c = V.mxfp4_grouped_gemv(x, wp, ws, offs, a_rows=tok, c_rows=order.to(torch.int32), num_c_rows=M, **gkw)
         r = R(x, wp, ws, offs, **common, **kw)
         out[f"gemv_{mode}"] = _rel(c, r)
+    # the same routes unsorted: each row's expert read from the ids (topk_idx's order, row m = token m // k), an
+    # id past the last expert leaves its row unwritten; the GLU fused into gate+up (sorted rows and unsorted)
+    eids = flat.to(torch.int32)
+    gl = dict(b_packed=bp, b_scale=bs)
+    for mode, kw in {"plain": {}, "dual_out": dict(dual="out"), "silu": dict(dual="out", act="silu"),
+                     "situ": dict(dual="out", act="situ", act_params=(4.0, 25.0)),
+                     "situ_linear_up": dict(dual="out", act="situ", act_params=(4.0, None))}.items():
+        vkw = dict(gl, **{k2: v for k2, v in kw.items() if k2 != "dual"}) if kw else {}
+        r = R(x, wp, ws, offs, **common, **kw)
+        c = V.mxfp4_grouped_gemv(x, wp, ws, expert_ids=eids, a_row_div=k, **vkw)
+        out[f"gemv_unsorted_{mode}"] = _rel(c, r)
+        if "act" in kw:
+            c = V.mxfp4_grouped_gemv(x, wp, ws, offs, a_rows=tok, c_rows=order.to(torch.int32), num_c_rows=M, **vkw)
+            out[f"gemv_sorted_{mode}"] = _rel(c, r)
+    off_rank = eids.clone()
+    off_rank[4] = E
+    c = V.mxfp4_grouped_gemv(x, wp, ws, expert_ids=off_rank, a_row_div=k)
+    r = R(x, wp, ws, offs, **common)
+    keep = torch.arange(M) != 4
+    out["gemv_unsorted_off_rank_row"] = _rel(c[keep], r[keep]) + float(c[4].abs().max())
+    for bad in (dict(), dict(expert_offsets=offs, expert_ids=eids), dict(expert_ids=eids, act="silu")):
+        try:
+            V.mxfp4_grouped_gemv(x, wp, ws, **bad)
+            out[f"gemv_refused_{sorted(bad)}"] = 1.0  # accepted: fails the < tolerance check
+        except ValueError:
+            out[f"gemv_refused_{sorted(bad)}"] = 0.0
     # backward layouts: weights stored [E, K, N/2], used untransposed; sorted (non-gathered) rows
     wtp, wts = weights(E, K, N)
     btp, bts = weights(E, K, N)
@@ -178,6 +204,29 @@ def _module_checks(mxfp4, torch):
         out[f"launches_gemv_{name}"] = len(calls)
         out[f"module_{name}_dx"] = _rel(x.grad, xr.grad)
         out[f"module_{name}_dw"] = _rel(w.grad, wr.grad)
+    # without autograd at decode sizes the GEMVs read the routes' experts from topk_idx (no sort): two launches
+    # (SiTU fused into gate+up), the same result as the reference
+    os.environ["KIMI3_MXFP4_GEMV_MAX_ROWS"] = "64"
+    sorts = []
+    real_route = mxfp4._route
+    mxfp4._route = lambda *a, **kw: sorts.append(1) or real_route(*a, **kw)
+    try:
+        calls.clear()
+        act = mxfp4.SiTUGLU(4.0, 25.0)
+        mod = mxfp4.PackedMXFP4Experts.from_float(w1, w3, w2, act)
+        d1, d3, d2 = mod.dequantize(torch.float32)
+        with torch.no_grad():
+            y = mod(x0, idx, tw)
+            ref = 0
+            for j in range(k):
+                e = idx[:, j]
+                h = act(torch.einsum("td,tid->ti", x0.float(), d1[e]), torch.einsum("td,tid->ti", x0.float(), d3[e]))
+                ref = ref + tw[:, j:j + 1] * torch.einsum("ti,tdi->td", h.bfloat16().float(), d2[e])
+        out["module_gemv_unsorted_y"] = _rel(y, ref)
+        out["launches_gemv_unsorted"] = len(calls)
+        out["sorts_gemv_unsorted"] = len(sorts)
+    finally:
+        mxfp4._route = real_route
     # K-permuted operands through the module (x and h copied into the tiles' K order), with K-permuted
     # default tiles at this size (BM=16: BK 64 for gate+up, 32 for down), against the module with plain tiles
     G = mxfp4._gemm_module()
@@ -267,7 +316,7 @@ def test_interpreter_active(results):
 def test_kernel_matches_reference(results):
     # same bf16 operands, fp32 accumulation in another order; fused GLU outputs are fp32 here: 1e-5
     kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_", "gemv_", "kperm"))}
-    assert len(kernel) == 46, sorted(kernel)
+    assert len(kernel) == 58, sorted(kernel)
     bad = {k: v for k, v in kernel.items() if not v < 1e-5}
     assert not bad, bad
 
@@ -291,6 +340,9 @@ def test_module_triton_path_matches_dequantise_then_matmul(results):
         # backward: the kernel also rounds dgate/dup (fp32) to bf16 operands (measured ~4e-3): bound 2e-2
         assert results[f"module_{name}_dx"] < 2e-2, results
         assert results[f"module_{name}_dw"] < 2e-2, results
+    # no autograd, decode size: two GEMV launches straight from topk_idx, nothing sorted; same bound as above
+    assert results["launches_gemv_unsorted"] == 2 and results["sorts_gemv_unsorted"] == 0, results
+    assert results["module_gemv_unsorted_y"] < 1e-2, results
     # K-permuted operands in the module: the same products summed in another order, then rounded to bf16 (h and
     # y); measured 0.0 here, a wrong column order gives ~1.4
     assert results["module_kperm_bks"] == [64, 32]

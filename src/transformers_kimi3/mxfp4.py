@@ -209,7 +209,8 @@ def _gemv_module():
 
 def gemv_max_rows():
     """Routed (token, expert) rows up to which the forward uses the grouped GEMV instead of the tensor-core GEMM
-    (KIMI3_MXFP4_GEMV_MAX_ROWS; 0, the default, never). Off until timed on a GPU (bench/mxfp4_decode_check.py)."""
+    (KIMI3_MXFP4_GEMV_MAX_ROWS; 0, the default, never); without autograd it then skips the sort as well. Off until
+    timed on a GPU inside a CUDA graph (bench/moe.py's `mxfp4_gemv_full_forward_graph_ms` at 1-2 tokens)."""
     return int(os.environ.get("KIMI3_MXFP4_GEMV_MAX_ROWS", "0"))
 
 
@@ -390,6 +391,12 @@ class PackedMXFP4Experts(nn.Module):
             raise ValueError(f"topk_idx {tuple(topk_idx.shape)} / topk_w {tuple(topk_w.shape)} do not match x")
         if x.shape[0] == 0:
             return x.new_zeros(x.shape)
+        T, k = topk_idx.shape
+        grad = torch.is_grad_enabled() and (x.requires_grad or topk_w.requires_grad)
+        if not grad and T * k <= gemv_max_rows() and self._uses_triton(x) and _gemv_module() is not None:
+            # decode sizes without autograd: one GEMV launch per projection straight from topk_idx, no sort
+            with _on_device(x):
+                return _combine(self._forward_gemv_unsorted(x, topk_idx), topk_w, T, k, x.dtype)
         return _PackedExpertsFunction.apply(x, topk_w, topk_idx, self)
 
     def _act(self, g, u):
@@ -472,6 +479,26 @@ class PackedMXFP4Experts(nn.Module):
             out[rows] = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs).float()
         return out
 
+    def _forward_gemv_unsorted(self, x, topk_idx):
+        """[T*k, D] fp32 outputs of the routes in topk_idx's order: row m = (token m // k, slot m % k). The routes'
+        experts are read by the GEMV itself, so nothing is sorted, gathered or scattered; the GLU runs in the
+        gate+up GEMV where the kernel knows it."""
+        V = _gemv_module()
+        k = topk_idx.shape[1]
+        flat = topk_idx.reshape(-1)
+        torch._assert_async(((flat >= 0) & (flat < self.num_experts)).all(), "topk_idx holds out-of-range experts")
+        eids = flat.to(torch.int32)
+        x = x.contiguous()
+        up = dict(expert_ids=eids, a_row_div=k, b_packed=self.w3_packed, b_scale=self.w3_scale)
+        if self._fused is not None:
+            h = V.mxfp4_grouped_gemv(x, self.w1_packed, self.w1_scale, act=self._fused[0],
+                                     act_params=self._fused[1:] or (1.0, 1.0), out_dtype=x.dtype, **up)
+        else:
+            gu = V.mxfp4_grouped_gemv(x, self.w1_packed, self.w1_scale, **up)
+            I = self.intermediate_size
+            h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
+        return V.mxfp4_grouped_gemv(h, self.w2_packed, self.w2_scale, expert_ids=eids)
+
     def _forward_triton(self, x, order, offsets, k):
         G = _gemm_module()
         I = self.intermediate_size
@@ -480,10 +507,14 @@ class PackedMXFP4Experts(nn.Module):
             return self._forward_dequantized(x, order, offsets, k)
         tok = (order // k).to(torch.int32)
         V = _gemv_module() if order.numel() <= gemv_max_rows() else None
-        if V is not None:  # decode sizes: one program per routed row, weights streamed once, CUDA-core FMAs
-            gu = V.mxfp4_grouped_gemv(x, self.w1_packed, self.w1_scale, offsets, a_rows=tok, b_packed=self.w3_packed,
-                                      b_scale=self.w3_scale)
-            h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
+        if V is not None:  # decode sizes with autograd: one program per routed row, CUDA-core FMAs
+            up = dict(a_rows=tok, b_packed=self.w3_packed, b_scale=self.w3_scale)
+            if self._fused is not None:
+                h = V.mxfp4_grouped_gemv(x, self.w1_packed, self.w1_scale, offsets, act=self._fused[0],
+                                         act_params=self._fused[1:] or (1.0, 1.0), out_dtype=x.dtype, **up)
+            else:
+                gu = V.mxfp4_grouped_gemv(x, self.w1_packed, self.w1_scale, offsets, **up)
+                h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
             return V.mxfp4_grouped_gemv(h, self.w2_packed, self.w2_scale, offsets, c_rows=order.to(torch.int32),
                                         num_c_rows=order.numel())
         # where the default tiles take K-permuted operands, the activations (x, then h) are copied into that order
