@@ -87,8 +87,26 @@ def _kernel_checks(G, R, torch):
         if "act" in kw:
             c = V.mxfp4_grouped_gemv(x, wp, ws, offs, a_rows=tok, c_rows=order.to(torch.int32), num_c_rows=M, **vkw)
             out[f"gemv_sorted_{mode}"] = _rel(c, r)
+    # the packed GEMM one row per program (expert_ids), plain and K-permuted tiles, the GLU fused
+    for mode, kw in {"plain": {}, "dual_out": dict(dual="out"), "situ": dict(dual="out", act="situ",
+                                                                                   act_params=(4.0, 25.0))}.items():
+        gkw = dict(gl, **kw) if kw else {}
+        r = R(x, wp, ws, offs, **common, **kw)
+        for cname, cfg in {"bk64": dict(BM=16, BN=64, BK=64), "perm_bk32": dict(BM=16, BN=32, BK=32, PERM=1)}.items():
+            c = G.mxfp4_grouped_gemm(x, wp, ws, None, expert_ids=eids, a_row_div=k, config=cfg, **gkw)
+            out[f"fwd_unsorted_{mode}_{cname}"] = _rel(c, r)
     off_rank = eids.clone()
     off_rank[4] = E
+    c = G.mxfp4_grouped_gemm(x, wp, ws, None, expert_ids=off_rank, a_row_div=k, config=dict(BM=16, BN=64, BK=64))
+    r = R(x, wp, ws, offs, **common)
+    keep = torch.arange(M) != 4
+    out["fwd_unsorted_off_rank_row"] = _rel(c[keep], r[keep]) + float(c[4].abs().max())
+    for bad in (dict(), dict(expert_offsets=offs, expert_ids=eids), dict(expert_ids=eids, trans_w=True)):
+        try:
+            G.mxfp4_grouped_gemm(x, wp, ws, **dict(dict(expert_offsets=None), **bad))
+            out[f"fwd_refused_{sorted(bad)}"] = 1.0  # accepted: fails the < tolerance check
+        except ValueError:
+            out[f"fwd_refused_{sorted(bad)}"] = 0.0
     c = V.mxfp4_grouped_gemv(x, wp, ws, expert_ids=off_rank, a_row_div=k)
     r = R(x, wp, ws, offs, **common)
     keep = torch.arange(M) != 4
@@ -206,27 +224,45 @@ def _module_checks(mxfp4, torch):
         out[f"module_{name}_dw"] = _rel(w.grad, wr.grad)
     # without autograd at decode sizes the GEMVs read the routes' experts from topk_idx (no sort): two launches
     # (SiTU fused into gate+up), the same result as the reference
-    os.environ["KIMI3_MXFP4_GEMV_MAX_ROWS"] = "64"
+    # (GEMV: KIMI3_MXFP4_GEMV_MAX_ROWS) or the packed GEMM one route per program (KIMI3_MXFP4_UNSORTED_MAX_ROUTES)
     sorts = []
     real_route = mxfp4._route
     mxfp4._route = lambda *a, **kw: sorts.append(1) or real_route(*a, **kw)
+    Gm = mxfp4._gemm_module()
+    gemm, gemm_calls = Gm.mxfp4_grouped_gemm, []
+    Gm.mxfp4_grouped_gemm = lambda *a, **kw: gemm_calls.append(kw.get("expert_ids") is not None) or gemm(*a, **kw)
+    act = mxfp4.SiTUGLU(4.0, 25.0)
+    mod = mxfp4.PackedMXFP4Experts.from_float(w1, w3, w2, act)
+    d1, d3, d2 = mod.dequantize(torch.float32)
+    ref = 0
+    for j in range(k):
+        e = idx[:, j]
+        h = act(torch.einsum("td,tid->ti", x0.float(), d1[e]), torch.einsum("td,tid->ti", x0.float(), d3[e]))
+        ref = ref + tw[:, j:j + 1] * torch.einsum("ti,tdi->td", h.bfloat16().float(), d2[e])
     try:
-        calls.clear()
-        act = mxfp4.SiTUGLU(4.0, 25.0)
-        mod = mxfp4.PackedMXFP4Experts.from_float(w1, w3, w2, act)
-        d1, d3, d2 = mod.dequantize(torch.float32)
-        with torch.no_grad():
-            y = mod(x0, idx, tw)
-            ref = 0
-            for j in range(k):
-                e = idx[:, j]
-                h = act(torch.einsum("td,tid->ti", x0.float(), d1[e]), torch.einsum("td,tid->ti", x0.float(), d3[e]))
-                ref = ref + tw[:, j:j + 1] * torch.einsum("ti,tdi->td", h.bfloat16().float(), d2[e])
-        out["module_gemv_unsorted_y"] = _rel(y, ref)
-        out["launches_gemv_unsorted"] = len(calls)
-        out["sorts_gemv_unsorted"] = len(sorts)
+        for name, env in (("gemv", ("64", "0")), ("gemm", ("0", "64"))):
+            os.environ["KIMI3_MXFP4_GEMV_MAX_ROWS"], os.environ["KIMI3_MXFP4_UNSORTED_MAX_ROUTES"] = env
+            calls.clear()
+            gemm_calls.clear()
+            sorts.clear()
+            with torch.no_grad():
+                y = mod(x0, idx, tw)
+            out[f"module_{name}_unsorted_y"] = _rel(y, ref)
+            out[f"launches_{name}_unsorted"] = (len(calls), sum(gemm_calls), len(gemm_calls))
+            out[f"sorts_{name}_unsorted"] = len(sorts)
+        # one route per program with K-permuted tiles (x and h copied into their K order)
+        saved = dict(Gm._PERM_TILES)
+        Gm._PERM_TILES.update({(16, "out"): (32, 64, 4, 1, 1), (16, None): (32, 32, 4, 1, 1)})
+        try:
+            with torch.no_grad():
+                out["module_gemm_unsorted_kperm_y"] = _rel(mod(x0, idx, tw), ref)
+        finally:
+            Gm._PERM_TILES.clear()
+            Gm._PERM_TILES.update(saved)
     finally:
         mxfp4._route = real_route
+        Gm.mxfp4_grouped_gemm = gemm
+        os.environ["KIMI3_MXFP4_UNSORTED_MAX_ROUTES"] = "0"
     # K-permuted operands through the module (x and h copied into the tiles' K order), with K-permuted
     # default tiles at this size (BM=16: BK 64 for gate+up, 32 for down), against the module with plain tiles
     G = mxfp4._gemm_module()
@@ -316,7 +352,7 @@ def test_interpreter_active(results):
 def test_kernel_matches_reference(results):
     # same bf16 operands, fp32 accumulation in another order; fused GLU outputs are fp32 here: 1e-5
     kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_", "gemv_", "kperm"))}
-    assert len(kernel) == 58, sorted(kernel)
+    assert len(kernel) == 68, sorted(kernel)
     bad = {k: v for k, v in kernel.items() if not v < 1e-5}
     assert not bad, bad
 
@@ -340,9 +376,12 @@ def test_module_triton_path_matches_dequantise_then_matmul(results):
         # backward: the kernel also rounds dgate/dup (fp32) to bf16 operands (measured ~4e-3): bound 2e-2
         assert results[f"module_{name}_dx"] < 2e-2, results
         assert results[f"module_{name}_dw"] < 2e-2, results
-    # no autograd, decode size: two GEMV launches straight from topk_idx, nothing sorted; same bound as above
-    assert results["launches_gemv_unsorted"] == 2 and results["sorts_gemv_unsorted"] == 0, results
-    assert results["module_gemv_unsorted_y"] < 1e-2, results
+    # no autograd, decode size: two launches straight from topk_idx (GEMVs, or GEMMs one route per program),
+    # nothing sorted; same bound as above
+    assert results["launches_gemv_unsorted"] == [2, 0, 0] and results["sorts_gemv_unsorted"] == 0, results
+    assert results["launches_gemm_unsorted"] == [0, 2, 2] and results["sorts_gemm_unsorted"] == 0, results
+    for name in ("gemv", "gemm", "gemm_unsorted_kperm"):
+        assert results[f"module_{name}_unsorted_y" if "kperm" not in name else f"module_{name}_y"] < 1e-2, results
     # K-permuted operands in the module: the same products summed in another order, then rounded to bf16 (h and
     # y); measured 0.0 here, a wrong column order gives ~1.4
     assert results["module_kperm_bks"] == [64, 32]

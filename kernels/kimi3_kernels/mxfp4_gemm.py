@@ -340,36 +340,45 @@ if HAS_TRITON:
     def _mxfp4_grouped_gemm_kernel(
         a_ptr, a2_ptr, a_rows_ptr, stride_am,
         w_ptr, ws_ptr, b_ptr, bs_ptr, stride_we, stride_wr, stride_se, stride_sr,
-        offs_ptr, bcum_ptr, c_ptr, c_rows_ptr, stride_cm,
+        offs_ptr, bcum_ptr, eid_ptr, c_ptr, c_rows_ptr, stride_cm,
         N, K, E, beta1, beta2,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         E_CHUNK: tl.constexpr, NUM_E_CHUNKS: tl.constexpr,
         TRANS_W: tl.constexpr, DUAL: tl.constexpr, ACT: tl.constexpr, LINEAR_UP: tl.constexpr,
-        GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, DEQ: tl.constexpr, OP_F32: tl.constexpr,
-        PTX: tl.constexpr, SPLIT: tl.constexpr, PERM: tl.constexpr, A_KPERM: tl.constexpr, EVEN: tl.constexpr,
+        GATHER_A: tl.constexpr, A_DIV: tl.constexpr, SCATTER_C: tl.constexpr, DEQ: tl.constexpr,
+        OP_F32: tl.constexpr, PTX: tl.constexpr, SPLIT: tl.constexpr, PERM: tl.constexpr, A_KPERM: tl.constexpr,
+        EVEN: tl.constexpr, ROW_EXPERT: tl.constexpr,
     ):
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BN)
         pid_m = pid // num_n
         pid_n = pid % num_n
-        total_blocks = tl.load(bcum_ptr + E)
-        if pid_m >= total_blocks:
-            return
-        # expert = number of experts whose block range ends at or before pid_m
-        e = pid_m * 0
-        for i in range(NUM_E_CHUNKS):
-            idx = 1 + i * E_CHUNK + tl.arange(0, E_CHUNK)
-            ends = tl.load(bcum_ptr + idx, mask=idx <= E, other=2147483647)
-            e += tl.sum((ends <= pid_m).to(tl.int32), axis=0)
-        blk0 = tl.load(bcum_ptr + e)
-        seg_end = tl.load(offs_ptr + e + 1)
-        m_start = tl.load(offs_ptr + e) + (pid_m - blk0) * BM
-        offs_m = m_start + tl.arange(0, BM)
-        m_mask = offs_m < seg_end
+        if ROW_EXPERT:
+            # one row per program (decode sizes), its expert read from expert_ids: no sorted segments at all
+            e = tl.load(eid_ptr + pid_m)
+            if e >= E:  # another rank's expert: the row is not computed
+                return
+            offs_m = pid_m + tl.arange(0, BM)
+            m_mask = tl.arange(0, BM) < 1
+        else:
+            total_blocks = tl.load(bcum_ptr + E)
+            if pid_m >= total_blocks:
+                return
+            # expert = number of experts whose block range ends at or before pid_m
+            e = pid_m * 0
+            for i in range(NUM_E_CHUNKS):
+                idx = 1 + i * E_CHUNK + tl.arange(0, E_CHUNK)
+                ends = tl.load(bcum_ptr + idx, mask=idx <= E, other=2147483647)
+                e += tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+            blk0 = tl.load(bcum_ptr + e)
+            seg_end = tl.load(offs_ptr + e + 1)
+            m_start = tl.load(offs_ptr + e) + (pid_m - blk0) * BM
+            offs_m = m_start + tl.arange(0, BM)
+            m_mask = offs_m < seg_end
         if GATHER_A:
             rows = tl.load(a_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
         else:
-            rows = offs_m.to(tl.int64)
+            rows = (offs_m // A_DIV).to(tl.int64)
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_mask = offs_n < N
         e64 = e.to(tl.int64)
@@ -599,7 +608,8 @@ def _shapes(a, w_packed, w_scale, trans_w):
 
 def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a_rows=None, c_rows=None,
                        num_c_rows=None, a2=None, b_packed=None, b_scale=None, dual=None, act=None,
-                       act_params=(4.0, 25.0), out_dtype=torch.float32, config=None, a_kperm=0):
+                       act_params=(4.0, 25.0), out_dtype=torch.float32, config=None, a_kperm=0, expert_ids=None,
+                       a_row_div=1):
     """Grouped MXFP4 GEMM (see the module docstring).
 
     a [Ra, K] float (bf16 preferred); w_packed/w_scale stacked MXFP4 [E, N, K/2]/[E, N, K/32] (or [E, K, N/2]/
@@ -611,18 +621,29 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     a_kperm=BK (forward GEMMs only): the columns of `a` (and `a2`) are in the K order of PERM tiles with this BK
     (`permute_k`), which fixes the tile's BK and PERM. (Writing C in that order from the epilogue was tried: its
     2-byte scattered stores cost ~11 ms at 16K tokens of K3, against ~1 ms for `permute_k` afterwards.)
+    expert_ids int32 [M] instead of expert_offsets (forward only; expert_offsets=None): rows in any order, one per
+    program at BM=16, row m's expert expert_ids[m] (E or more: the row is not written); without a_rows row m reads
+    row m // a_row_div of `a`. For decode, where sorting the few routes costs more launches than it saves.
     """
     E, N, K = _shapes(a, w_packed, w_scale, trans_w)
     if K % 32 or N % 32:
         raise ValueError("MXFP4 grouped GEMM needs N and K to be multiples of 32")
-    M = a_rows.numel() if a_rows is not None else a.shape[0]
+    if (expert_offsets is None) == (expert_ids is None):
+        raise ValueError("give the rows' experts as exactly one of expert_offsets or expert_ids")
+    if expert_ids is not None and (trans_w or dual == "in"):
+        raise ValueError("expert_ids (one row per program) is for the forward layouts")
+    M = (a_rows.numel() if a_rows is not None else expert_ids.numel() if expert_ids is not None
+         else a.shape[0] * a_row_div)
     if act is not None and dual != "out":
         raise ValueError("a fused activation needs dual='out'")
     ncols = 2 * N if (dual == "out" and act is None) else N
-    c = torch.empty(num_c_rows if num_c_rows is not None else M, ncols, dtype=out_dtype, device=a.device)
+    # rows of other ranks' experts (expert_ids >= E) are skipped by the kernel: zeros, not leftovers
+    c = (torch.zeros if expert_ids is not None else torch.empty)(
+        num_c_rows if num_c_rows is not None else M, ncols, dtype=out_dtype, device=a.device)
     if M == 0:
         return c
-    cfg = dict(default_config(M, E, N, K, dual, trans_w))
+    # one row per program with expert_ids: the tiles of one row per expert (BM=16)
+    cfg = dict(default_config(M, M if expert_ids is not None else E, N, K, dual, trans_w))
     if config:
         if {"BM", "BN", "BK"} & set(config):  # a tile of the caller's own: plain K order unless it asks for PERM
             cfg["PERM"] = 0
@@ -640,9 +661,12 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
             cfg.update(BN=BN, BK=a_kperm, num_warps=warps, num_stages=stages)
         cfg.update(PERM=1, DEQ=0, SPLIT=0)  # the other K paths read the columns in stored order
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
-    bcum = block_prefix(expert_offsets, BM)
-    max_blocks = min(E, M) + triton.cdiv(M, BM)
-    grid = (max_blocks * triton.cdiv(N, BN),)
+    if expert_ids is not None:
+        bcum = expert_offsets = expert_ids  # not read
+        grid = (M * triton.cdiv(N, BN),)
+    else:
+        bcum = block_prefix(expert_offsets, BM)
+        grid = ((min(E, M) + triton.cdiv(M, BM)) * triton.cdiv(N, BN),)
     a = a.contiguous()
     if a2 is not None:
         a2 = a2.contiguous()
@@ -659,12 +683,14 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         a, a2 if a2 is not None else a, a_rows if a_rows is not None else expert_offsets, a.stride(0),
         w_packed, w_scale, b_packed, b_scale, w_packed.stride(0), w_packed.stride(1), w_scale.stride(0),
         w_scale.stride(1),
-        expert_offsets, bcum, c, c_rows if c_rows is not None else expert_offsets, c.stride(0),
+        expert_offsets, bcum, expert_ids if expert_ids is not None else bcum, c,
+        c_rows if c_rows is not None else expert_offsets, c.stride(0),
         N, K, E, float(beta1), float(beta2 if beta2 is not None else 1.0))
     meta = dict(
         BM=BM, BN=BN, BK=BK, E_CHUNK=e_chunk, NUM_E_CHUNKS=triton.cdiv(E, e_chunk),
         TRANS_W=bool(trans_w), DUAL=DUALS[dual], ACT=ACTS[act], LINEAR_UP=(act == "situ" and beta2 is None),
-        GATHER_A=a_rows is not None, SCATTER_C=c_rows is not None, OP_F32=interpreter_enabled(),
+        GATHER_A=a_rows is not None, A_DIV=int(a_row_div), SCATTER_C=c_rows is not None,
+        OP_F32=interpreter_enabled(), ROW_EXPERT=expert_ids is not None,
         PTX=decode_mode(a.device) == "ptx", SPLIT=bool(int(cfg.get("SPLIT", _env_split()))),
         PERM=bool(int(cfg.get("PERM", 0))) and not trans_w and BK >= 32, A_KPERM=bool(a_kperm),
         # whole tiles in the forward layout: loads without masks (the other layouts keep theirs)

@@ -214,6 +214,14 @@ def gemv_max_rows():
     return int(os.environ.get("KIMI3_MXFP4_GEMV_MAX_ROWS", "0"))
 
 
+def unsorted_max_routes():
+    """Routes (token, slot) up to which the forward without autograd skips sorting them by expert: the packed GEMM
+    runs one route per program with its expert read from topk_idx (KIMI3_MXFP4_UNSORTED_MAX_ROUTES; 0, the default,
+    never). Sorting takes ~10 small launches per layer at decode. Off until timed on a GPU inside a CUDA graph
+    (bench/moe.py's `mxfp4_unsorted_full_forward_graph_ms`)."""
+    return int(os.environ.get("KIMI3_MXFP4_UNSORTED_MAX_ROUTES", "0"))
+
+
 def kernel_path(device):
     """'triton' when the packed grouped GEMM runs on `device` (CUDA, or CPU under TRITON_INTERPRET=1), else
     'torch-per-expert'."""
@@ -236,6 +244,7 @@ def kernel_status(device="cuda" if torch.cuda.is_available() else "cpu"):
         "device": str(torch.device(device)),
         "weight_decode": g.decode_mode(device) if path == "triton" and hasattr(g, "decode_mode") else None,
         "gemv_max_rows": gemv_max_rows() if _gemv_module() is not None else None,
+        "unsorted_max_routes": unsorted_max_routes() if path == "triton" else None,
         # prefill above this many routed rows per expert: experts decoded to bf16 in chunks + torch._grouped_mm
         "dequantized_grouped_mm_min_rows_per_expert": PackedMXFP4Experts.DEQUANT_MIN_ROWS_PER_EXPERT
         if path == "triton" and hasattr(torch, "_grouped_mm") else None,
@@ -393,10 +402,10 @@ class PackedMXFP4Experts(nn.Module):
             return x.new_zeros(x.shape)
         T, k = topk_idx.shape
         grad = torch.is_grad_enabled() and (x.requires_grad or topk_w.requires_grad)
-        if not grad and T * k <= gemv_max_rows() and self._uses_triton(x) and _gemv_module() is not None:
-            # decode sizes without autograd: one GEMV launch per projection straight from topk_idx, no sort
+        if not grad and T * k <= max(gemv_max_rows(), unsorted_max_routes()) and self._uses_triton(x):
+            # decode sizes without autograd: one launch per projection straight from topk_idx, nothing sorted
             with _on_device(x):
-                return _combine(self._forward_gemv_unsorted(x, topk_idx), topk_w, T, k, x.dtype)
+                return _combine(self._forward_unsorted(x, topk_idx), topk_w, T, k, x.dtype)
         return _PackedExpertsFunction.apply(x, topk_w, topk_idx, self)
 
     def _act(self, g, u):
@@ -479,25 +488,38 @@ class PackedMXFP4Experts(nn.Module):
             out[rows] = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs).float()
         return out
 
-    def _forward_gemv_unsorted(self, x, topk_idx):
-        """[T*k, D] fp32 outputs of the routes in topk_idx's order: row m = (token m // k, slot m % k). The routes'
-        experts are read by the GEMV itself, so nothing is sorted, gathered or scattered; the GLU runs in the
-        gate+up GEMV where the kernel knows it."""
-        V = _gemv_module()
+    def _forward_unsorted(self, x, topk_idx):
+        """[T*k, D] fp32 outputs of the routes in topk_idx's order: row m = (token m // k, slot m % k). The kernels
+        read each route's expert themselves, so nothing is sorted, gathered or scattered: the GEMVs up to
+        gemv_max_rows() routes, else the packed GEMM one route per program. The GLU runs in the gate+up launch where
+        the kernel knows it."""
         k = topk_idx.shape[1]
         flat = topk_idx.reshape(-1)
         torch._assert_async(((flat >= 0) & (flat < self.num_experts)).all(), "topk_idx holds out-of-range experts")
         eids = flat.to(torch.int32)
         x = x.contiguous()
+        M, I, D = flat.numel(), self.intermediate_size, self.hidden_size
         up = dict(expert_ids=eids, a_row_div=k, b_packed=self.w3_packed, b_scale=self.w3_scale)
-        if self._fused is not None:
-            h = V.mxfp4_grouped_gemv(x, self.w1_packed, self.w1_scale, act=self._fused[0],
-                                     act_params=self._fused[1:] or (1.0, 1.0), out_dtype=x.dtype, **up)
+        if M <= gemv_max_rows() and _gemv_module() is not None:
+            run, down = _gemv_module().mxfp4_grouped_gemv, {}
         else:
-            gu = V.mxfp4_grouped_gemv(x, self.w1_packed, self.w1_scale, **up)
-            I = self.intermediate_size
+            G = _gemm_module()
+            run = G.mxfp4_grouped_gemm
+            # the default tiles of one row per expert take K-permuted activations: copy x and h into that order
+            bk_up, bk_dn = G.kperm_bk(M, M, I, D, "out"), G.kperm_bk(M, M, D, I)
+            if bk_up:
+                x = G.permute_k(x, bk_up)
+            up.update(dual="out", a_kperm=bk_up)
+            down = dict(a_kperm=bk_dn)
+        if self._fused is not None:
+            h = run(x, self.w1_packed, self.w1_scale, None, act=self._fused[0],
+                    act_params=self._fused[1:] or (1.0, 1.0), out_dtype=x.dtype, **up)
+        else:
+            gu = run(x, self.w1_packed, self.w1_scale, None, **up)
             h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
-        return V.mxfp4_grouped_gemv(h, self.w2_packed, self.w2_scale, expert_ids=eids)
+        if down.get("a_kperm"):
+            h = G.permute_k(h, down["a_kperm"])
+        return run(h, self.w2_packed, self.w2_scale, None, expert_ids=eids, **down)
 
     def _forward_triton(self, x, order, offsets, k):
         G = _gemm_module()
