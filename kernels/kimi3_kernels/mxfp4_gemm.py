@@ -337,6 +337,15 @@ if HAS_TRITON:
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
+    def _glu(g, u, beta1, beta2, ACT: tl.constexpr, LINEAR_UP: tl.constexpr):
+        """The fused GLU of the gate+up epilogues: SiLU (ACT 1) or K3's SiTU (ACT 2; LINEAR_UP: no tanh on up)."""
+        if ACT == 1:
+            return g * tl.sigmoid(g) * u
+        if not LINEAR_UP:
+            u = beta2 * _tanh(u / beta2)
+        return beta1 * _tanh(g / beta1) * tl.sigmoid(g) * u
+
+    @triton.jit
     def _mxfp4_grouped_gemm_kernel(
         a_ptr, a2_ptr, a_rows_ptr, stride_am,
         w_ptr, ws_ptr, b_ptr, bs_ptr, stride_we, stride_wr, stride_se, stride_sr,
@@ -473,14 +482,7 @@ if HAS_TRITON:
                 tl.store(c_ptrs, tl.trans(acc).to(c_ptr.dtype.element_ty), mask=c_mask)
                 tl.store(c_ptrs + N, tl.trans(acc2).to(c_ptr.dtype.element_ty), mask=c_mask)
             else:
-                g = acc
-                u = acc2
-                if ACT == 1:
-                    h = g * tl.sigmoid(g) * u
-                else:
-                    if not LINEAR_UP:
-                        u = beta2 * _tanh(u / beta2)
-                    h = beta1 * _tanh(g / beta1) * tl.sigmoid(g) * u
+                h = _glu(acc, acc2, beta1, beta2, ACT, LINEAR_UP)
                 tl.store(c_ptrs, tl.trans(h).to(c_ptr.dtype.element_ty), mask=c_mask)
         else:
             tl.store(c_ptrs, tl.trans(acc).to(c_ptr.dtype.element_ty), mask=c_mask)

@@ -27,7 +27,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .mxfp4_gemm import ACTS, _dequant_split, _tanh, decode_mode
+    from .mxfp4_gemm import ACTS, _dequant_split, _glu, decode_mode
 
     @triton.jit
     def _mxfp4_gemv_kernel(a_ptr, a_rows, w_ptr, ws_ptr, b_ptr, bs_ptr, c_ptr, c_rows, offs_ptr, eid_ptr,
@@ -79,15 +79,8 @@ if HAS_TRITON:
                 tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=n_mask)
                 if DUAL:
                     tl.store(c + N, acc2.to(c_ptr.dtype.element_ty), mask=n_mask)
-            else:  # the GLU of mxfp4_gemm's epilogue
-                u = acc2
-                if ACT == 1:
-                    h = acc * tl.sigmoid(acc) * u
-                else:
-                    if not LINEAR_UP:
-                        u = beta2 * _tanh(u / beta2)
-                    h = beta1 * _tanh(acc / beta1) * tl.sigmoid(acc) * u
-                tl.store(c, h.to(c_ptr.dtype.element_ty), mask=n_mask)
+            else:
+                tl.store(c, _glu(acc, acc2, beta1, beta2, ACT, LINEAR_UP).to(c_ptr.dtype.element_ty), mask=n_mask)
 
 
 def mxfp4_grouped_gemv(a, w_packed, w_scale, expert_offsets=None, *, expert_ids=None, a_rows=None, a_row_div=1,
