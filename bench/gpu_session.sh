@@ -7,11 +7,12 @@
 #                                                 # tune); GPU 1 moe.py between 1 and 16K tokens, MXFP4 tiles at 16K
 #   OUT=/some/dir bash bench/gpu_session.sh e2e   # ~6 min: the static-graph decode at B=64 after a 32K prompt; the
 #                                                 # decode and prefill profiles
-#   OUT=/some/dir bash bench/gpu_session.sh fla   # ~9 min: fla's KDA rows in the same process as ours, one shape
-#                                                 # per process (fla autotunes for minutes), the correctness checks;
-#                                                 # needs fla in PYTHONPATH
-#   OUT=/some/dir bash bench/gpu_session.sh prefill  # ~6 min: the 4.3B and K3-shaped prefills (e2e.py), fla's H=32
-#                                                    # T=16K row, moe.py at 4K and 16K tokens
+#   OUT=/some/dir bash bench/gpu_session.sh fla   # ~9 min: the KDA correctness checks; fla's KDA rows at H=96 T=8K
+#                                                 # and 32K in the same process as ours (fla autotunes for minutes
+#                                                 # per shape); needs fla in PYTHONPATH
+#   OUT=/some/dir bash bench/gpu_session.sh prefill  # ~6 min: moe.py at 1-64 tokens (the unsorted decode paths in a
+#                                                    # CUDA graph), MXFP4 tiles at 2K / 4K tokens, the 4.3B and
+#                                                    # K3-shaped prefills and the K3-shaped decode
 set -u
 OUT=${OUT:?set OUT to an output folder}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -52,43 +53,39 @@ e2e)
   grep -h '"stage"' "$W"/e2e_*.log | cut -c1-300
   ;;
 fla)
-  # fla's KDA rows in the same process as ours, one shape per process (fla autotunes for minutes per shape), then
-  # the correctness checks
+  # the KDA correctness checks (all rows: the 08486dd run stopped after the gradients), and fla's rows in the same
+  # process as ours at H=96 (one shape per process: fla autotunes for minutes per shape)
+  CUDA_VISIBLE_DEVICES=0 timeout 450 python3 bench/kda.py --out "$W/kda_check" --sections check \
+    > "$W/kda_check.log" 2>&1 &
   (
-    CUDA_VISIBLE_DEVICES=0 timeout 190 python3 bench/kda.py --out "$W/kda_16k" --sections time \
-      --shapes 32:16384:sp > "$W/kda_16k.log" 2>&1
-    CUDA_VISIBLE_DEVICES=0 timeout 160 python3 bench/kda.py --out "$W/kda_4k" --sections time \
-      --shapes 32:4096:sp > "$W/kda_4k.log" 2>&1
-    CUDA_VISIBLE_DEVICES=0 timeout 190 python3 bench/kda.py --out "$W/kda_check" --sections check \
-      > "$W/kda_check.log" 2>&1
-  ) &
-  (
+    CUDA_VISIBLE_DEVICES=1 timeout 250 python3 bench/kda.py --out "$W/kda_96_8k" --sections time \
+      --shapes 96:8192:k3 > "$W/kda_96_8k.log" 2>&1
     CUDA_VISIBLE_DEVICES=1 timeout 300 python3 bench/kda.py --out "$W/kda_96_32k" --sections time \
       --shapes 96:32768:k3 > "$W/kda_96_32k.log" 2>&1
-    CUDA_VISIBLE_DEVICES=1 timeout 240 python3 bench/kda.py --out "$W/kda_64k" --sections time \
-      --shapes 32:65536:sp > "$W/kda_64k.log" 2>&1
   ) &
   wait
   tar czf "$OUT/session.tgz" -C "$W" .
   grep -h '^fla\|^ours' "$W"/kda_*.log | cut -c1-300
   ;;
 prefill)
-  # the 4.3B and K3-shaped prefills; fla's H=32 T=16K KDA row; the MXFP4 GEMMs at 4K and 16K tokens
+  # the MXFP4 decode paths without the sort (moe.py at 1-16 tokens, CUDA graph rows) and tiles at 2K / 4K tokens;
+  # the 4.3B and K3-shaped prefills
   (
-    CUDA_VISIBLE_DEVICES=0 timeout 190 python3 bench/kda.py --out "$W/kda_16k" --sections time \
-      --shapes 32:16384:sp > "$W/kda_16k.log" 2>&1
-    CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/moe.py --tokens 4096 16384 --out "$W/moe" > "$W/moe.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/moe.py --tokens 1 2 8 16 64 --out "$W/moe" > "$W/moe.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/moe_probe.py --tokens 2048 4096 --configs \
+      64:64:128:4:2:1:1,64:128:128:4:3:1:1,64:64:128:4:4:1:1/128:64:128:4:2:1:1,128:64:128:4:4:1:1,128:128:64:8:3:1:1 \
+      > "$W/probe.log" 2>&1
   ) &
   (
     CUDA_VISIBLE_DEVICES=1 timeout 170 python3 bench/e2e.py --stages prefill --prefill 8192 \
       --out "$W/e2e_prefill.json" > "$W/e2e_prefill.log" 2>&1
-    CUDA_VISIBLE_DEVICES=1 timeout 170 python3 bench/e2e.py --model k3 --stages prefill --prefill 2048,8192 \
-      --out "$W/e2e_k3_prefill.json" > "$W/e2e_k3_prefill.log" 2>&1
+    CUDA_VISIBLE_DEVICES=1 timeout 170 python3 bench/e2e.py --model k3 --stages prefill,decode --prefill 2048,8192 \
+      --out "$W/e2e_k3.json" > "$W/e2e_k3.log" 2>&1
   ) &
   wait
   tar czf "$OUT/session.tgz" -C "$W" .
-  grep -h '^fla\|^ours' "$W"/kda_*.log | cut -c1-300
-  tail -4 "$W/moe.log" | cut -c1-300
+  tail -6 "$W/moe.log" | cut -c1-300
+  cut -c1-200 "$W/probe.log"
   grep -h '"stage"' "$W"/e2e_*.log | cut -c1-300
   ;;
 *)
