@@ -250,6 +250,18 @@ def _module_checks(mxfp4, torch):
             out[f"module_{name}_unsorted_y"] = _rel(y, ref)
             out[f"launches_{name}_unsorted"] = (len(calls), sum(gemm_calls), len(gemm_calls))
             out[f"sorts_{name}_unsorted"] = len(sorts)
+        # an expert id out of range is an error (checked on the device by route_expert_ids' flag)
+        bad_idx = idx.clone()
+        bad_idx[2, 1] = E
+        try:
+            with torch.no_grad():
+                mod(x0, bad_idx, tw)
+            out["module_unsorted_refuses_bad_id"] = False
+        except RuntimeError as ex:
+            out["module_unsorted_refuses_bad_id"] = "out-of-range" in str(ex)
+        ids, ok = Gm.route_expert_ids(idx, E)
+        _, bad_ok = Gm.route_expert_ids(bad_idx - 2 * E * (bad_idx == E), E)  # a negative id
+        out["route_expert_ids"] = [bool(torch.equal(ids.long(), idx.reshape(-1))), int(ok), int(bad_ok)]
         # one route per program with K-permuted tiles (x and h copied into their K order)
         saved = dict(Gm._PERM_TILES)
         Gm._PERM_TILES.update({(16, "out"): (32, 64, 4, 1, 1), (16, None): (32, 32, 4, 1, 1)})
@@ -380,6 +392,7 @@ def test_module_triton_path_matches_dequantise_then_matmul(results):
     # nothing sorted; same bound as above
     assert results["launches_gemv_unsorted"] == [2, 0, 0] and results["sorts_gemv_unsorted"] == 0, results
     assert results["launches_gemm_unsorted"] == [0, 2, 2] and results["sorts_gemm_unsorted"] == 0, results
+    assert results["module_unsorted_refuses_bad_id"] and results["route_expert_ids"] == [True, 1, 0], results
     for name in ("gemv", "gemm", "gemm_unsorted_kperm"):
         assert results[f"module_{name}_unsorted_y" if "kperm" not in name else f"module_{name}_y"] < 1e-2, results
     # K-permuted operands in the module: the same products summed in another order, then rounded to bf16 (h and

@@ -205,13 +205,22 @@ def expert_gemv(x, w1, w3, w2, topk_idx, topk_weights, BN=16, BK=128):
     idx = topk_idx.contiguous()
     h = torch.empty(T * k, I, device=x.device, dtype=w1.dtype)
     o = torch.empty(T * k, D, device=x.device, dtype=w1.dtype)
-    y = torch.empty(T, D, device=x.device, dtype=torch.float32)
     if T == 0:
-        return y
+        return torch.empty(T, D, device=x.device, dtype=torch.float32)
     _gate_up_kernel[(T * k, triton.cdiv(I, BN))](x, w1, w3, idx, h, E, I, D, KTOP=k, BN=BN, BK=BK, num_warps=4)
     _down_kernel[(T * k, triton.cdiv(D, 2 * BN))](h, w2, idx, o, E, I, D, BN=2 * BN, BK=BK, num_warps=4)
-    _combine_kernel[(T, triton.cdiv(D, 1024))](o, topk_weights.float().contiguous(), y, D, KTOP=k, BN=1024,
-                                               num_warps=4)
+    return combine_routes(o, topk_weights.float(), torch.float32)
+
+
+def combine_routes(out, topk_weights, out_dtype):
+    """y[t] = sum_j w[t, j] * out[t k + j] for route outputs in topk order (out [T*k, D]), summed in fp32 in a fixed
+    order and stored as out_dtype: one launch."""
+    T, k = topk_weights.shape
+    D = out.shape[-1]
+    y = torch.empty(T, D, device=out.device, dtype=out_dtype)
+    if T:
+        _combine_kernel[(T, triton.cdiv(D, 1024))](out.contiguous(), topk_weights.contiguous(), y, D, KTOP=k,
+                                                   BN=1024, num_warps=4)
     return y
 
 

@@ -337,6 +337,16 @@ if HAS_TRITON:
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
+    def _route_ids_kernel(idx_ptr, ids_ptr, ok_ptr, M, E, BLOCK: tl.constexpr):
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        for m0 in range(0, M, BLOCK):
+            m = m0 + tl.arange(0, BLOCK)
+            e = tl.load(idx_ptr + m, mask=m < M, other=0)
+            tl.store(ids_ptr + m, e.to(tl.int32), mask=m < M)
+            bad += ((e < 0) | (e >= E)).to(tl.int32)
+        tl.store(ok_ptr, (tl.sum(bad, 0) == 0).to(tl.int32))
+
+    @triton.jit
     def _glu(g, u, beta1, beta2, ACT: tl.constexpr, LINEAR_UP: tl.constexpr):
         """The fused GLU of the gate+up epilogues: SiLU (ACT 1) or K3's SiTU (ACT 2; LINEAR_UP: no tanh on up)."""
         if ACT == 1:
@@ -586,6 +596,18 @@ def kperm_bk(M, E, N, K, dual=None):
     the `a_kperm` to give it (after `permute_k(a, BK)`)."""
     cfg = default_config(M, E, N, K, dual)
     return cfg["BK"] if cfg.get("AK") else 0
+
+
+def route_expert_ids(topk_idx, num_experts):
+    """topk_idx [T, k] (any integer dtype) -> (int32 [T*k] the routes' experts, the `expert_ids` of
+    `mxfp4_grouped_gemm`; int32 [1], 1 when every id lies in [0, num_experts)) in one launch: check the flag with
+    torch._assert_async, no host synchronisation (the comparisons in PyTorch take five launches)."""
+    flat = topk_idx.reshape(-1).contiguous()
+    ids = torch.empty(flat.numel(), dtype=torch.int32, device=flat.device)
+    ok = torch.empty(1, dtype=torch.int32, device=flat.device)
+    block = min(1024, _next_pow2(max(flat.numel(), 16)))
+    _route_ids_kernel[(1,)](flat, ids, ok, flat.numel(), num_experts, BLOCK=block)
+    return ids, ok
 
 
 def block_prefix(expert_offsets, BM):

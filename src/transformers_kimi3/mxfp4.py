@@ -207,6 +207,22 @@ def _gemv_module():
     return _GEMV[0]
 
 
+_DECODE = []
+
+
+def _decode_module():
+    """kimi3_kernels.moe_decode when it has what the unsorted decode path needs (an older kernels package may not)."""
+    if not _DECODE:
+        try:
+            from kimi3_kernels import moe_decode  # noqa: PLC0415
+            if not (hasattr(moe_decode, "combine_routes") and hasattr(_gemm_module(), "route_expert_ids")):
+                moe_decode = None
+        except Exception:  # noqa: BLE001
+            moe_decode = None
+        _DECODE.append(moe_decode)
+    return _DECODE[0]
+
+
 def gemv_max_rows():
     """Routed (token, expert) rows up to which the forward uses the grouped GEMV instead of the tensor-core GEMM
     (KIMI3_MXFP4_GEMV_MAX_ROWS; 0, the default, never); without autograd it then skips the sort as well. Off until
@@ -402,10 +418,11 @@ class PackedMXFP4Experts(nn.Module):
             return x.new_zeros(x.shape)
         T, k = topk_idx.shape
         grad = torch.is_grad_enabled() and (x.requires_grad or topk_w.requires_grad)
-        if not grad and T * k <= max(gemv_max_rows(), unsorted_max_routes()) and self._uses_triton(x):
+        if (not grad and T * k <= max(gemv_max_rows(), unsorted_max_routes()) and self._uses_triton(x)
+                and _decode_module() is not None):
             # decode sizes without autograd: one launch per projection straight from topk_idx, nothing sorted
             with _on_device(x):
-                return _combine(self._forward_unsorted(x, topk_idx), topk_w, T, k, x.dtype)
+                return _decode_module().combine_routes(self._forward_unsorted(x, topk_idx), topk_w, x.dtype)
         return _PackedExpertsFunction.apply(x, topk_w, topk_idx, self)
 
     def _act(self, g, u):
@@ -506,11 +523,10 @@ class PackedMXFP4Experts(nn.Module):
         gemv_max_rows() routes, else the packed GEMM one route per program. The GLU runs in the gate+up launch where
         the kernel knows it."""
         k = topk_idx.shape[1]
-        flat = topk_idx.reshape(-1)
-        torch._assert_async(((flat >= 0) & (flat < self.num_experts)).all(), "topk_idx holds out-of-range experts")
-        eids = flat.to(torch.int32)
+        eids, ok = _gemm_module().route_expert_ids(topk_idx, self.num_experts)
+        torch._assert_async(ok, "topk_idx holds out-of-range experts")
         x = x.contiguous()
-        M, I, D = flat.numel(), self.intermediate_size, self.hidden_size
+        M, I, D = eids.numel(), self.intermediate_size, self.hidden_size
         if M <= gemv_max_rows() and _gemv_module() is not None:
             run, up, down = _gemv_module().mxfp4_grouped_gemv, {}, {}
         else:
