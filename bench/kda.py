@@ -390,11 +390,7 @@ def tune():
         def fwd():
             return chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)[0]
 
-        def fb():
-            for x in xs:
-                x.grad = None
-            chunk_kda(*xs, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)[0].sum().backward()
-            return xs[0].grad
+        fb = _fwdbwd(xs, beta, A_log, dtb, lb)
 
         def one(kernel, opt, fn, key):
             os.environ["KIMI3_KDA_LAUNCH"] = f"{kernel}={opt}" if kernel else ""
@@ -438,10 +434,7 @@ def tune():
     if spec:
         for H, T, lb in shapes:
             q, k, v, f, beta, A_log, dtb = inputs(1, T, H, 128, 128, torch.bfloat16, seed=7)
-            xs = [x.clone().requires_grad_() for x in (q, k, v, f)]
-
-            def fb():
-                chunk_kda(*xs, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)[0].sum().backward()
+            fb = _fwdbwd([x.clone().requires_grad_() for x in (q, k, v, f)], beta, A_log, dtb, lb)
             for env in ("", spec):
                 os.environ["KIMI3_KDA_LAUNCH"] = env
                 row = dict(H=H, T=T, gate="k3" if lb else "softplus", launch=env or "default",
@@ -451,8 +444,18 @@ def tune():
                 rows.append(row)
                 print("tune", json.dumps(row), flush=True)
             os.environ.pop("KIMI3_KDA_LAUNCH", None)
-            del q, k, v, f, xs
+            del q, k, v, f, fb
             torch.cuda.empty_cache()
+
+
+def _fwdbwd(xs, beta, A_log, dtb, lb):
+    """A forward+backward of chunk_kda on the leaf tensors xs = (q, k, v, f); returns dq."""
+    def fb():
+        for x in xs:
+            x.grad = None
+        chunk_kda(*xs, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)[0].sum().backward()
+        return xs[0].grad
+    return fb
 
 
 def graph_time(f):

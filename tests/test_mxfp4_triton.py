@@ -267,7 +267,7 @@ def _module_checks(mxfp4, torch):
         Gm._PERM_TILES.update({(16, "out"): (32, 64, 4, 1, 1), (16, None): (32, 32, 4, 1, 1)})
         try:
             with torch.no_grad():
-                out["module_gemm_unsorted_kperm_y"] = _rel(mod(x0, idx, tw), ref)
+                out["module_gemm_kperm_unsorted_y"] = _rel(mod(x0, idx, tw), ref)
         finally:
             Gm._PERM_TILES.clear()
             Gm._PERM_TILES.update(saved)
@@ -389,12 +389,13 @@ def test_module_triton_path_matches_dequantise_then_matmul(results):
         assert results[f"module_{name}_dx"] < 2e-2, results
         assert results[f"module_{name}_dw"] < 2e-2, results
     # no autograd, decode size: two launches straight from topk_idx (GEMVs, or GEMMs one route per program),
-    # nothing sorted; same bound as above
+    # nothing sorted; same bound as above (measured 6.5e-3: the weighted sum is stored to bf16 by a kernel too,
+    # which the interpreter truncates)
     assert results["launches_gemv_unsorted"] == [2, 0, 0] and results["sorts_gemv_unsorted"] == 0, results
     assert results["launches_gemm_unsorted"] == [0, 2, 2] and results["sorts_gemm_unsorted"] == 0, results
     assert results["module_unsorted_refuses_bad_id"] and results["route_expert_ids"] == [True, 1, 0], results
-    for name in ("gemv", "gemm", "gemm_unsorted_kperm"):
-        assert results[f"module_{name}_unsorted_y" if "kperm" not in name else f"module_{name}_y"] < 1e-2, results
+    for name in ("gemv", "gemm", "gemm_kperm"):
+        assert results[f"module_{name}_unsorted_y"] < 1e-2, results
     # K-permuted operands in the module: the same products summed in another order, then rounded to bf16 (h and
     # y); measured 0.0 here, a wrong column order gives ~1.4
     assert results["module_kperm_bks"] == [64, 32]

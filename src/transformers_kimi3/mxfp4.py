@@ -520,51 +520,42 @@ class PackedMXFP4Experts(nn.Module):
     def _forward_unsorted(self, x, topk_idx):
         """[T*k, D] fp32 outputs of the routes in topk_idx's order: row m = (token m // k, slot m % k). The kernels
         read each route's expert themselves, so nothing is sorted, gathered or scattered: the GEMVs up to
-        gemv_max_rows() routes, else the packed GEMM one route per program. The GLU runs in the gate+up launch where
-        the kernel knows it."""
-        k = topk_idx.shape[1]
+        gemv_max_rows() routes, else the packed GEMM one route per program."""
         eids, ok = _gemm_module().route_expert_ids(topk_idx, self.num_experts)
         torch._assert_async(ok, "topk_idx holds out-of-range experts")
-        x = x.contiguous()
-        M, I, D = eids.numel(), self.intermediate_size, self.hidden_size
-        if M <= gemv_max_rows() and _gemv_module() is not None:
-            run, up, down = _gemv_module().mxfp4_grouped_gemv, {}, {}
-        else:
-            G = _gemm_module()
-            run = G.mxfp4_grouped_gemm
-            # the default tiles of one row per expert take K-permuted activations: copy x and h into that order
-            bk_up, bk_dn = G.kperm_bk(M, M, I, D, "out"), G.kperm_bk(M, M, D, I)
-            if bk_up:
-                x = G.permute_k(x, bk_up)
-            up, down = dict(dual="out", a_kperm=bk_up), dict(a_kperm=bk_dn)
-        h = self._gate_up(run, x, None, expert_ids=eids, a_row_div=k, **up)
-        if down.get("a_kperm"):
-            h = G.permute_k(h, down["a_kperm"])
-        return run(h, self.w2_packed, self.w2_scale, None, expert_ids=eids, **down)
+        M = eids.numel()
+        # one route per program: the mxfp4_grouped_gemm tiles of one row per expert, whatever the expert count
+        return self._expert_mlp(x.contiguous(), None, M, M, dict(expert_ids=eids, a_row_div=topk_idx.shape[1]),
+                                dict(expert_ids=eids), gemv=M <= gemv_max_rows() and _gemv_module() is not None)
 
     def _forward_triton(self, x, order, offsets, k):
-        G = _gemm_module()
-        I = self.intermediate_size
         x = x.contiguous()
         if self._dequantized_path(x, order.numel()):
             return self._forward_dequantized(x, order, offsets, k)
-        tok = (order // k).to(torch.int32)
-        V = _gemv_module() if order.numel() <= gemv_max_rows() else None
-        if V is not None:  # decode sizes with autograd: one program per routed row, CUDA-core FMAs
-            h = self._gate_up(V.mxfp4_grouped_gemv, x, offsets, a_rows=tok)
-            return V.mxfp4_grouped_gemv(h, self.w2_packed, self.w2_scale, offsets, c_rows=order.to(torch.int32),
-                                        num_c_rows=order.numel())
+        M = order.numel()
+        return self._expert_mlp(x, offsets, M, self.num_experts, dict(a_rows=(order // k).to(torch.int32)),
+                                dict(c_rows=order.to(torch.int32), num_c_rows=M),
+                                gemv=M <= gemv_max_rows() and _gemv_module() is not None)
+
+    def _expert_mlp(self, x, offsets, M, E, up_rows, down_rows, gemv):
+        """down(GLU(gate, up)) of M routed rows through the GEMVs (gemv: one program per row, CUDA-core FMAs) or the
+        packed GEMMs; `up_rows` / `down_rows` say how rows map to experts, inputs and outputs (the kernels' keyword
+        arguments), E the expert count the default tiles are chosen for."""
+        if gemv:
+            V = _gemv_module()
+            h = self._gate_up(V.mxfp4_grouped_gemv, x, offsets, **up_rows)
+            return V.mxfp4_grouped_gemv(h, self.w2_packed, self.w2_scale, offsets, **down_rows)
+        G = _gemm_module()
         # where the default tiles take K-permuted operands, the activations (x, then h) are copied into that order
         # once, so the tiles load them contiguously instead of gathering pairs of columns in every n-tile
-        M, E, D = order.numel(), self.num_experts, self.hidden_size
+        I, D = self.intermediate_size, self.hidden_size
         bk_up, bk_dn = G.kperm_bk(M, E, I, D, "out"), G.kperm_bk(M, E, D, I)
         if bk_up:
             x = G.permute_k(x, bk_up)
-        h = self._gate_up(G.mxfp4_grouped_gemm, x, offsets, a_rows=tok, dual="out", a_kperm=bk_up)
+        h = self._gate_up(G.mxfp4_grouped_gemm, x, offsets, dual="out", a_kperm=bk_up, **up_rows)
         if bk_dn:
             h = G.permute_k(h, bk_dn)
-        return G.mxfp4_grouped_gemm(h, self.w2_packed, self.w2_scale, offsets, c_rows=order.to(torch.int32),
-                                    num_c_rows=order.numel(), a_kperm=bk_dn)
+        return G.mxfp4_grouped_gemm(h, self.w2_packed, self.w2_scale, offsets, a_kperm=bk_dn, **down_rows)
 
     def _backward_triton(self, x, topk_w, dy, order, offsets, k, need_dx=True):
         G = _gemm_module()
