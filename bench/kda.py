@@ -529,7 +529,19 @@ if __name__ == "__main__":
     ap.add_argument("--shapes", default=None, help="timing shapes 'H:T:gate,...' (gate k3 or sp)")
     ap.add_argument("--sections", default="ceil,check,time,decode")
     ap.add_argument("--warmup", default=None, help="compile-only run for one gate: 'k3' or 'softplus'")
+    ap.add_argument("--no-fla", action="store_true", help="time ours only (fla autotunes for minutes per shape)")
+    ap.add_argument("--calls", default=None, help="'H:T:gate:N': N plain forward calls and nothing else (for ncu)")
     ARGS = ap.parse_args()
+    if ARGS.no_fla:
+        HAVE_FLA = False
+    if ARGS.calls:
+        H, T, gate, n = ARGS.calls.split(":")
+        q, k, v, f, beta, A_log, dtb = inputs(1, int(T), int(H), 128, 128, torch.bfloat16, seed=7)
+        with torch.no_grad():
+            for _ in range(int(n)):
+                chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0 if gate == "k3" else None)
+        torch.cuda.synchronize()
+        sys.exit(0)
     if ARGS.warmup:  # populate the Triton cache (H is a runtime argument: H=16 compiles the H=32/96 binaries)
         lb = -5.0 if ARGS.warmup == "k3" else None
         for cu in (None, torch.tensor([0, 70, 200], device="cuda", dtype=torch.int32)):
