@@ -8,6 +8,7 @@ other tests (the model would run its kernels interpreted): tests/test_kernels_kd
 its own pytest process with TRITON_INTERPRET=1.
 """
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -278,6 +279,35 @@ def test_chunk_gradients(lb, env, K, monkeypatch):
     for n, a, b in zip(["q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0"], grads["triton"], grads["fp64"]):
         assert rel(a, b) < GTOL[torch.float32], (n, rel(a, b))
     assert len(intra_calls) == (1 if env.get("KIMI3_KDA_SAVE_FWD", "1") == "1" else 2)  # forward (+ backward recompute)
+
+
+@needs_triton
+def test_unbounded_gate_dense_and_loop_diagonal_tiles():
+    # Unbounded (softplus) gate: each diagonal tile (per K slice) takes one matmul when its gate span is at most
+    # chunk_fwd.DENSE_MAX_SPAN and the per-column loop otherwise. Heads with steep, moderate and mild decay put tiles
+    # on both sides of the threshold, in the same launch and within one head; forward and gradients against fp64.
+    from kimi3_kernels.kda.chunk_fwd import DENSE_MAX_SPAN
+    q, k, v, f, beta, _, dtb, h0 = make(1, 80, 3, 16, 16, seed=21)
+    A_log = torch.tensor([3.0, 0.0, 1.6])
+    g = -torch.exp(A_log).view(3, 1) * torch.nn.functional.softplus(f[0] + dtb.view(3, 16))  # [T, H, K], nats
+    span = -g[:64].view(4, 16, 3, 16)[:, 1:].sum(1) / math.log(2)  # per 16-row tile of the full chunk, log2 units
+    assert (span.amax(-1)[:, 0] > DENSE_MAX_SPAN).all() and (span.amax(-1)[:, 1] < DENSE_MAX_SPAN).all()
+    assert (span[..., 2] > DENSE_MAX_SPAN).any() and (span[..., 2] < DENSE_MAX_SPAN).any()
+    ins = [q, k, v, f, beta, A_log, dtb, h0[:1]]
+    gen = torch.Generator().manual_seed(22)
+    do = torch.randn(1, 80, 3, 16, generator=gen)
+    res = {}
+    for name in ("triton", "fp64"):
+        xs = [x.double().clone().requires_grad_() if name == "fp64" else x.clone().requires_grad_() for x in ins]
+        if name == "triton":
+            o, s = chunk_kda(*xs[:5], A_log=xs[5], dt_bias=xs[6], initial_state=xs[7], output_final_state=True)
+        else:
+            o, s = rec64(*xs[:5], xs[5], xs[6], h0=xs[7])
+        ((o * do.to(o.dtype)).sum() + s.sum()).backward()
+        res[name] = [o, s] + [x.grad for x in xs]
+    names = ["o", "state", "q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0"]
+    for i, (n, a, b) in enumerate(zip(names, res["triton"], res["fp64"])):
+        assert rel(a, b) < (TOL if i < 2 else GTOL)[torch.float32], (n, rel(a, b))
 
 
 @needs_triton

@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 
 from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, launch_config, next_pow2
-from .chunk_fwd import SAFE_LOWER_BOUND, _prec
+from .chunk_fwd import DENSE_MAX_SPAN, SAFE_LOWER_BOUND, _prec
 
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .chunk_fwd import _chunk_span, _ld, _ld_row
+    from .chunk_fwd import _chunk_span, _ld, _ld_row, _tile_span
 
     @triton.jit
     def _state_bwd_kernel(W, Qg, Kd, Aqk, gc, do, dht, dh0, dhs, dvn, cu, chunk_off,
@@ -196,7 +196,17 @@ if TRITON_AVAILABLE:
         return rq, rk, ck
 
     @triton.jit
-    def _intra_bwd_kernel(qn, kn, gc, dAs, dPs, dqn, dkn, dG, tab, cu,
+    def _diag_bwd_dense(a, p, q, k, g, n, e, PREC: tl.constexpr):
+        """Diagonal tile, gate span within fp32 range: relative to the tile's first row n, e = exp(G_i - G_n)."""
+        kt = k * tl.exp2(n[None, :] - g)
+        dq = tl.dot(a, kt, input_precision=PREC) * e
+        dr = tl.dot(p, kt, input_precision=PREC) * e
+        dc = (tl.dot(tl.trans(a), q * e, input_precision=PREC)
+              + tl.dot(tl.trans(p), k * e, input_precision=PREC)) * tl.exp2(n[None, :] - g)
+        return dq, dr, dc
+
+    @triton.jit
+    def _intra_bwd_kernel(qn, kn, gc, dAs, dPs, dqn, dkn, dG, tab, cu, max_span,
                           H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                           BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
         i_c = tl.program_id(0)
@@ -302,29 +312,31 @@ if TRITON_AVAILABLE:
             dc1 *= tl.exp2(tl.where(v1, m1[None, :] - g1, 0.))
             dc2 *= tl.exp2(tl.where(v2, m2[None, :] - g2, 0.))
             dc3 = tl.zeros([BC, BK], dtype=tl.float32)
-            # ---- diagonal tiles
-            if SAFE:
+            # ---- diagonal tiles: one matmul each when the gate span allows (as in _diag_fwd_kernel)
+            dense = SAFE
+            if not SAFE:
+                vc = mc[None, :]
+                span = tl.maximum(tl.maximum(_tile_span(g0, n0, v0 & vc), _tile_span(g1, n1, v1 & vc)),
+                                  tl.maximum(_tile_span(g2, n2, v2 & vc), _tile_span(g3, n3, v3 & vc)))
+                dense = span <= max_span
+            if dense:
                 e0 = tl.exp2(tl.where(v0, g0 - n0[None, :], 0.))
-                kt = k0 * tl.exp2(n0[None, :] - g0)
-                dq0 += tl.dot(a00, kt, input_precision=PREC) * e0
-                dr0 += tl.dot(p00, kt, input_precision=PREC) * e0
-                dc0 += (tl.dot(tl.trans(a00), q0 * e0, input_precision=PREC)
-                        + tl.dot(tl.trans(p00), k0 * e0, input_precision=PREC)) * tl.exp2(n0[None, :] - g0)
-                kt = k1 * tl.exp2(n1[None, :] - g1)
-                dq1 += tl.dot(a11, kt, input_precision=PREC) * e1
-                dr1 += tl.dot(p11, kt, input_precision=PREC) * e1
-                dc1 += (tl.dot(tl.trans(a11), q1 * e1, input_precision=PREC)
-                        + tl.dot(tl.trans(p11), k1 * e1, input_precision=PREC)) * tl.exp2(n1[None, :] - g1)
-                kt = k2 * tl.exp2(n2[None, :] - g2)
-                dq2 += tl.dot(a22, kt, input_precision=PREC) * e2
-                dr2 += tl.dot(p22, kt, input_precision=PREC) * e2
-                dc2 += (tl.dot(tl.trans(a22), q2 * e2, input_precision=PREC)
-                        + tl.dot(tl.trans(p22), k2 * e2, input_precision=PREC)) * tl.exp2(n2[None, :] - g2)
-                kt = k3 * tl.exp2(n3[None, :] - g3)
-                dq3 += tl.dot(a33, kt, input_precision=PREC) * e3
-                dr3 += tl.dot(p33, kt, input_precision=PREC) * e3
-                dc3 += (tl.dot(tl.trans(a33), q3 * e3, input_precision=PREC)
-                        + tl.dot(tl.trans(p33), k3 * e3, input_precision=PREC)) * tl.exp2(n3[None, :] - g3)
+                x, y, z = _diag_bwd_dense(a00, p00, q0, k0, g0, n0, e0, PREC)
+                dq0 += x
+                dr0 += y
+                dc0 += z
+                x, y, z = _diag_bwd_dense(a11, p11, q1, k1, g1, n1, e1, PREC)
+                dq1 += x
+                dr1 += y
+                dc1 += z
+                x, y, z = _diag_bwd_dense(a22, p22, q2, k2, g2, n2, e2, PREC)
+                dq2 += x
+                dr2 += y
+                dc2 += z
+                x, y, z = _diag_bwd_dense(a33, p33, q3, k3, g3, n3, e3, PREC)
+                dq3 += x
+                dr3 += y
+                dc3 += z
             else:
                 x, y, z = _diag_bwd_loop(a00, p00, q0, k0, g0, qn, kn, gc, t0, eos, H, i_h, K, cols, mc, BC)
                 dq0 += x
@@ -411,6 +423,6 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
         safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
         bk, warps, stages = launch_config("intra_bwd" if safe else "intra_bwd_loop")
         _intra_bwd_kernel[(info.NC, H)](
-            qn, kn, gc, dAs, dPs, dqn, dkn, dG, info.chunk_tab, info.cu,
+            qn, kn, gc, dAs, dPs, dqn, dkn, dG, info.chunk_tab, info.cu, DENSE_MAX_SPAN,
             H=H, K=K, BK=min(bk, BK), BT=BT, BC=16, SAFE=safe, PREC=prec, num_warps=warps, num_stages=stages)
     return dqn, dkn, dv, dG, db, dh0

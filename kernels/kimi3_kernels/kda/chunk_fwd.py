@@ -11,8 +11,9 @@ Per 64-token chunk (rows i, j), with Gam = chunk-local cumsum of the log decay, 
 `_intra_fwd_kernel` (Aqk, P, the blockwise inverse, T = M Diag(beta)) and `_wu_fwd_kernel` (W, U, Qg, Kd). The
 pairwise products are formed on 16-row sub-tiles, each relative to its sub-tile's first row, so no exponential
 ever exceeds 1 off the diagonal. Diagonal 16x16 tiles use one dense matmul when the gate is bounded
-(lower_bound >= SAFE_LOWER_BOUND: |Gam| span < 80 nats inside a sub-tile, inside fp32 range) and a per-column
-loop otherwise; they have their own kernel, `_diag_fwd_kernel`, and the pairwise kernel takes the rest.
+(lower_bound >= SAFE_LOWER_BOUND: |Gam| span < 80 nats inside a sub-tile, inside fp32 range) or, for unbounded
+gates, when the tile's measured span is at most DENSE_MAX_SPAN, and a per-column loop otherwise; they have their own
+kernel, `_diag_fwd_kernel`, and the pairwise kernel takes the rest.
 `state_fwd` runs the sequential scan over chunks (parallel over sequences, heads and value tiles) and writes the
 state entering each chunk; `_output_fwd_kernel` then forms the output, parallel over chunks.
 The PyTorch reference is `reference.naive_chunk_kda`.
@@ -25,6 +26,9 @@ from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, launch_config, next_pow2
 
 # K3's bound (-5): 15 steps inside a 16-row sub-tile stay above -75 nats, so exp(+span) < 4e32.
 SAFE_LOWER_BOUND = -5.5
+# Unbounded gates: a diagonal tile (one K slice) whose gate span is at most this many log2 units (75 nats, K3's worst
+# case) takes the one-matmul path too; only steeper tiles need the per-column loop.
+DENSE_MAX_SPAN = 75.0 * 1.4426950408889634
 
 if TRITON_AVAILABLE:
     import triton
@@ -241,10 +245,17 @@ if TRITON_AVAILABLE:
         _st_blk(Tm, (m33 * b3[None, :]).to(DT), r3, eos, H, i_h, BT, 3 * BC, BC)
 
     @triton.jit
-    def _diag_fwd_kernel(qn, kn, gc, Aqk, Pd, tab, cu, scale, H, K: tl.constexpr, BK: tl.constexpr,
+    def _tile_span(g, ref, valid):
+        """Largest Gam_ref - Gam_i over a tile's valid entries (log2 units; Gam decreases down a chunk)."""
+        return tl.max(tl.max(tl.where(valid, ref[None, :] - g, 0.), 1), 0)
+
+    @triton.jit
+    def _diag_fwd_kernel(qn, kn, gc, Aqk, Pd, tab, cu, scale, max_span, H, K: tl.constexpr, BK: tl.constexpr,
                          BT: tl.constexpr, BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
         """The four diagonal 16x16 tiles of a chunk, one program per tile (4x the parallelism of the pairwise
-        kernel, a fraction of its registers): Aqk's go straight to Aqk, the key-key ones to Pd [TT, H, BC]."""
+        kernel, a fraction of its registers): Aqk's go straight to Aqk, the key-key ones to Pd [TT, H, BC].
+        Without a static bound (SAFE) each K slice checks its gate span: one matmul when the span is at most
+        max_span, the per-column loop otherwise."""
         i_s = tl.program_id(0)
         i_h = tl.program_id(1)
         i_c = i_s // (BT // BC)
@@ -262,8 +273,11 @@ if TRITON_AVAILABLE:
             q = _ld(qn, rows, eos, H, i_h, K, cols, mc)
             k = _ld(kn, rows, eos, H, i_h, K, cols, mc)
             g = _ld(gc, rows, eos, H, i_h, K, cols, mc)
-            if SAFE:
-                ref = _ld_row(gc, tl.minimum(t0, last), eos, H, i_h, K, cols, mc)
+            ref = _ld_row(gc, tl.minimum(t0, last), eos, H, i_h, K, cols, mc)
+            dense = SAFE
+            if not SAFE:
+                dense = _tile_span(g, ref, (rows < eos)[:, None] & mc[None, :]) <= max_span
+            if dense:
                 e = tl.exp2(tl.where((rows < eos)[:, None], g - ref[None, :], 0.))
                 kt = tl.trans(k * tl.exp2(ref[None, :] - g))
                 acc_a += tl.dot(q * e, kt, input_precision=PREC)
@@ -438,8 +452,8 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
         # kernel in two launches, was slower at both shapes (bench/results/kda_h200.md, sweep of 76324af).
         bk, warps, stages = launch_config("diag_fwd" if safe else "diag_fwd_loop")
         _diag_fwd_kernel[(info.NC * (BT // 16), H)](
-            qn, kn, gc, Aqk, Pd, info.chunk_tab, info.cu, scale, H=H, K=K, BK=min(bk, next_pow2(K)), BT=BT,
-            BC=16, SAFE=safe, PREC=_prec(DT), num_warps=warps, num_stages=stages)
+            qn, kn, gc, Aqk, Pd, info.chunk_tab, info.cu, scale, DENSE_MAX_SPAN, H=H, K=K, BK=min(bk, next_pow2(K)),
+            BT=BT, BC=16, SAFE=safe, PREC=_prec(DT), num_warps=warps, num_stages=stages)
         Md = Pd
         minv = _diag_inv()
         if minv:
