@@ -530,10 +530,19 @@ if __name__ == "__main__":
     ap.add_argument("--sections", default="ceil,check,time,decode")
     ap.add_argument("--warmup", default=None, help="compile-only run for one gate: 'k3' or 'softplus'")
     ap.add_argument("--no-fla", action="store_true", help="time ours only (fla autotunes for minutes per shape)")
+    ap.add_argument("--tune", default=None, help="tune only these: 'kernel=opt/opt,...' (else TUNE_FWD / TUNE_BWD)")
     ap.add_argument("--calls", default=None, help="'H:T:gate:N': N plain forward calls and nothing else (for ncu)")
     ARGS = ap.parse_args()
     if ARGS.no_fla:
         HAVE_FLA = False
+    if ARGS.tune:
+        picked = dict(item.split("=", 1) for item in ARGS.tune.split(","))
+        for table in (TUNE_FWD, TUNE_BWD):
+            for name in list(table):
+                if name in picked:
+                    table[name] = picked[name].split("/")
+                else:
+                    del table[name]
     if ARGS.calls:
         H, T, gate, n = ARGS.calls.split(":")
         q, k, v, f, beta, A_log, dtb = inputs(1, int(T), int(H), 128, 128, torch.bfloat16, seed=7)
@@ -558,7 +567,7 @@ if __name__ == "__main__":
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                git_commit=os.environ.get("GIT_COMMIT") or subprocess.run(
                    ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-               fla=("0.6.0" if HAVE_FLA else f"missing: {FLA_ERR}"))
+               fla=("0.6.0" if HAVE_FLA else ("off (--no-fla)" if ARGS.no_fla else f"missing: {FLA_ERR}")))
     secs = ARGS.sections.split(",")
     if "ceil" in secs:
         section("ceilings", ceilings, ARGS.out)
