@@ -301,22 +301,22 @@ def run(args):
             try:
                 row["mxfp4_full_forward_graph_ms"] = graph_ms(lambda: mod(x, idx, w))
                 row["grouped_mm_full_forward_graph_ms"] = graph_ms(grouped_full)
-                # the decode paths that skip sorting the routes (off by default, never timed in a graph): the GEMVs
-                # (KIMI3_MXFP4_GEMV_MAX_ROWS) and the packed GEMM one route per program
-                # (KIMI3_MXFP4_UNSORTED_MAX_ROUTES); outputs compared with the default path's
-                with torch.no_grad():
-                    mod_out = mod(x, idx, w)
-                for name, var, upto in (("gemv", "KIMI3_MXFP4_GEMV_MAX_ROWS", 2),
-                                        ("unsorted", "KIMI3_MXFP4_UNSORTED_MAX_ROUTES", 16)):
-                    if n > upto:
-                        continue
-                    os.environ[var] = str(Mrows)
-                    try:
-                        with torch.no_grad():
-                            row[f"rel_mxfp4_{name}_vs_default"] = rel(mod(x, idx, w), mod_out)
-                        row[f"mxfp4_{name}_full_forward_graph_ms"] = graph_ms(lambda: mod(x, idx, w))
-                    finally:
-                        os.environ.pop(var, None)
+                # both decode paths whatever the default (KIMI3_MXFP4_UNSORTED_MAX_ROUTES, 32 routes): routes
+                # sorted by expert, and the packed GEMM one route per program straight from topk_idx
+                if n <= 16:
+                    outs, saved = {}, os.environ.get("KIMI3_MXFP4_UNSORTED_MAX_ROUTES")
+                    for name, limit in (("sorted", 0), ("unsorted", Mrows)):
+                        os.environ["KIMI3_MXFP4_UNSORTED_MAX_ROUTES"] = str(limit)
+                        try:
+                            with torch.no_grad():
+                                outs[name] = mod(x, idx, w)
+                            row[f"mxfp4_{name}_full_forward_graph_ms"] = graph_ms(lambda: mod(x, idx, w))
+                        finally:
+                            if saved is None:
+                                os.environ.pop("KIMI3_MXFP4_UNSORTED_MAX_ROUTES", None)
+                            else:
+                                os.environ["KIMI3_MXFP4_UNSORTED_MAX_ROUTES"] = saved
+                    row["rel_mxfp4_unsorted_vs_sorted"] = rel(outs["unsorted"], outs["sorted"])
             except Exception as ex:
                 row["graph_error"] = repr(ex)[:200]
         row["speedup_vs_grouped_mm"] = row["grouped_mm_ms"] / row["mxfp4_ms"]

@@ -226,40 +226,9 @@ def timing(G, M, tokens, variants):
                   "weight_TBps": round(active * per_expert_bytes / total / 1e9, 3),
                   "cfg_gate_up": G.default_config(rows, moe.E, moe.INTER, moe.D, "out"),
                   "cfg_down": G.default_config(rows, moe.E, moe.D, moe.INTER)})
-        if n <= 1024:
-            gemv_timing(G, mod, n, x, hh, tok, order, offsets, rows, active, per_expert_bytes, fns)
         x = hh = fns = None  # free before the next size
         torch.cuda.empty_cache()
     set_mode("ptx")
-
-
-def gemv_timing(G, mod, n, x, hh, tok, order, offsets, rows, active, per_expert_bytes, fns):
-    """The decode-size grouped GEMV (kimi3_kernels.mxfp4_gemv; the model uses it below KIMI3_MXFP4_GEMV_MAX_ROWS
-    routed rows) against the tensor-core grouped GEMM on the same inputs: time and agreement."""
-    import importlib
-
-    import torch.nn.functional as F
-
-    V = importlib.import_module("kimi3_kernels.mxfp4_gemv")
-    set_mode("ptx")
-    for bn, bk, warps in ((64, 128, 4), (32, 256, 4), (128, 64, 8)):
-        def gate_up():
-            gu = V.mxfp4_grouped_gemv(x, mod.w1_packed, mod.w1_scale, offsets, a_rows=tok, b_packed=mod.w3_packed,
-                                      b_scale=mod.w3_scale, BN=bn, BK=bk, num_warps=warps)
-            return (F.silu(gu[:, :moe.INTER]) * gu[:, moe.INTER:]).to(torch.bfloat16)
-
-        def down():
-            return V.mxfp4_grouped_gemv(hh, mod.w2_packed, mod.w2_scale, offsets, c_rows=order.to(torch.int32),
-                                        num_c_rows=rows, BN=bn, BK=bk, num_warps=warps)
-        ms = {"gate_up": moe.bench(gate_up, warm=2, rep=10), "down": moe.bench(down, warm=2, rep=10)}
-        total = ms["gate_up"] + ms["down"]
-        rel = {k: float((a().float() - fns[k]().float()).norm() / fns[k]().float().norm())
-               for k, a in (("gate_up", gate_up), ("down", down))}
-        emit({"check": "time", "tokens": n, "decode": f"gemv_bn{bn}_bk{bk}_w{warps}",
-              "gate_up_ms": round(ms["gate_up"], 4), "down_ms": round(ms["down"], 4), "total_ms": round(total, 4),
-              "anchor_grouped_mm_ms": moe.ANCHOR_MS.get(n),
-              "speedup_vs_anchor": round(moe.ANCHOR_MS[n] / total, 3) if n in moe.ANCHOR_MS else None,
-              "weight_TBps": round(active * per_expert_bytes / total / 1e9, 3), "rel_vs_gemm": rel})
 
 
 # ---- --count: compile for sm_90 without a GPU and count SASS of the main loop

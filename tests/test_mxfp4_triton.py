@@ -65,29 +65,11 @@ def _kernel_checks(G, R, torch):
             c = G.mxfp4_grouped_gemm(x, wp, ws, offs, config=cfg, **common, **kw)
             r = R(x, wp, ws, offs, **common, **kw)
             out[f"fwd_{mode}_{cname}"] = _rel(c, r)
-    # the decode-size grouped GEMV (one row per program, CUDA-core FMAs): gathered rows, scattered outputs, an
-    # unused expert, gate and up in one launch, K not a multiple of its 128-wide step
-    V = _gemv_module()
-    for mode, kw in {"plain": {}, "dual_out": dict(dual="out")}.items():
-        gkw = dict(b_packed=bp, b_scale=bs) if mode == "dual_out" else {}
-        c = V.mxfp4_grouped_gemv(x, wp, ws, offs, a_rows=tok, c_rows=order.to(torch.int32), num_c_rows=M, **gkw)
-        r = R(x, wp, ws, offs, **common, **kw)
-        out[f"gemv_{mode}"] = _rel(c, r)
-    # the same routes unsorted: each row's expert read from the ids (topk_idx's order, row m = token m // k), an
-    # id past the last expert leaves its row unwritten; the GLU fused into gate+up (sorted rows and unsorted)
+    # the routes unsorted: the packed GEMM one row per program, each row's expert read from the ids (topk_idx's
+    # order, row m = token m // k), an id past the last expert leaves its row unwritten; plain and K-permuted
+    # tiles, the GLU fused
     eids = flat.to(torch.int32)
     gl = dict(b_packed=bp, b_scale=bs)
-    for mode, kw in {"plain": {}, "dual_out": dict(dual="out"), "silu": dict(dual="out", act="silu"),
-                     "situ": dict(dual="out", act="situ", act_params=(4.0, 25.0)),
-                     "situ_linear_up": dict(dual="out", act="situ", act_params=(4.0, None))}.items():
-        vkw = dict(gl, **{k2: v for k2, v in kw.items() if k2 != "dual"}) if kw else {}
-        r = R(x, wp, ws, offs, **common, **kw)
-        c = V.mxfp4_grouped_gemv(x, wp, ws, expert_ids=eids, a_row_div=k, **vkw)
-        out[f"gemv_unsorted_{mode}"] = _rel(c, r)
-        if "act" in kw:
-            c = V.mxfp4_grouped_gemv(x, wp, ws, offs, a_rows=tok, c_rows=order.to(torch.int32), num_c_rows=M, **vkw)
-            out[f"gemv_sorted_{mode}"] = _rel(c, r)
-    # the packed GEMM one row per program (expert_ids), plain and K-permuted tiles, the GLU fused
     for mode, kw in {"plain": {}, "dual_out": dict(dual="out"), "situ": dict(dual="out", act="situ",
                                                                                    act_params=(4.0, 25.0))}.items():
         gkw = dict(gl, **kw) if kw else {}
@@ -107,16 +89,6 @@ def _kernel_checks(G, R, torch):
             out[f"fwd_refused_{sorted(bad)}"] = 1.0  # accepted: fails the < tolerance check
         except ValueError:
             out[f"fwd_refused_{sorted(bad)}"] = 0.0
-    c = V.mxfp4_grouped_gemv(x, wp, ws, expert_ids=off_rank, a_row_div=k)
-    r = R(x, wp, ws, offs, **common)
-    keep = torch.arange(M) != 4
-    out["gemv_unsorted_off_rank_row"] = _rel(c[keep], r[keep]) + float(c[4].abs().max())
-    for bad in (dict(), dict(expert_offsets=offs, expert_ids=eids), dict(expert_ids=eids, act="silu")):
-        try:
-            V.mxfp4_grouped_gemv(x, wp, ws, **bad)
-            out[f"gemv_refused_{sorted(bad)}"] = 1.0  # accepted: fails the < tolerance check
-        except ValueError:
-            out[f"gemv_refused_{sorted(bad)}"] = 0.0
     # backward layouts: weights stored [E, K, N/2], used untransposed; sorted (non-gathered) rows
     wtp, wts = weights(E, K, N)
     btp, bts = weights(E, K, N)
@@ -179,12 +151,6 @@ def _kernel_checks(G, R, torch):
     return out
 
 
-def _gemv_module():
-    import importlib
-
-    return importlib.import_module("kimi3_kernels.mxfp4_gemv")
-
-
 def _module_checks(mxfp4, torch):
     """PackedMXFP4Experts on the Triton path (interpreted) vs dequantise-then-matmul, forward and grads."""
     out = {}
@@ -196,14 +162,8 @@ def _module_checks(mxfp4, torch):
     tw = torch.rand(T, k, generator=gen)
     x0 = torch.randn(T, D, generator=gen).bfloat16()
     dy = torch.randn(T, D, generator=gen).bfloat16()
-    V = _gemv_module()
-    gemv, calls = V.mxfp4_grouped_gemv, []
-    V.mxfp4_grouped_gemv = lambda *a, **kw: calls.append(1) or gemv(*a, **kw)
     for name, act in {"silu": mxfp4.silu_glu, "situ": mxfp4.SiTUGLU(4.0, 25.0),
-                      "unfused": lambda g, u: torch.relu(g) * u, "situ_gemv": mxfp4.SiTUGLU(4.0, 25.0)}.items():
-        # "situ_gemv": the decode-size GEMV forward (KIMI3_MXFP4_GEMV_MAX_ROWS above the 21 routed rows here)
-        os.environ["KIMI3_MXFP4_GEMV_MAX_ROWS"] = "64" if name.endswith("gemv") else "0"
-        calls.clear()
+                      "unfused": lambda g, u: torch.relu(g) * u}.items():
         mod = mxfp4.PackedMXFP4Experts.from_float(w1, w3, w2, act)
         out[f"path_{name}"] = mod.kernel_path
         d1, d3, d2 = mod.dequantize(torch.float32)
@@ -219,12 +179,11 @@ def _module_checks(mxfp4, torch):
             ref = ref + wr[:, j:j + 1] * torch.einsum("ti,tdi->td", h, d2[e])
         ref.backward(dy.float())
         out[f"module_{name}_y"] = _rel(y, ref)
-        out[f"launches_gemv_{name}"] = len(calls)
         out[f"module_{name}_dx"] = _rel(x.grad, xr.grad)
         out[f"module_{name}_dw"] = _rel(w.grad, wr.grad)
-    # without autograd at decode sizes the GEMVs read the routes' experts from topk_idx (no sort): two launches
-    # (SiTU fused into gate+up), the same result as the reference
-    # (GEMV: KIMI3_MXFP4_GEMV_MAX_ROWS) or the packed GEMM one route per program (KIMI3_MXFP4_UNSORTED_MAX_ROUTES)
+    # without autograd at decode sizes the packed GEMM reads the routes' experts from topk_idx, one route per
+    # program (no sort; KIMI3_MXFP4_UNSORTED_MAX_ROUTES): two launches (SiTU fused into gate+up), the same result
+    # as the reference
     sorts = []
     real_route = mxfp4._route
     mxfp4._route = lambda *a, **kw: sorts.append(1) or real_route(*a, **kw)
@@ -240,16 +199,12 @@ def _module_checks(mxfp4, torch):
         h = act(torch.einsum("td,tid->ti", x0.float(), d1[e]), torch.einsum("td,tid->ti", x0.float(), d3[e]))
         ref = ref + tw[:, j:j + 1] * torch.einsum("ti,tdi->td", h.bfloat16().float(), d2[e])
     try:
-        for name, env in (("gemv", ("64", "0")), ("gemm", ("0", "64"))):
-            os.environ["KIMI3_MXFP4_GEMV_MAX_ROWS"], os.environ["KIMI3_MXFP4_UNSORTED_MAX_ROUTES"] = env
-            calls.clear()
-            gemm_calls.clear()
-            sorts.clear()
-            with torch.no_grad():
-                y = mod(x0, idx, tw)
-            out[f"module_{name}_unsorted_y"] = _rel(y, ref)
-            out[f"launches_{name}_unsorted"] = (len(calls), sum(gemm_calls), len(gemm_calls))
-            out[f"sorts_{name}_unsorted"] = len(sorts)
+        os.environ["KIMI3_MXFP4_UNSORTED_MAX_ROUTES"] = "64"
+        with torch.no_grad():
+            y = mod(x0, idx, tw)
+        out["module_gemm_unsorted_y"] = _rel(y, ref)
+        out["launches_gemm_unsorted"] = (sum(gemm_calls), len(gemm_calls))
+        out["sorts_gemm_unsorted"] = len(sorts)
         # an expert id out of range is an error (checked on the device by route_expert_ids' flag)
         bad_idx = idx.clone()
         bad_idx[2, 1] = E
@@ -271,14 +226,26 @@ def _module_checks(mxfp4, torch):
         finally:
             Gm._PERM_TILES.clear()
             Gm._PERM_TILES.update(saved)
+        # the default (variable unset): unsorted up to 32 routes without autograd; sorted above 32 routes or with
+        # autograd. Top-2 here, so 16 tokens are 32 routes; (GEMM launches with expert_ids, all GEMM launches, sorts)
+        os.environ.pop("KIMI3_MXFP4_UNSORTED_MAX_ROUTES")
+        gen2 = torch.Generator().manual_seed(2)  # leaves `gen`'s draws below as they were
+        xd = torch.randn(17, D, generator=gen2).bfloat16()
+        idx2 = torch.stack([torch.randperm(E, generator=gen2)[:2] for _ in range(17)])
+        tw2 = torch.rand(17, 2, generator=gen2)
+        for name, n, grad in (("32", 16, False), ("34", 17, False), ("32_grad", 16, True)):
+            gemm_calls.clear()
+            sorts.clear()
+            with torch.set_grad_enabled(grad):
+                mod(xd[:n].clone().requires_grad_(grad), idx2[:n], tw2[:n])
+            out[f"default_routes_{name}"] = [sum(gemm_calls), len(gemm_calls), len(sorts)]
     finally:
         mxfp4._route = real_route
         Gm.mxfp4_grouped_gemm = gemm
-        os.environ["KIMI3_MXFP4_UNSORTED_MAX_ROUTES"] = "0"
+        os.environ["KIMI3_MXFP4_UNSORTED_MAX_ROUTES"] = "0"  # the checks below mean the sorted path
     # K-permuted operands through the module (x and h copied into the tiles' K order), with K-permuted
     # default tiles at this size (BM=16: BK 64 for gate+up, 32 for down), against the module with plain tiles
     G = mxfp4._gemm_module()
-    os.environ["KIMI3_MXFP4_GEMV_MAX_ROWS"] = "0"
     mod = mxfp4.PackedMXFP4Experts.from_float(w1, w3, w2, mxfp4.silu_glu)
     with torch.no_grad():
         plain = mod(x0, idx, tw)
@@ -363,8 +330,8 @@ def test_interpreter_active(results):
 
 def test_kernel_matches_reference(results):
     # same bf16 operands, fp32 accumulation in another order; fused GLU outputs are fp32 here: 1e-5
-    kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_", "gemv_", "kperm"))}
-    assert len(kernel) == 68, sorted(kernel)
+    kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_", "kperm"))}
+    assert len(kernel) == 54, sorted(kernel)
     bad = {k: v for k, v in kernel.items() if not v < 1e-5}
     assert not bad, bad
 
@@ -378,9 +345,8 @@ def test_prefill_dequantized_grouped_mm_path(results):
 
 
 def test_module_triton_path_matches_dequantise_then_matmul(results):
-    for name in ("silu", "situ", "unfused", "situ_gemv"):
+    for name in ("silu", "situ", "unfused"):
         assert results[f"path_{name}"] == "triton"
-        assert (results[f"launches_gemv_{name}"] == 2) == name.endswith("gemv"), results  # gate+up, down
         # forward: fp32 products of the same bf16 operands; y is bf16 (RMS rounding ~1e-3 against the fp32
         # reference) and the fused GLU output is rounded to bf16 in the kernel, which the interpreter does by
         # truncation (up to one bf16 ulp, 2^-8; measured ~4e-3 in total): bound 1e-2
@@ -388,13 +354,16 @@ def test_module_triton_path_matches_dequantise_then_matmul(results):
         # backward: the kernel also rounds dgate/dup (fp32) to bf16 operands (measured ~4e-3): bound 2e-2
         assert results[f"module_{name}_dx"] < 2e-2, results
         assert results[f"module_{name}_dw"] < 2e-2, results
-    # no autograd, decode size: two launches straight from topk_idx (GEMVs, or GEMMs one route per program),
-    # nothing sorted; same bound as above (measured 6.5e-3: the weighted sum is stored to bf16 by a kernel too,
-    # which the interpreter truncates)
-    assert results["launches_gemv_unsorted"] == [2, 0, 0] and results["sorts_gemv_unsorted"] == 0, results
-    assert results["launches_gemm_unsorted"] == [0, 2, 2] and results["sorts_gemm_unsorted"] == 0, results
+    # no autograd, decode size: two launches straight from topk_idx (GEMMs one route per program), nothing
+    # sorted; same bound as above (measured 6.5e-3: the weighted sum is stored to bf16 by a kernel too, which the
+    # interpreter truncates)
+    assert results["launches_gemm_unsorted"] == [2, 2] and results["sorts_gemm_unsorted"] == 0, results
+    # the default: unsorted at 32 routes without autograd; sorted (no expert_ids launch, one sort) at 34 routes
+    # and with autograd
+    assert results["default_routes_32"] == [2, 2, 0], results
+    assert results["default_routes_34"] == [0, 2, 1] and results["default_routes_32_grad"] == [0, 2, 1], results
     assert results["module_unsorted_refuses_bad_id"] and results["route_expert_ids"] == [True, 1, 0], results
-    for name in ("gemv", "gemm", "gemm_kperm"):
+    for name in ("gemm", "gemm_kperm"):
         assert results[f"module_{name}_unsorted_y"] < 1e-2, results
     # K-permuted operands in the module: the same products summed in another order, then rounded to bf16 (h and
     # y); measured 0.0 here, a wrong column order gives ~1.4

@@ -194,19 +194,6 @@ def _gemm_module():
     return _GEMM[0]
 
 
-_GEMV = []
-
-
-def _gemv_module():
-    if not _GEMV:
-        try:
-            from kimi3_kernels import mxfp4_gemv  # noqa: PLC0415
-        except Exception:  # noqa: BLE001 - an older kernels package without it: the grouped GEMM serves every size
-            mxfp4_gemv = None
-        _GEMV.append(mxfp4_gemv)
-    return _GEMV[0]
-
-
 _DECODE = []
 
 
@@ -223,19 +210,13 @@ def _decode_module():
     return _DECODE[0]
 
 
-def gemv_max_rows():
-    """Routed (token, expert) rows up to which the forward uses the grouped GEMV instead of the tensor-core GEMM
-    (KIMI3_MXFP4_GEMV_MAX_ROWS; 0, the default, never); without autograd it then skips the sort as well. Off until
-    timed on a GPU inside a CUDA graph (bench/moe.py's `mxfp4_gemv_full_forward_graph_ms` at 1-2 tokens)."""
-    return int(os.environ.get("KIMI3_MXFP4_GEMV_MAX_ROWS", "0"))
-
-
 def unsorted_max_routes():
     """Routes (token, slot) up to which the forward without autograd skips sorting them by expert: the packed GEMM
-    runs one route per program with its expert read from topk_idx (KIMI3_MXFP4_UNSORTED_MAX_ROUTES; 0, the default,
-    never). Sorting takes ~10 small launches per layer at decode. Off until timed on a GPU inside a CUDA graph
-    (bench/moe.py's `mxfp4_unsorted_full_forward_graph_ms`)."""
-    return int(os.environ.get("KIMI3_MXFP4_UNSORTED_MAX_ROUTES", "0"))
+    runs one route per program with its expert read from topk_idx (KIMI3_MXFP4_UNSORTED_MAX_ROUTES overrides; 0
+    turns it off). Default 32 routes (2 tokens at K3's top-16): bench/moe.py on the H200 (e2a41d4, CUDA-graph full
+    forward at K3 shapes, top-16 of 896 experts), unsorted vs sorted: 1 token 0.1873 vs 0.2235 ms, 2 tokens 0.3166
+    vs 0.3572, but 8 tokens 1.1265 vs 1.0956 and 16 tokens 2.1984 vs 2.0417; outputs within 1.5e-5 relative."""
+    return int(os.environ.get("KIMI3_MXFP4_UNSORTED_MAX_ROUTES", "32"))
 
 
 def kernel_path(device):
@@ -259,7 +240,6 @@ def kernel_status(device="cuda" if torch.cuda.is_available() else "cpu"):
         "triton": bool(g is not None and g.HAS_TRITON),
         "device": str(torch.device(device)),
         "weight_decode": g.decode_mode(device) if path == "triton" and hasattr(g, "decode_mode") else None,
-        "gemv_max_rows": gemv_max_rows() if _gemv_module() is not None else None,
         "unsorted_max_routes": unsorted_max_routes() if path == "triton" else None,
         # prefill above this many routed rows per expert: experts decoded to bf16 in chunks + torch._grouped_mm
         "dequantized_grouped_mm_min_rows_per_expert": PackedMXFP4Experts.DEQUANT_MIN_ROWS_PER_EXPERT
@@ -418,7 +398,7 @@ class PackedMXFP4Experts(nn.Module):
             return x.new_zeros(x.shape)
         T, k = topk_idx.shape
         grad = torch.is_grad_enabled() and (x.requires_grad or topk_w.requires_grad)
-        if (not grad and T * k <= max(gemv_max_rows(), unsorted_max_routes()) and self._uses_triton(x)
+        if (not grad and T * k <= unsorted_max_routes() and self._uses_triton(x)
                 and _decode_module() is not None):
             # decode sizes without autograd: one launch per projection straight from topk_idx, nothing sorted
             with _on_device(x):
@@ -506,7 +486,7 @@ class PackedMXFP4Experts(nn.Module):
         return out
 
     def _gate_up(self, run, x, offsets, **kw):
-        """GLU(x W1^T, x W3^T) in x's dtype through `run` (the grouped GEMM or GEMV). The GLU runs in the gate+up
+        """GLU(x W1^T, x W3^T) in x's dtype through `run` (the packed grouped GEMM). The GLU runs in the gate+up
         epilogue whenever the kernel knows it: K3's SiTU too, at every tile height since the K-permuted BM=128 tiles
         (H200, 19b363b: 16,384 tokens 63.2 ms fused vs 83.2 ms unfused)."""
         kw.update(b_packed=self.w3_packed, b_scale=self.w3_scale)
@@ -519,14 +499,14 @@ class PackedMXFP4Experts(nn.Module):
 
     def _forward_unsorted(self, x, topk_idx):
         """[T*k, D] fp32 outputs of the routes in topk_idx's order: row m = (token m // k, slot m % k). The kernels
-        read each route's expert themselves, so nothing is sorted, gathered or scattered: the GEMVs up to
-        gemv_max_rows() routes, else the packed GEMM one route per program."""
+        read each route's expert themselves, so nothing is sorted, gathered or scattered: the packed GEMM one route
+        per program."""
         eids, ok = _gemm_module().route_expert_ids(topk_idx, self.num_experts)
         torch._assert_async(ok, "topk_idx holds out-of-range experts")
         M = eids.numel()
         # one route per program: the mxfp4_grouped_gemm tiles of one row per expert, whatever the expert count
         return self._expert_mlp(x.contiguous(), None, M, M, dict(expert_ids=eids, a_row_div=topk_idx.shape[1]),
-                                dict(expert_ids=eids), gemv=M <= gemv_max_rows() and _gemv_module() is not None)
+                                dict(expert_ids=eids))
 
     def _forward_triton(self, x, order, offsets, k):
         x = x.contiguous()
@@ -534,17 +514,12 @@ class PackedMXFP4Experts(nn.Module):
             return self._forward_dequantized(x, order, offsets, k)
         M = order.numel()
         return self._expert_mlp(x, offsets, M, self.num_experts, dict(a_rows=(order // k).to(torch.int32)),
-                                dict(c_rows=order.to(torch.int32), num_c_rows=M),
-                                gemv=M <= gemv_max_rows() and _gemv_module() is not None)
+                                dict(c_rows=order.to(torch.int32), num_c_rows=M))
 
-    def _expert_mlp(self, x, offsets, M, E, up_rows, down_rows, gemv):
-        """down(GLU(gate, up)) of M routed rows through the GEMVs (gemv: one program per row, CUDA-core FMAs) or the
-        packed GEMMs; `up_rows` / `down_rows` say how rows map to experts, inputs and outputs (the kernels' keyword
-        arguments), E the expert count the default tiles are chosen for."""
-        if gemv:
-            V = _gemv_module()
-            h = self._gate_up(V.mxfp4_grouped_gemv, x, offsets, **up_rows)
-            return V.mxfp4_grouped_gemv(h, self.w2_packed, self.w2_scale, offsets, **down_rows)
+    def _expert_mlp(self, x, offsets, M, E, up_rows, down_rows):
+        """down(GLU(gate, up)) of M routed rows through the packed GEMMs; `up_rows` / `down_rows` say how rows map
+        to experts, inputs and outputs (the kernels' keyword arguments), E the expert count the default tiles are
+        chosen for."""
         G = _gemm_module()
         # where the default tiles take K-permuted operands, the activations (x, then h) are copied into that order
         # once, so the tiles load them contiguously instead of gathering pairs of columns in every n-tile
