@@ -435,8 +435,7 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
     dev = qn.device
     DT = qn.dtype
     BT = CHUNK_SIZE
-    # in the matmul dtype: its readers (the output kernel, the backward's state scan) round it to that anyway
-    Aqk = torch.empty(TT, H, BT, device=dev, dtype=DT)
+    Aqk = torch.empty(TT, H, BT, device=dev, dtype=torch.float32)
     W = torch.empty(TT, H, K, device=dev, dtype=DT)
     Qg = torch.empty_like(W)
     Kd = torch.empty_like(W)

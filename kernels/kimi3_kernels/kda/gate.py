@@ -40,12 +40,7 @@ if TRITON_AVAILABLE:
         mc = cols < K
         m = mr[:, None] & mc[None, :]
         off = (rows[:, None] * H + i_h) * K + cols[None, :]
-        # every load before the first store: the compiler does not move loads above stores it cannot prove
-        # unaliased, and this kernel is bound by memory latency
         x = tl.load(f + off, mask=m, other=0.).to(tl.float32)
-        bq = tl.load(q + off, mask=m, other=0.).to(tl.float32)
-        bk = tl.load(k + off, mask=m, other=0.).to(tl.float32)
-        b = tl.load(beta + rows * H + i_h, mask=mr, other=0.).to(tl.float32)
         x = x + tl.load(dt_bias + i_h * K + cols, mask=mc, other=0.).to(tl.float32)[None, :]
         a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         if USE_LB:
@@ -54,6 +49,8 @@ if TRITON_AVAILABLE:
             gv = -a * _softplus(x)
         gv = tl.where(m, gv, 0.)
         tl.store(gc + off, tl.cumsum(gv * 1.4426950408889634, axis=0), mask=m)  # x 1/ln 2: log2 units, exp2 is cheaper
+        bq = tl.load(q + off, mask=m, other=0.).to(tl.float32)
+        bk = tl.load(k + off, mask=m, other=0.).to(tl.float32)
         if L2:
             r_q = 1.0 / tl.sqrt(tl.sum(bq * bq, 1) + 1e-6)
             r_k = 1.0 / tl.sqrt(tl.sum(bk * bk, 1) + 1e-6)
@@ -63,6 +60,7 @@ if TRITON_AVAILABLE:
             bk = bk * r_k[:, None]
         tl.store(qn + off, bq.to(qn.dtype.element_ty), mask=m)
         tl.store(kn + off, bk.to(kn.dtype.element_ty), mask=m)
+        b = tl.load(beta + rows * H + i_h, mask=mr, other=0.).to(tl.float32)
         tl.store(bo + rows * H + i_h, tl.sigmoid(b), mask=mr)
 
     @triton.jit
