@@ -82,11 +82,13 @@ class SeqInfo:
 # From `bench/kda.py --sections tune` on an H200 (bench/results/kda_h200.md): at 22fef45, one kernel at a time against
 # the settings before, H=32 T=16K softplus gate and H=96 T=16K K3 gate, forward 3.92 -> 3.31 and 9.21 -> 7.18 ms,
 # forward+backward 16.04 -> 14.53 and 33.92 -> 31.69 ms with the round's picks together; a second round around those
-# picks (91aea39) kept them but the per-column loop's tile (64,4,1 -> 128,4,1: H=32 forward 3.18 -> 3.04 ms).
+# picks (91aea39) kept them but the per-column loop's tile (64,4,1 -> 128,4,1: H=32 forward 3.18 -> 3.04 ms). Since
+# unbounded gates' diagonal tiles mostly take the one-matmul path too (fcfd66e), their kernel runs best on 32-wide
+# slices and 2 warps (6ca64d8: H=32 forward 2.89 -> 2.73 ms; 1 warp 0.97x, 64:2:1 1.04x).
 LAUNCH_DEFAULTS = {
     "prep_fwd": (None, 8, 3),
     "diag_fwd": (32, 1, 1),
-    "diag_fwd_loop": (128, 4, 1),
+    "diag_fwd_loop": (32, 2, 1),
     "diag_inv": (None, 1, 1),
     "intra_fwd": (32, 2, 2),
     "wu_fwd": (128, 8, 2),

@@ -27,8 +27,11 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _prep_fwd_kernel(q, k, f, beta, A_log, dt_bias, qn, kn, gc, bo, rq, rk, tab, cu,
-                         lower_bound, H, K: tl.constexpr, BK: tl.constexpr,
-                         BT: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr):
+                         lower_bound, H, K: tl.constexpr, BK: tl.constexpr, BKG: tl.constexpr,
+                         BT: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr, GATE: tl.constexpr,
+                         NORM: tl.constexpr):
+        """One chunk and head: the gate's cumsum (GATE; columns in slices of BKG along grid axis 2) and/or the
+        q/k norms and beta (NORM)."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
         n = tl.load(tab + 2 * i_c)
@@ -36,32 +39,39 @@ if TRITON_AVAILABLE:
         eos = tl.load(cu + n + 1)
         rows = (t0 + tl.arange(0, BT)).to(tl.int64)
         mr = rows < eos
-        cols = tl.arange(0, BK)
-        mc = cols < K
-        m = mr[:, None] & mc[None, :]
-        off = (rows[:, None] * H + i_h) * K + cols[None, :]
-        x = tl.load(f + off, mask=m, other=0.).to(tl.float32)
-        x = x + tl.load(dt_bias + i_h * K + cols, mask=mc, other=0.).to(tl.float32)[None, :]
-        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        if USE_LB:
-            gv = lower_bound * tl.sigmoid(a * x)
-        else:
-            gv = -a * _softplus(x)
-        gv = tl.where(m, gv, 0.)
-        tl.store(gc + off, tl.cumsum(gv * 1.4426950408889634, axis=0), mask=m)  # x 1/ln 2: log2 units, exp2 is cheaper
-        bq = tl.load(q + off, mask=m, other=0.).to(tl.float32)
-        bk = tl.load(k + off, mask=m, other=0.).to(tl.float32)
-        if L2:
-            r_q = 1.0 / tl.sqrt(tl.sum(bq * bq, 1) + 1e-6)
-            r_k = 1.0 / tl.sqrt(tl.sum(bk * bk, 1) + 1e-6)
-            tl.store(rq + rows * H + i_h, r_q, mask=mr)
-            tl.store(rk + rows * H + i_h, r_k, mask=mr)
-            bq = bq * r_q[:, None]
-            bk = bk * r_k[:, None]
-        tl.store(qn + off, bq.to(qn.dtype.element_ty), mask=m)
-        tl.store(kn + off, bk.to(kn.dtype.element_ty), mask=m)
-        b = tl.load(beta + rows * H + i_h, mask=mr, other=0.).to(tl.float32)
-        tl.store(bo + rows * H + i_h, tl.sigmoid(b), mask=mr)
+        if GATE:
+            cols = tl.program_id(2) * BKG + tl.arange(0, BKG)
+            mc = cols < K
+            m = mr[:, None] & mc[None, :]
+            off = (rows[:, None] * H + i_h) * K + cols[None, :]
+            x = tl.load(f + off, mask=m, other=0.).to(tl.float32)
+            x = x + tl.load(dt_bias + i_h * K + cols, mask=mc, other=0.).to(tl.float32)[None, :]
+            a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            if USE_LB:
+                gv = lower_bound * tl.sigmoid(a * x)
+            else:
+                gv = -a * _softplus(x)
+            gv = tl.where(m, gv, 0.)
+            # x 1/ln 2: log2 units, exp2 is cheaper
+            tl.store(gc + off, tl.cumsum(gv * 1.4426950408889634, axis=0), mask=m)
+        if NORM:
+            cols = tl.arange(0, BK)
+            mc = cols < K
+            m = mr[:, None] & mc[None, :]
+            off = (rows[:, None] * H + i_h) * K + cols[None, :]
+            bq = tl.load(q + off, mask=m, other=0.).to(tl.float32)
+            bk = tl.load(k + off, mask=m, other=0.).to(tl.float32)
+            if L2:
+                r_q = 1.0 / tl.sqrt(tl.sum(bq * bq, 1) + 1e-6)
+                r_k = 1.0 / tl.sqrt(tl.sum(bk * bk, 1) + 1e-6)
+                tl.store(rq + rows * H + i_h, r_q, mask=mr)
+                tl.store(rk + rows * H + i_h, r_k, mask=mr)
+                bq = bq * r_q[:, None]
+                bk = bk * r_k[:, None]
+            tl.store(qn + off, bq.to(qn.dtype.element_ty), mask=m)
+            tl.store(kn + off, bk.to(kn.dtype.element_ty), mask=m)
+            b = tl.load(beta + rows * H + i_h, mask=mr, other=0.).to(tl.float32)
+            tl.store(bo + rows * H + i_h, tl.sigmoid(b), mask=mr)
 
     @triton.jit
     def _prep_bwd_kernel(q, k, f, A_log, dt_bias, beta_s, rq, rk, dgc, dqn, dkn, dbeta_s,
@@ -128,12 +138,17 @@ def prep_fwd(q, k, g, beta, A_log, dt_bias, lower_bound, use_l2, info, inter_dty
     rq = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
     rk = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
     if info.NC > 0:
-        _, warps, stages = launch_config("prep_fwd")
-        _prep_fwd_kernel[(info.NC, H)](
-            q, k, g, beta, A_log, dt_bias, qn, kn, gc, bs, rq, rk, info.chunk_tab, info.cu,
-            float(lower_bound) if lower_bound is not None else 0.0,
-            H=H, K=K, BK=next_pow2(K), BT=CHUNK_SIZE, USE_LB=lower_bound is not None, L2=use_l2,
-            num_warps=warps, num_stages=stages)
+        # tile: None = one program per chunk and head does everything; a width = the gate in column slices of that
+        # width, then the norms, in two launches (more programs, fewer registers each)
+        tile, warps, stages = launch_config("prep_fwd")
+        BK = next_pow2(K)
+        parts = [(True, True, BK)] if tile is None else [(True, False, min(tile, BK)), (False, True, BK)]
+        for gate, norm, bkg in parts:
+            _prep_fwd_kernel[(info.NC, H, triton.cdiv(K, bkg) if gate and not norm else 1)](
+                q, k, g, beta, A_log, dt_bias, qn, kn, gc, bs, rq, rk, info.chunk_tab, info.cu,
+                float(lower_bound) if lower_bound is not None else 0.0,
+                H=H, K=K, BK=BK, BKG=bkg, BT=CHUNK_SIZE, USE_LB=lower_bound is not None, L2=use_l2, GATE=gate,
+                NORM=norm, num_warps=warps, num_stages=stages)
     return qn, kn, gc, bs, (rq if use_l2 else None), (rk if use_l2 else None)
 
 
