@@ -136,6 +136,17 @@ def test_state_layout_helpers():
     assert vk.shape == (3, 2, 32, 16) and torch.equal(state_vk_to_kv(vk), s)
 
 
+def test_fixed_length_tables_are_reused():
+    # fixed-length batches' chunk tables are built once (building them waits for the stream); varlen ones per call
+    from kimi3_kernels.kda._utils import SeqInfo
+    a = SeqInfo.get(2, 130, None, "cpu")
+    assert a is SeqInfo.get(2, 130, None, "cpu") and a is not SeqInfo.get(2, 131, None, "cpu")
+    assert a.NC == 6 and a.chunk_tab.tolist() == [[0, 0], [0, 64], [0, 128], [1, 130], [1, 194], [1, 258]]
+    cu = torch.tensor([0, 70, 130])
+    c = SeqInfo.get(1, 130, cu, "cpu")
+    assert c is not SeqInfo.get(1, 130, cu, "cpu") and c.NC == 3 and c.cu.tolist() == [0, 70, 130]
+
+
 def test_launch_config(monkeypatch):
     from kimi3_kernels.kda._utils import LAUNCH_DEFAULTS, launch_config
     monkeypatch.setenv("KIMI3_KDA_LAUNCH", "intra_fwd=64:2:, state_fwd=:4:3")

@@ -74,6 +74,25 @@ class SeqInfo:
                           if tab else torch.zeros(0, 2, dtype=torch.int32, device=device))
         self.chunk_off = torch.tensor(off, dtype=torch.int32, device=device)
 
+    _FIXED: dict = {}
+
+    @classmethod
+    def get(cls, B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> "SeqInfo":
+        """SeqInfo(...), with fixed-length batches' tables built once per (B, T, device): building them copies
+        host lists to the device, which waits for the stream, so every call would stall the GPU until Python had
+        launched its kernels (about 0.2 ms at H=32 T=16K on an H200). Not cached while a CUDA graph is being
+        captured: tensors made then are filled only when the graph replays."""
+        device = torch.device(device)
+        if cu_seqlens is not None or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return cls(B, T, cu_seqlens, device)
+        key = (B, T, str(device))
+        info = cls._FIXED.get(key)
+        if info is None:
+            if len(cls._FIXED) >= 64:
+                cls._FIXED.clear()
+            info = cls._FIXED[key] = cls(B, T, None, device)
+        return info
+
 
 # Launch settings of the chunk kernels at K = V = 128: name -> (tile, num_warps, num_stages). `tile` is the width the
 # kernel is tiled over (its K slice or value tile: see the launch in chunk_fwd.py / chunk_bwd.py / gate.py; None:
@@ -84,9 +103,11 @@ class SeqInfo:
 # forward+backward 16.04 -> 14.53 and 33.92 -> 31.69 ms with the round's picks together; a second round around those
 # picks (91aea39) kept them but the per-column loop's tile (64,4,1 -> 128,4,1: H=32 forward 3.18 -> 3.04 ms). Since
 # unbounded gates' diagonal tiles mostly take the one-matmul path too (fcfd66e), their kernel runs best on 32-wide
-# slices and 2 warps (6ca64d8: H=32 forward 2.89 -> 2.73 ms; 1 warp 0.97x, 64:2:1 1.04x).
+# slices and 2 warps (6ca64d8: H=32 forward 2.89 -> 2.73 ms; 1 warp 0.97x, 64:2:1 1.04x), and their backward like
+# K3's (9b2537d: H=32 forward+backward 12.23 -> 11.06 ms with 32,4,2). The prep kernel's gate in 64-column slices,
+# apart from the norms (9b2537d: H=96 forward 6.51 -> 6.17 ms, H=32 1.009x).
 LAUNCH_DEFAULTS = {
-    "prep_fwd": (None, 8, 3),
+    "prep_fwd": (64, 8, 3),
     "diag_fwd": (32, 1, 1),
     "diag_fwd_loop": (32, 2, 1),
     "diag_inv": (None, 1, 1),
@@ -97,7 +118,7 @@ LAUNCH_DEFAULTS = {
     "state_bwd": (32, 8, 2),
     "main_bwd": (32, 8, 1),
     "intra_bwd": (32, 4, 2),
-    "intra_bwd_loop": (64, 4, 1),
+    "intra_bwd_loop": (32, 4, 2),
     "prep_bwd": (None, 4, 3),
 }
 

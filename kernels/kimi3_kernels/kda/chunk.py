@@ -46,7 +46,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         from .gate import prep_fwd
         B, T, H, K = q.shape
         V = v.shape[-1]
-        info = SeqInfo(B, T, cu_seqlens, q.device)
+        info = SeqInfo.get(B, T, cu_seqlens, q.device)
         qf, kf, vf, gf, bf = (_flat(x).contiguous() for x in (q, k, v, g, beta))
         A_log_c = A_log.contiguous()
         dt_c = dt_bias.contiguous()

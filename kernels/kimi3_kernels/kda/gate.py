@@ -138,11 +138,11 @@ def prep_fwd(q, k, g, beta, A_log, dt_bias, lower_bound, use_l2, info, inter_dty
     rq = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
     rk = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
     if info.NC > 0:
-        # tile: None = one program per chunk and head does everything; a width = the gate in column slices of that
-        # width, then the norms, in two launches (more programs, fewer registers each)
+        # a tile narrower than the head: the gate in column slices of that width, then the norms, in two launches
+        # (more programs, fewer registers each); else one program per chunk and head does everything
         tile, warps, stages = launch_config("prep_fwd")
         BK = next_pow2(K)
-        parts = [(True, True, BK)] if tile is None else [(True, False, min(tile, BK)), (False, True, BK)]
+        parts = [(True, True, BK)] if tile is None or tile >= K else [(True, False, tile), (False, True, BK)]
         for gate, norm, bkg in parts:
             _prep_fwd_kernel[(info.NC, H, triton.cdiv(K, bkg) if gate and not norm else 1)](
                 q, k, g, beta, A_log, dt_bias, qn, kn, gc, bs, rq, rk, info.chunk_tab, info.cu,
