@@ -199,6 +199,11 @@ def test_chunk_forward_varlen_bf16():
                      output_final_state=True)
     ro, rs = rec64(q, k, v, f, beta, A_log, dtb, -5.0, cu=cu)
     assert rel(o, ro) < TOL[torch.bfloat16] and rel(s, rs) < TOL[torch.bfloat16]
+    # tokens after the last sequence: zero outputs
+    cu = torch.tensor([0, 0, 1, 70, 120], dtype=torch.int32)
+    o, _ = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0, cu_seqlens=cu)
+    ro, _ = rec64(q, k, v, f, beta, A_log, dtb, -5.0, cu=cu)
+    assert rel(o[:, :120], ro[:, :120]) < TOL[torch.bfloat16] and o[:, 120:].eq(0).all()
 
 
 @needs_triton

@@ -61,7 +61,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         I = intra_fwd(qn, kn, vf, gc, bs, scale, lower_bound, info, store_bwd=save)
         o, ht, hs, vn = state_fwd(I, gc, h0, info, V, q.dtype, output_final_state, return_chunk_states or save, save,
                                   True, o=torch.zeros(B * T, H, V, device=q.device, dtype=q.dtype)
-                                  if cu_seqlens is not None else None)
+                                  if sum(info.lens) < B * T else None)
         ctx.saved_fwd = (I, hs, vn) if save else None
         hs = hs if return_chunk_states else None
         ctx.save_for_backward(qf, kf, vf, gf, bf, A_log_c, dt_c, h0, qn, kn, gc, bs, rq, rk)

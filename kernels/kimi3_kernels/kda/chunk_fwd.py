@@ -486,8 +486,8 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, store_states, s
     TT, H, K = W.shape
     dev = W.device
     N = info.N
-    if compute_o and o is None:
-        o = torch.zeros(TT, H, V, device=dev, dtype=out_dtype)
+    if compute_o and o is None:  # every row belongs to a chunk of some sequence (varlen callers pass zeros)
+        o = torch.empty(TT, H, V, device=dev, dtype=out_dtype)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     store_vn = store_vn or compute_o
     # the output kernel reads the entry states in the matmul dtype unless fp32 ones are asked for
