@@ -19,7 +19,9 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels"))
+# KDA_BENCH_KERNELS: another kernels folder (e.g. an older commit's, for an A/B in the same session)
+sys.path.insert(0, os.environ.get("KDA_BENCH_KERNELS") or
+                os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels"))
 from kimi3_kernels.kda import chunk_kda, fused_recurrent_kda, naive_chunk_kda, naive_recurrent_kda  # noqa: E402
 
 try:
