@@ -285,6 +285,8 @@ def timings():
             del q, k, v, f, beta, qq, kk, vv, ff
             torch.cuda.empty_cache()
             save(ARGS.out)
+    if ARGS.no_varlen:
+        return
     # varlen batch of mixed lengths (K3 gate, H=96)
     lens = [37, 4096, 513, 9000, 1, 2047, 12000, 300, 64, 4700]
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device="cuda", dtype=torch.int32)
@@ -532,6 +534,7 @@ if __name__ == "__main__":
     ap.add_argument("--sections", default="ceil,check,time,decode")
     ap.add_argument("--warmup", default=None, help="compile-only run for one gate: 'k3' or 'softplus'")
     ap.add_argument("--no-fla", action="store_true", help="time ours only (fla autotunes for minutes per shape)")
+    ap.add_argument("--no-varlen", action="store_true", help="time: skip the varlen batch (H=96)")
     ap.add_argument("--tune", default=None, help="tune only these: 'kernel=opt/opt,...' (else TUNE_FWD / TUNE_BWD)")
     ap.add_argument("--calls", default=None, help="'H:T:gate:N': N plain forward calls and nothing else (for ncu)")
     ARGS = ap.parse_args()
