@@ -51,22 +51,22 @@ class ChunkKDAFunction(torch.autograd.Function):
         A_log_c = A_log.contiguous()
         dt_c = dt_bias.contiguous()
         h0 = initial_state.contiguous().float() if initial_state is not None else None
-        # intermediates (W, U, ...) are kept in the input dtype; the Triton CPU interpreter cannot multiply bf16
-        # matrices, so it keeps them in fp32
+        # intermediates (normalised q/k, W, U, ...) are kept in the input dtype; the Triton CPU interpreter
+        # cannot multiply bf16 matrices, so it keeps them in fp32
         inter = torch.float32 if (interpret_mode() or q.dtype == torch.float32) else q.dtype
-        gc, bs, rq, rk = prep_fwd(qf, kf, gf, bf, A_log_c, dt_c, lower_bound, use_l2, info)
+        qn, kn, gc, bs, rq, rk = prep_fwd(qf, kf, gf, bf, A_log_c, dt_c, lower_bound, use_l2, info, inter)
         # KIMI3_KDA_SAVE_FWD=1 (default) keeps what the backward needs (per-chunk M, P, W, U, ..., fp32 chunk states and
         # v_new) instead of recomputing it: less time, ~(2 * 64 * 4 + 8 K) bytes per token and head more memory
         save = _save_fwd() and any(ctx.needs_input_grad)
-        I = intra_fwd(qf, kf, rq, rk, vf, gc, bs, scale, lower_bound, info, inter, store_bwd=save)
+        I = intra_fwd(qn, kn, vf, gc, bs, scale, lower_bound, info, store_bwd=save)
         o, ht, hs, vn = state_fwd(I, gc, h0, info, V, q.dtype, output_final_state, return_chunk_states or save, save,
                                   True, o=torch.zeros(B * T, H, V, device=q.device, dtype=q.dtype)
                                   if sum(info.lens) < B * T else None)
         ctx.saved_fwd = (I, hs, vn) if save else None
         hs = hs if return_chunk_states else None
-        ctx.save_for_backward(qf, kf, vf, gf, bf, A_log_c, dt_c, h0, gc, bs, rq, rk)
+        ctx.save_for_backward(qf, kf, vf, gf, bf, A_log_c, dt_c, h0, qn, kn, gc, bs, rq, rk)
         ctx.info = info
-        ctx.meta = (B, T, H, K, V, scale, lower_bound, use_l2, initial_state is not None, inter)
+        ctx.meta = (B, T, H, K, V, scale, lower_bound, use_l2, initial_state is not None)
         ctx.mark_non_differentiable(*([hs] if hs is not None else []))
         o = o.view(B, T, H, V)
         if return_chunk_states:
@@ -77,13 +77,13 @@ class ChunkKDAFunction(torch.autograd.Function):
     def backward(ctx, do, dht, *unused):
         from .chunk_bwd import chunk_bwd_core
         from .gate import prep_bwd
-        qf, kf, vf, gf, bf, A_log, dt_bias, h0, gc, bs, rq, rk = ctx.saved_tensors
-        B, T, H, K, V, scale, lower_bound, use_l2, has_h0, inter = ctx.meta
+        qf, kf, vf, gf, bf, A_log, dt_bias, h0, qn, kn, gc, bs, rq, rk = ctx.saved_tensors
+        B, T, H, K, V, scale, lower_bound, use_l2, has_h0 = ctx.meta
         info = ctx.info
         do = _flat(do).contiguous()
         dht = dht.contiguous().float() if dht is not None else None
-        dqn, dkn, dv, dG, db, dh0 = chunk_bwd_core(qf, kf, rq, rk, vf, gc, bs, scale, lower_bound, h0, do, dht,
-                                                   info, inter, saved=ctx.saved_fwd)
+        dqn, dkn, dv, dG, db, dh0 = chunk_bwd_core(qn, kn, vf, gc, bs, scale, lower_bound, h0, do, dht, info,
+                                                   saved=ctx.saved_fwd)
         ctx.saved_fwd = None
         dq, dk, df, dbeta, dA, ddt = prep_bwd(qf, kf, gf, A_log, dt_bias, bs, rq, rk, dG, dqn, dkn, db,
                                               lower_bound, use_l2, info, bf.dtype)

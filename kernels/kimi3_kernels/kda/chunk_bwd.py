@@ -22,7 +22,7 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .chunk_fwd import _chunk_span, _ld, _ld_row, _ldn, _ldn_row, _tile_span
+    from .chunk_fwd import _chunk_span, _ld, _ld_row, _tile_span
 
     @triton.jit
     def _state_bwd_kernel(W, Qg, Kd, Aqk, gc, do, dht, dh0, dhs, dvn, cu, chunk_off,
@@ -76,7 +76,7 @@ if TRITON_AVAILABLE:
             tl.store(dh0 + s_off, dS, mask=m_s)
 
     @triton.jit
-    def _main_bwd_kernel(q, k, rq, rk, v, gc, bs, Mo, Po, hs, dhs, vn, dvn, do, dv, dAs, dPs, dqn, dkn, dG, db,
+    def _main_bwd_kernel(qn, kn, v, gc, bs, Mo, Po, hs, dhs, vn, dvn, do, dv, dAs, dPs, dqn, dkn, dG, db,
                          tab, cu, scale, H, K: tl.constexpr, V: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
                          KS: tl.constexpr):
@@ -130,8 +130,8 @@ if TRITON_AVAILABLE:
                     tl.store(dv + offv, tl.dot(tl.trans(Tm), bdvn, input_precision=PREC).to(DT), mask=mrv)
             mrk = mr[:, None] & mk[None, :]
             offk = (rows[:, None] * H + i_h) * K + o_k[None, :]
-            bq = _ldn(q, rq, rows, eos, H, i_h, K, o_k, mk)
-            bk = _ldn(k, rk, rows, eos, H, i_h, K, o_k, mk)
+            bq = tl.load(qn + offk, mask=mrk, other=0.).to(tl.float32)
+            bk = tl.load(kn + offk, mask=mrk, other=0.).to(tl.float32)
             g = tl.load(gc + offk, mask=mrk, other=0.)
             gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=mk, other=0.)
             eg = tl.exp2(g)
@@ -168,7 +168,7 @@ if TRITON_AVAILABLE:
         return tl.load(ptr + (rows[:, None] * H + i_h) * BT + c[None, :], mask=(rows < eos)[:, None], other=0.)
 
     @triton.jit
-    def _diag_bwd_loop(dA, dP, q, k, g, q_ptr, k_ptr, inv_q, inv_k, g_ptr, row0, eos, H, i_h,
+    def _diag_bwd_loop(dA, dP, q, k, g, q_ptr, k_ptr, g_ptr, row0, eos, H, i_h,
                        K: tl.constexpr, cols, mc, BC: tl.constexpr):
         """Diagonal tile, any gate. Rows: dq_i = sum_j dA_ij k_j e^(G_i-G_j), dkr_i = sum_j dP_ij k_j e^(..);
         columns: dkc_j = sum_i (dA_ij q_i + dP_ij k_i) e^(G_i - G_j)."""
@@ -177,8 +177,8 @@ if TRITON_AVAILABLE:
         rk = tl.zeros_like(q)
         ck = tl.zeros_like(q)
         for j in range(0, BC):
-            kj = _ldn_row(k_ptr, inv_k, row0 + j, eos, H, i_h, K, cols, mc)
-            qj = _ldn_row(q_ptr, inv_q, row0 + j, eos, H, i_h, K, cols, mc)
+            kj = _ld_row(k_ptr, row0 + j, eos, H, i_h, K, cols, mc)
+            qj = _ld_row(q_ptr, row0 + j, eos, H, i_h, K, cols, mc)
             gj = _ld_row(g_ptr, row0 + j, eos, H, i_h, K, cols, mc)
             # as column j: rows i >= j
             vi = ((row0 + o) < eos)[:, None]
@@ -206,7 +206,7 @@ if TRITON_AVAILABLE:
         return dq, dr, dc
 
     @triton.jit
-    def _intra_bwd_kernel(q_ptr, k_ptr, rq, rk, gc, dAs, dPs, dqn, dkn, dG, tab, cu, max_span,
+    def _intra_bwd_kernel(qn, kn, gc, dAs, dPs, dqn, dkn, dG, tab, cu, max_span,
                           H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                           BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
         i_c = tl.program_id(0)
@@ -245,14 +245,14 @@ if TRITON_AVAILABLE:
         for i_k in range(0, tl.cdiv(K, BK)):
             cols = i_k * BK + tl.arange(0, BK)
             mc = cols < K
-            q0 = _ldn(q_ptr, rq, r0, eos, H, i_h, K, cols, mc)
-            q1 = _ldn(q_ptr, rq, r1, eos, H, i_h, K, cols, mc)
-            q2 = _ldn(q_ptr, rq, r2, eos, H, i_h, K, cols, mc)
-            q3 = _ldn(q_ptr, rq, r3, eos, H, i_h, K, cols, mc)
-            k0 = _ldn(k_ptr, rk, r0, eos, H, i_h, K, cols, mc)
-            k1 = _ldn(k_ptr, rk, r1, eos, H, i_h, K, cols, mc)
-            k2 = _ldn(k_ptr, rk, r2, eos, H, i_h, K, cols, mc)
-            k3 = _ldn(k_ptr, rk, r3, eos, H, i_h, K, cols, mc)
+            q0 = _ld(qn, r0, eos, H, i_h, K, cols, mc)
+            q1 = _ld(qn, r1, eos, H, i_h, K, cols, mc)
+            q2 = _ld(qn, r2, eos, H, i_h, K, cols, mc)
+            q3 = _ld(qn, r3, eos, H, i_h, K, cols, mc)
+            k0 = _ld(kn, r0, eos, H, i_h, K, cols, mc)
+            k1 = _ld(kn, r1, eos, H, i_h, K, cols, mc)
+            k2 = _ld(kn, r2, eos, H, i_h, K, cols, mc)
+            k3 = _ld(kn, r3, eos, H, i_h, K, cols, mc)
             g0 = _ld(gc, r0, eos, H, i_h, K, cols, mc)
             g1 = _ld(gc, r1, eos, H, i_h, K, cols, mc)
             g2 = _ld(gc, r2, eos, H, i_h, K, cols, mc)
@@ -338,23 +338,19 @@ if TRITON_AVAILABLE:
                 dr3 += y
                 dc3 += z
             else:
-                x, y, z = _diag_bwd_loop(a00, p00, q0, k0, g0, q_ptr, k_ptr, rq, rk, gc, t0, eos, H, i_h, K,
-                                         cols, mc, BC)
+                x, y, z = _diag_bwd_loop(a00, p00, q0, k0, g0, qn, kn, gc, t0, eos, H, i_h, K, cols, mc, BC)
                 dq0 += x
                 dr0 += y
                 dc0 += z
-                x, y, z = _diag_bwd_loop(a11, p11, q1, k1, g1, q_ptr, k_ptr, rq, rk, gc, t0 + BC, eos, H, i_h, K,
-                                         cols, mc, BC)
+                x, y, z = _diag_bwd_loop(a11, p11, q1, k1, g1, qn, kn, gc, t0 + BC, eos, H, i_h, K, cols, mc, BC)
                 dq1 += x
                 dr1 += y
                 dc1 += z
-                x, y, z = _diag_bwd_loop(a22, p22, q2, k2, g2, q_ptr, k_ptr, rq, rk, gc, t0 + 2 * BC, eos, H, i_h, K,
-                                         cols, mc, BC)
+                x, y, z = _diag_bwd_loop(a22, p22, q2, k2, g2, qn, kn, gc, t0 + 2 * BC, eos, H, i_h, K, cols, mc, BC)
                 dq2 += x
                 dr2 += y
                 dc2 += z
-                x, y, z = _diag_bwd_loop(a33, p33, q3, k3, g3, q_ptr, k_ptr, rq, rk, gc, t0 + 3 * BC, eos, H, i_h, K,
-                                         cols, mc, BC)
+                x, y, z = _diag_bwd_loop(a33, p33, q3, k3, g3, qn, kn, gc, t0 + 3 * BC, eos, H, i_h, K, cols, mc, BC)
                 dq3 += x
                 dr3 += y
                 dc3 += z
@@ -384,25 +380,25 @@ def _main_bwd_ksplit(BK):
     return max(ks, 1)
 
 
-def chunk_bwd_core(q, k, rq, rk, v, gc, bs, scale, lower_bound, h0, do, dht, info, inter, saved=None):
+def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, saved=None):
     """Returns dqn, dkn (w.r.t. the normalised q, k), dv, dG (w.r.t. the chunk-local cumsum, natural
     log units), dbeta (w.r.t. sigmoid(beta)) in fp32, and dh0. `saved` = (I, hs, vn) kept by the forward
     (KIMI3_KDA_SAVE_FWD=1) skips recomputing the per-chunk quantities and the state scan."""
     from .chunk_fwd import intra_fwd, state_fwd
-    TT, H, K = q.shape
+    TT, H, K = qn.shape
     V = v.shape[-1]
-    dev = q.device
+    dev = qn.device
     BT = CHUNK_SIZE
     if saved is not None:
         I, hs, vn = saved
     else:
-        I = intra_fwd(q, k, rq, rk, v, gc, bs, scale, lower_bound, info, inter, store_bwd=True)
-        _, _, hs, vn = state_fwd(I, gc, h0, info, V, inter, False, True, True, False)
+        I = intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=True)
+        _, _, hs, vn = state_fwd(I, gc, h0, info, V, qn.dtype, False, True, True, False)
     dvn = torch.empty(TT, H, V, device=dev, dtype=torch.float32)
     dhs = torch.empty(max(info.NC, 1), H, K, V, device=dev, dtype=torch.float32)
     dh0 = torch.empty(info.N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
     BK = next_pow2(K)
-    prec = _prec(inter)
+    prec = _prec(qn.dtype)
     if info.N > 0:
         bv, warps, stages = launch_config("state_bwd")
         BV = min(bv, next_pow2(V))
@@ -421,12 +417,12 @@ def chunk_bwd_core(q, k, rq, rk, v, gc, bs, scale, lower_bound, h0, do, dht, inf
     if info.NC > 0:
         bv, warps, stages = launch_config("main_bwd")
         _main_bwd_kernel[(info.NC, H)](
-            q, k, rq, rk, v, gc, bs, I["M"], I["P"], hs, dhs, vn, dvn, do, dv, dAs, dPs, dqn, dkn, dG, db,
+            qn, kn, v, gc, bs, I["M"], I["P"], hs, dhs, vn, dvn, do, dv, dAs, dPs, dqn, dkn, dG, db,
             info.chunk_tab, info.cu, scale, H=H, K=K, V=V, BK=BK, BV=min(bv, next_pow2(V)), BT=BT,
             PREC=prec, KS=_main_bwd_ksplit(BK), num_warps=warps, num_stages=stages)
         safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
         bk, warps, stages = launch_config("intra_bwd" if safe else "intra_bwd_loop")
         _intra_bwd_kernel[(info.NC, H)](
-            q, k, rq, rk, gc, dAs, dPs, dqn, dkn, dG, info.chunk_tab, info.cu, DENSE_MAX_SPAN,
+            qn, kn, gc, dAs, dPs, dqn, dkn, dG, info.chunk_tab, info.cu, DENSE_MAX_SPAN,
             H=H, K=K, BK=min(bk, BK), BT=BT, BC=16, SAFE=safe, PREC=prec, num_warps=warps, num_stages=stages)
     return dqn, dkn, dv, dG, db, dh0

@@ -44,23 +44,14 @@ if TRITON_AVAILABLE:
         return tl.load(ptr + (row * H + i_h) * D + cols, mask=mc & ((cols * 0 + row) < eos), other=0.).to(tl.float32)
 
     @triton.jit
-    def _ldn(ptr, r, rows, eos, H, i_h, D: tl.constexpr, cols, mc):
-        """Rows of q or k, L2-normalised: the raw values times the 1/norm the prep kernel stored per row."""
-        return _ld(ptr, rows, eos, H, i_h, D, cols, mc) * tl.load(r + rows * H + i_h, mask=rows < eos, other=0.)[:, None]
-
-    @triton.jit
-    def _ldn_row(ptr, r, row, eos, H, i_h, D: tl.constexpr, cols, mc):
-        return _ld_row(ptr, row, eos, H, i_h, D, cols, mc) * tl.load(r + row * H + i_h, mask=row < eos, other=0.)
-
-    @triton.jit
-    def _diag_loop(aI, kI, gI, k_ptr, rk, g_ptr, row0, eos, H, i_h, K: tl.constexpr, cols, mc,
+    def _diag_loop(aI, kI, gI, k_ptr, g_ptr, row0, eos, H, i_h, K: tl.constexpr, cols, mc,
                    BC: tl.constexpr):
         """Diagonal 16x16 tile, any gate: column by column with per-pair exponents (all <= 1)."""
         o_i = tl.arange(0, BC)
         acc_a = tl.zeros([BC, BC], dtype=tl.float32)
         acc_k = tl.zeros([BC, BC], dtype=tl.float32)
         for j in range(0, BC):
-            kj = _ldn_row(k_ptr, rk, row0 + j, eos, H, i_h, K, cols, mc)
+            kj = _ld_row(k_ptr, row0 + j, eos, H, i_h, K, cols, mc)
             gj = _ld_row(g_ptr, row0 + j, eos, H, i_h, K, cols, mc)
             ok = (o_i[:, None] >= j) & ((row0 + o_i) < eos)[:, None]
             e = tl.exp2(tl.where(ok, gI - gj[None, :], -float("inf"))) * kj[None, :]
@@ -120,7 +111,7 @@ if TRITON_AVAILABLE:
         return n, tl.load(tab + 2 * i_c + 1).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
 
     @triton.jit
-    def _intra_fwd_kernel(q, k, rq, rk, gc, bs, Aqk, Mo, Po, Tm, Pd, Md, tab, cu, scale,
+    def _intra_fwd_kernel(qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, Md, tab, cu, scale,
                           H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                           STORE_BWD: tl.constexpr, PREC: tl.constexpr, MINV: tl.constexpr):
         """The six off-diagonal 16x16 tiles of Aqk and P for one chunk and head, then the blockwise inverse and
@@ -153,13 +144,13 @@ if TRITON_AVAILABLE:
         for i_k in range(0, tl.cdiv(K, BK)):
             cols = i_k * BK + tl.arange(0, BK)
             mc = cols < K
-            k0 = _ldn(k, rk, r0, eos, H, i_h, K, cols, mc)
-            k1 = _ldn(k, rk, r1, eos, H, i_h, K, cols, mc)
-            k2 = _ldn(k, rk, r2, eos, H, i_h, K, cols, mc)
-            k3 = _ldn(k, rk, r3, eos, H, i_h, K, cols, mc)
-            q1 = _ldn(q, rq, r1, eos, H, i_h, K, cols, mc)
-            q2 = _ldn(q, rq, r2, eos, H, i_h, K, cols, mc)
-            q3 = _ldn(q, rq, r3, eos, H, i_h, K, cols, mc)
+            k0 = _ld(kn, r0, eos, H, i_h, K, cols, mc)
+            k1 = _ld(kn, r1, eos, H, i_h, K, cols, mc)
+            k2 = _ld(kn, r2, eos, H, i_h, K, cols, mc)
+            k3 = _ld(kn, r3, eos, H, i_h, K, cols, mc)
+            q1 = _ld(qn, r1, eos, H, i_h, K, cols, mc)
+            q2 = _ld(qn, r2, eos, H, i_h, K, cols, mc)
+            q3 = _ld(qn, r3, eos, H, i_h, K, cols, mc)
             g0 = _ld(gc, r0, eos, H, i_h, K, cols, mc)
             g1 = _ld(gc, r1, eos, H, i_h, K, cols, mc)
             g2 = _ld(gc, r2, eos, H, i_h, K, cols, mc)
@@ -259,7 +250,7 @@ if TRITON_AVAILABLE:
         return tl.max(tl.max(tl.where(valid, ref[None, :] - g, 0.), 1), 0)
 
     @triton.jit
-    def _diag_fwd_kernel(q_ptr, k_ptr, rq, rk, gc, Aqk, Pd, tab, cu, scale, max_span, H, K: tl.constexpr, BK: tl.constexpr,
+    def _diag_fwd_kernel(qn, kn, gc, Aqk, Pd, tab, cu, scale, max_span, H, K: tl.constexpr, BK: tl.constexpr,
                          BT: tl.constexpr, BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
         """The four diagonal 16x16 tiles of a chunk, one program per tile (4x the parallelism of the pairwise
         kernel, a fraction of its registers): Aqk's go straight to Aqk, the key-key ones to Pd [TT, H, BC].
@@ -279,8 +270,8 @@ if TRITON_AVAILABLE:
         for i_k in range(0, tl.cdiv(K, BK)):
             cols = i_k * BK + tl.arange(0, BK)
             mc = cols < K
-            q = _ldn(q_ptr, rq, rows, eos, H, i_h, K, cols, mc)
-            k = _ldn(k_ptr, rk, rows, eos, H, i_h, K, cols, mc)
+            q = _ld(qn, rows, eos, H, i_h, K, cols, mc)
+            k = _ld(kn, rows, eos, H, i_h, K, cols, mc)
             g = _ld(gc, rows, eos, H, i_h, K, cols, mc)
             ref = _ld_row(gc, tl.minimum(t0, last), eos, H, i_h, K, cols, mc)
             dense = SAFE
@@ -292,7 +283,7 @@ if TRITON_AVAILABLE:
                 acc_a += tl.dot(q * e, kt, input_precision=PREC)
                 acc_k += tl.dot(k * e, kt, input_precision=PREC)
             else:
-                x, y = _diag_loop(q, k, g, k_ptr, rk, gc, t0, eos, H, i_h, K, cols, mc, BC)
+                x, y = _diag_loop(q, k, g, kn, gc, t0, eos, H, i_h, K, cols, mc, BC)
                 acc_a += x
                 acc_k += y
         incl = o_c[:, None] >= o_c[None, :]
@@ -315,7 +306,7 @@ if TRITON_AVAILABLE:
         _st_blk(Md, m, rows, eos, H, i_h, BC, 0, BC)
 
     @triton.jit
-    def _wu_fwd_kernel(q_ptr, k_ptr, rq, rk, v, gc, Tm, W, U, Qg, Kd, tab, cu, scale, H, K: tl.constexpr, V: tl.constexpr,
+    def _wu_fwd_kernel(qn, kn, v, gc, Tm, W, U, Qg, Kd, tab, cu, scale, H, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
         """W = T (k * exp(Gam)), U = T v, Qg, Kd for one chunk and head: whole-chunk [BT, BT] x [BT, BK] products
         (the pairwise kernel above keeps only the 16-row tiles it must)."""
@@ -331,13 +322,13 @@ if TRITON_AVAILABLE:
         for i_k in range(0, tl.cdiv(K, BK)):
             cols = i_k * BK + tl.arange(0, BK)
             mc = cols < K
-            k = _ldn(k_ptr, rk, rows, eos, H, i_h, K, cols, mc)
+            k = _ld(kn, rows, eos, H, i_h, K, cols, mc)
             g = _ld(gc, rows, eos, H, i_h, K, cols, mc)
             gl = _ld_row(gc, last, eos, H, i_h, K, cols, mc)
             eg = tl.exp2(g)
             _st_blk(W, tl.dot(t, (k * eg).to(DT), input_precision=PREC).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
             _st_blk(Kd, (k * tl.exp2(gl[None, :] - g)).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
-            q = _ldn(q_ptr, rq, rows, eos, H, i_h, K, cols, mc)
+            q = _ld(qn, rows, eos, H, i_h, K, cols, mc)
             _st_blk(Qg, (q * eg * scale).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
         for i_v in range(0, tl.cdiv(V, BV)):
             cols = i_v * BV + tl.arange(0, BV)
@@ -438,13 +429,11 @@ def _prec(dtype):
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def intra_fwd(q, k, rq, rk, v, gc, bs, scale, lower_bound, info, inter, store_bwd=False):
-    """q, k raw [TT, H, K] with rq, rk their per-row 1/norms (prep_fwd); `inter` the dtype of the matmul operands
-    and of W, U, Qg, Kd."""
-    TT, H, K = q.shape
+def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
+    TT, H, K = qn.shape
     V = v.shape[-1]
-    dev = q.device
-    DT = inter
+    dev = qn.device
+    DT = qn.dtype
     BT = CHUNK_SIZE
     Aqk = torch.empty(TT, H, BT, device=dev, dtype=torch.float32)
     W = torch.empty(TT, H, K, device=dev, dtype=DT)
@@ -463,7 +452,7 @@ def intra_fwd(q, k, rq, rk, v, gc, bs, scale, lower_bound, info, inter, store_bw
         # kernel in two launches, was slower at both shapes (bench/results/kda_h200.md, sweep of 76324af).
         bk, warps, stages = launch_config("diag_fwd" if safe else "diag_fwd_loop")
         _diag_fwd_kernel[(info.NC * (BT // 16), H)](
-            q, k, rq, rk, gc, Aqk, Pd, info.chunk_tab, info.cu, scale, DENSE_MAX_SPAN, H=H, K=K, BK=min(bk, next_pow2(K)),
+            qn, kn, gc, Aqk, Pd, info.chunk_tab, info.cu, scale, DENSE_MAX_SPAN, H=H, K=K, BK=min(bk, next_pow2(K)),
             BT=BT, BC=16, SAFE=safe, PREC=_prec(DT), num_warps=warps, num_stages=stages)
         Md = Pd
         minv = _diag_inv()
@@ -475,12 +464,12 @@ def intra_fwd(q, k, rq, rk, v, gc, bs, scale, lower_bound, info, inter, store_bw
         # at K = 128 the pairwise kernel sits at sm_90's 255-register cap
         bk, warps, stages = launch_config("intra_fwd")
         _intra_fwd_kernel[(info.NC, H)](
-            q, k, rq, rk, gc, bs, Aqk, Mo, Po, Tm, Pd, Md, info.chunk_tab, info.cu, scale,
+            qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, Md, info.chunk_tab, info.cu, scale,
             H=H, K=K, BK=min(bk, next_pow2(K)), BT=BT, BC=16, STORE_BWD=store_bwd, PREC=_prec(DT), MINV=minv,
             num_warps=warps, num_stages=stages)
         bk, warps, stages = launch_config("wu_fwd")
         _wu_fwd_kernel[(info.NC, H)](
-            q, k, rq, rk, v, gc, Tm, W, U, Qg, Kd, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
+            qn, kn, v, gc, Tm, W, U, Qg, Kd, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
             BK=min(bk, next_pow2(K)), BV=min(bk, next_pow2(V)), BT=BT, PREC=_prec(DT), num_warps=warps,
             num_stages=stages)
     out = dict(Aqk=Aqk, W=W, U=U, Qg=Qg, Kd=Kd)

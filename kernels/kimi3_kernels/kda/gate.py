@@ -4,7 +4,7 @@ Forward (`prep_fwd`): per 64-token chunk and head, in fp32,
   g  = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))      (K3, lower_bound given)
   g  = -exp(A_log[h]) * softplus(f + dt_bias)                     (Kimi Linear)
   gc = chunk-local inclusive cumsum of g, stored in log2 units (x 1/ln2)
-  rq, rk = 1 / norms of q, k rows (l2norm: x / sqrt(sum x^2 + 1e-6)), beta = sigmoid(beta_raw)
+  qn, kn = l2norm(q), l2norm(k)   (x / sqrt(sum x^2 + 1e-6)), beta = sigmoid(beta_raw)
 The PyTorch reference of the same math is `reference.kda_gate` / `reference.l2norm`.
 
 Backward (`prep_bwd`): from dgc (gradient w.r.t. the chunk-local cumsum, natural-log units),
@@ -26,12 +26,12 @@ if TRITON_AVAILABLE:
         return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
 
     @triton.jit
-    def _prep_fwd_kernel(q, k, f, beta, A_log, dt_bias, gc, bo, rq, rk, tab, cu,
+    def _prep_fwd_kernel(q, k, f, beta, A_log, dt_bias, qn, kn, gc, bo, rq, rk, tab, cu,
                          lower_bound, H, K: tl.constexpr, BK: tl.constexpr, BKG: tl.constexpr,
                          BT: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr, GATE: tl.constexpr,
                          NORM: tl.constexpr):
         """One chunk and head: the gate's cumsum (GATE; columns in slices of BKG along grid axis 2) and/or the
-        q/k rows' 1/norms (1 without L2) and beta (NORM). The chunk kernels normalise q and k as they load them."""
+        q/k norms and beta (NORM)."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
         n = tl.load(tab + 2 * i_c)
@@ -59,16 +59,17 @@ if TRITON_AVAILABLE:
             mc = cols < K
             m = mr[:, None] & mc[None, :]
             off = (rows[:, None] * H + i_h) * K + cols[None, :]
+            bq = tl.load(q + off, mask=m, other=0.).to(tl.float32)
+            bk = tl.load(k + off, mask=m, other=0.).to(tl.float32)
             if L2:
-                bq = tl.load(q + off, mask=m, other=0.).to(tl.float32)
-                bk = tl.load(k + off, mask=m, other=0.).to(tl.float32)
                 r_q = 1.0 / tl.sqrt(tl.sum(bq * bq, 1) + 1e-6)
                 r_k = 1.0 / tl.sqrt(tl.sum(bk * bk, 1) + 1e-6)
-            else:
-                r_q = tl.full([BT], 1.0, tl.float32)
-                r_k = r_q
-            tl.store(rq + rows * H + i_h, r_q, mask=mr)
-            tl.store(rk + rows * H + i_h, r_k, mask=mr)
+                tl.store(rq + rows * H + i_h, r_q, mask=mr)
+                tl.store(rk + rows * H + i_h, r_k, mask=mr)
+                bq = bq * r_q[:, None]
+                bk = bk * r_k[:, None]
+            tl.store(qn + off, bq.to(qn.dtype.element_ty), mask=m)
+            tl.store(kn + off, bk.to(kn.dtype.element_ty), mask=m)
             b = tl.load(beta + rows * H + i_h, mask=mr, other=0.).to(tl.float32)
             tl.store(bo + rows * H + i_h, tl.sigmoid(b), mask=mr)
 
@@ -126,15 +127,16 @@ if TRITON_AVAILABLE:
         tl.store(dbeta + rows * H + i_h, (db * b * (1.0 - b)).to(dbeta.dtype.element_ty), mask=mr)
 
 
-def prep_fwd(q, k, g, beta, A_log, dt_bias, lower_bound, use_l2, info):
-    """q, k, g: [TT, H, K] (flattened tokens); beta: [TT, H]. Returns gc, beta_s, and rq, rk: each q / k row's
-    1 / norm (ones without L2), which the chunk kernels apply as they load q and k."""
+def prep_fwd(q, k, g, beta, A_log, dt_bias, lower_bound, use_l2, info, inter_dtype):
+    """q, k, g: [TT, H, K] (flattened tokens); beta: [TT, H]. Returns qn, kn, gc, beta_s, rq, rk."""
     TT, H, K = q.shape
     dev = q.device
+    qn = torch.empty(TT, H, K, device=dev, dtype=inter_dtype)
+    kn = torch.empty_like(qn)
     gc = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
     bs = torch.empty(TT, H, device=dev, dtype=torch.float32)
-    rq = torch.empty(TT, H, device=dev, dtype=torch.float32)
-    rk = torch.empty(TT, H, device=dev, dtype=torch.float32)
+    rq = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
+    rk = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
     if info.NC > 0:
         # a tile narrower than the head: the gate in column slices of that width, then the norms, in two launches
         # (more programs, fewer registers each); else one program per chunk and head does everything
@@ -143,11 +145,11 @@ def prep_fwd(q, k, g, beta, A_log, dt_bias, lower_bound, use_l2, info):
         parts = [(True, True, BK)] if tile is None or tile >= K else [(True, False, tile), (False, True, BK)]
         for gate, norm, bkg in parts:
             _prep_fwd_kernel[(info.NC, H, triton.cdiv(K, bkg) if gate and not norm else 1)](
-                q, k, g, beta, A_log, dt_bias, gc, bs, rq, rk, info.chunk_tab, info.cu,
+                q, k, g, beta, A_log, dt_bias, qn, kn, gc, bs, rq, rk, info.chunk_tab, info.cu,
                 float(lower_bound) if lower_bound is not None else 0.0,
                 H=H, K=K, BK=BK, BKG=bkg, BT=CHUNK_SIZE, USE_LB=lower_bound is not None, L2=use_l2, GATE=gate,
                 NORM=norm, num_warps=warps, num_stages=stages)
-    return gc, bs, rq, rk
+    return qn, kn, gc, bs, (rq if use_l2 else None), (rk if use_l2 else None)
 
 
 def prep_bwd(q, k, g, A_log, dt_bias, beta_s, rq, rk, dgc, dqn, dkn, dbeta_s, lower_bound, use_l2, info,
