@@ -200,6 +200,16 @@ def check():
     o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, output_final_state=True)
     ro, rs = naive_chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, output_final_state=True)
     rec(test="strong_decay_fp32", o_rel=rel(o, ro), state_rel=rel(s, rs), o_nan=bool(o.isnan().any()))
+    # 5b) moderate decay (plain gate): diagonal tiles on both sides of chunk_fwd.DENSE_MAX_SPAN, gradients
+    ins = list(inputs(1, 1000, 4, 128, 128, torch.float32, seed=9, A_scale=1.6))
+    grads = []
+    for fn in (chunk_kda, naive_chunk_kda):
+        xs = [x.detach().clone().requires_grad_() for x in ins]
+        o, _ = fn(*xs[:5], A_log=xs[5], dt_bias=xs[6])
+        o.pow(2).sum().backward()
+        grads.append([x.grad for x in xs])
+    rec(test="moderate_decay_grads_fp32", **{n: rel(a, b) for n, a, b in
+                                             zip(["q", "k", "v", "g", "beta", "A_log", "dt_bias"], *grads)})
     # 6) chunk states for prefix caching
     q, k, v, f, beta, A_log, dtb = inputs(1, 1000, 8, 128, 128, torch.float32, seed=6)
     _, _, cs = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0, return_chunk_states=True)
