@@ -80,8 +80,8 @@ class SeqInfo:
     def get(cls, B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> "SeqInfo":
         """SeqInfo(...), with fixed-length batches' tables built once per (B, T, device): building them copies
         host lists to the device, which waits for the stream, so every call would stall the GPU until Python had
-        launched its kernels (about 0.2 ms at H=32 T=16K on an H200). Not cached while a CUDA graph is being
-        captured: tensors made then are filled only when the graph replays."""
+        launched its kernels (at 6ca64d8 an H=32 T=16K forward took 2.89 ms on an H200 against 2.66 ms of kernel
+        time). Not cached while a CUDA graph is being captured: tensors made then are filled only when it replays."""
         device = torch.device(device)
         if cu_seqlens is not None or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return cls(B, T, cu_seqlens, device)
