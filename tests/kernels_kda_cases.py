@@ -157,6 +157,10 @@ def test_launch_config(monkeypatch):
         monkeypatch.setenv("KIMI3_KDA_LAUNCH", bad)
         with pytest.raises(ValueError, match="KIMI3_KDA_LAUNCH"):
             launch_config("wu_fwd")
+    from kimi3_kernels.kda.chunk_fwd import _diag_inv
+    monkeypatch.setenv("KIMI3_KDA_DIAG_INV", "3")
+    with pytest.raises(ValueError, match="KIMI3_KDA_DIAG_INV"):
+        _diag_inv()
 
 
 def test_import_without_triton():
@@ -212,7 +216,7 @@ def test_chunk_forward_varlen_bf16():
                                              ("intra_fwd=32:4:1", "1"), ("intra_fwd=16:2:2", "1"),
                                              ("intra_fwd=64:1:1,diag_fwd=64:1:1,wu_fwd=32:2:1,state_fwd=64:4:1,"
                                               "output_fwd=32:2:3,prep_fwd=:1:,diag_fwd_loop=32:2:1", "1"),
-                                             ("prep_fwd=16::,diag_fwd_loop=128:4:1", "1")])
+                                             ("prep_fwd=16::,diag_fwd_loop=128:4:1", "1"), ("", "2")])
 def test_chunk_forward_launch_options(launch, diag_inv, monkeypatch):
     # the kernels' tile widths, warps and stages (KIMI3_KDA_LAUNCH; a prep_fwd tile splits the gate from the norms)
     # and the diagonal blocks' inverses in their own kernel (bench/kda.py sweeps them on the GPU): same results, both
@@ -262,6 +266,8 @@ def test_chunk_varlen(lb):
 @pytest.mark.parametrize("lb,env,K", [(-5.0, {}, 16), (None, {}, 16),
                                       (None, dict(KIMI3_KDA_LAUNCH="intra_fwd=16:4:1", KIMI3_KDA_SAVE_FWD="0"), 16),
                                       (None, dict(KIMI3_KDA_DIAG_INV="0"), 16),
+                                      (None, dict(KIMI3_KDA_DIAG_INV="2"), 16),
+                                      (-5.0, dict(KIMI3_KDA_DIAG_INV="2"), 16),
                                       (-5.0, dict(KIMI3_KDA_SAVE_FWD="0"), 16),
                                       (None, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="1"), 64),
                                       (None, {}, 64),
@@ -272,7 +278,8 @@ def test_chunk_varlen(lb):
 def test_chunk_gradients(lb, env, K, monkeypatch):
     # the backward reuses the per-chunk quantities the forward kept (default) or, with KIMI3_KDA_SAVE_FWD=0,
     # recomputes them; KIMI3_KDA_MAIN_BWD_KSPLIT runs the main backward kernel's K columns in slices (default 2;
-    # 1 = all at once), KIMI3_KDA_DIAG_INV=0 keeps the diagonal blocks' inverses inside the pairwise kernel
+    # 1 = all at once), KIMI3_KDA_DIAG_INV=0 keeps the diagonal blocks' inverses inside the pairwise kernel and 2 forms
+    # them in the diagonal-tile kernel
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     from kimi3_kernels.kda import chunk_fwd

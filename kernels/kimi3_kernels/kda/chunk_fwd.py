@@ -250,12 +250,13 @@ if TRITON_AVAILABLE:
         return tl.max(tl.max(tl.where(valid, ref[None, :] - g, 0.), 1), 0)
 
     @triton.jit
-    def _diag_fwd_kernel(qn, kn, gc, Aqk, Pd, tab, cu, scale, max_span, H, K: tl.constexpr, BK: tl.constexpr,
-                         BT: tl.constexpr, BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
+    def _diag_fwd_kernel(qn, kn, gc, bs, Aqk, Pd, Md, tab, cu, scale, max_span, H, K: tl.constexpr,
+                         BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SAFE: tl.constexpr,
+                         PREC: tl.constexpr, INV: tl.constexpr):
         """The four diagonal 16x16 tiles of a chunk, one program per tile (4x the parallelism of the pairwise
         kernel, a fraction of its registers): Aqk's go straight to Aqk, the key-key ones to Pd [TT, H, BC].
         Without a static bound (SAFE) each K slice checks its gate span: one matmul when the span is at most
-        max_span, the per-column loop otherwise."""
+        max_span, the per-column loop otherwise. INV: also (I + Diag(beta) P_dd)^-1 into Md, as _diag_inv_kernel."""
         i_s = tl.program_id(0)
         i_h = tl.program_id(1)
         i_c = i_s // (BT // BC)
@@ -290,6 +291,9 @@ if TRITON_AVAILABLE:
         strict = o_c[:, None] > o_c[None, :]
         _st_blk(Aqk, tl.where(incl, acc_a, 0.) * scale, rows, eos, H, i_h, BT, sub * BC, BC)
         _st_blk(Pd, tl.where(strict, acc_k, 0.), rows, eos, H, i_h, BC, 0, BC)
+        if INV:
+            b = tl.load(bs + rows * H + i_h, mask=rows < eos, other=0.)
+            _st_blk(Md, _inv_unit_lower(b[:, None] * tl.where(strict, acc_k, 0.), BC), rows, eos, H, i_h, BC, 0, BC)
 
     @triton.jit
     def _diag_inv_kernel(Pd, bs, Md, tab, cu, H, BT: tl.constexpr, BC: tl.constexpr):
@@ -417,11 +421,15 @@ if TRITON_AVAILABLE:
 
 
 def _diag_inv():
-    """KIMI3_KDA_DIAG_INV=1|0 (default 1): the inverses of the diagonal blocks come from `_diag_inv_kernel`, not from
-    inside the pairwise kernel (forward at H=32 / 96, T=16K on an H200: 4.77 / 11.53 -> 4.00 / 10.02 ms, 9b619ae,
-    bench/results/kda_h200.md)."""
+    """Where the inverses of the diagonal 16x16 blocks are formed, KIMI3_KDA_DIAG_INV: 1 (default) `_diag_inv_kernel`,
+    0 inside the pairwise kernel (forward at H=32 / 96, T=16K on an H200: 4.77 / 11.53 -> 4.00 / 10.02 ms with 1,
+    9b619ae, bench/results/kda_h200.md), 2 at the end of `_diag_fwd_kernel` (one launch and one read of the blocks
+    fewer; not yet timed)."""
     import os
-    return os.environ.get("KIMI3_KDA_DIAG_INV", "1").strip() not in ("", "0")
+    mode = os.environ.get("KIMI3_KDA_DIAG_INV", "1").strip() or "0"
+    if mode not in ("0", "1", "2"):
+        raise ValueError(f"KIMI3_KDA_DIAG_INV must be 0, 1 or 2, got {mode!r}")
+    return int(mode)
 
 
 def _prec(dtype):
@@ -450,14 +458,14 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
         # off-diagonal ones and the solve in the pairwise kernel: forward 1.38x at H=32, T=16K and 1.05x at H=96
         # on the H200 against the diagonal tiles inside the pairwise kernel, which, like splitting the pairwise
         # kernel in two launches, was slower at both shapes (bench/results/kda_h200.md, sweep of 76324af).
+        inv = _diag_inv()
+        Md = torch.empty_like(Pd) if inv else Pd
         bk, warps, stages = launch_config("diag_fwd" if safe else "diag_fwd_loop")
         _diag_fwd_kernel[(info.NC * (BT // 16), H)](
-            qn, kn, gc, Aqk, Pd, info.chunk_tab, info.cu, scale, DENSE_MAX_SPAN, H=H, K=K, BK=min(bk, next_pow2(K)),
-            BT=BT, BC=16, SAFE=safe, PREC=_prec(DT), num_warps=warps, num_stages=stages)
-        Md = Pd
-        minv = _diag_inv()
-        if minv:
-            Md = torch.empty_like(Pd)
+            qn, kn, gc, bs, Aqk, Pd, Md, info.chunk_tab, info.cu, scale, DENSE_MAX_SPAN, H=H, K=K,
+            BK=min(bk, next_pow2(K)), BT=BT, BC=16, SAFE=safe, PREC=_prec(DT), INV=inv == 2, num_warps=warps,
+            num_stages=stages)
+        if inv == 1:
             _, warps, stages = launch_config("diag_inv")
             _diag_inv_kernel[(info.NC * (BT // 16), H)](Pd, bs, Md, info.chunk_tab, info.cu, H=H, BT=BT, BC=16,
                                                          num_warps=warps, num_stages=stages)
@@ -465,7 +473,7 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
         bk, warps, stages = launch_config("intra_fwd")
         _intra_fwd_kernel[(info.NC, H)](
             qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, Md, info.chunk_tab, info.cu, scale,
-            H=H, K=K, BK=min(bk, next_pow2(K)), BT=BT, BC=16, STORE_BWD=store_bwd, PREC=_prec(DT), MINV=minv,
+            H=H, K=K, BK=min(bk, next_pow2(K)), BT=BT, BC=16, STORE_BWD=store_bwd, PREC=_prec(DT), MINV=inv > 0,
             num_warps=warps, num_stages=stages)
         bk, warps, stages = launch_config("wu_fwd")
         _wu_fwd_kernel[(info.NC, H)](
