@@ -168,10 +168,10 @@ if TRITON_AVAILABLE:
         return tl.load(ptr + (rows[:, None] * H + i_h) * BT + c[None, :], mask=(rows < eos)[:, None], other=0.)
 
     @triton.jit
-    def _diag_bwd_loop(dA, dP, q, k, g, q_ptr, k_ptr, g_ptr, row0, eos, H, i_h,
+    def _diag_bwd_loop(dq, dr, dc, dA, dP, q, k, g, q_ptr, k_ptr, g_ptr, row0, eos, H, i_h,
                        K: tl.constexpr, cols, mc, BC: tl.constexpr):
-        """Diagonal tile, any gate. Rows: dq_i = sum_j dA_ij k_j e^(G_i-G_j), dkr_i = sum_j dP_ij k_j e^(..);
-        columns: dkc_j = sum_i (dA_ij q_i + dP_ij k_i) e^(G_i - G_j)."""
+        """Diagonal tile, any gate, added to (dq, dr, dc). Rows: dq_i = sum_j dA_ij k_j e^(G_i-G_j),
+        dkr_i = sum_j dP_ij k_j e^(..); columns: dkc_j = sum_i (dA_ij q_i + dP_ij k_i) e^(G_i - G_j)."""
         o = tl.arange(0, BC)
         rq = tl.zeros_like(q)
         rk = tl.zeros_like(q)
@@ -193,17 +193,18 @@ if TRITON_AVAILABLE:
             rA = tl.sum(tl.where(o[:, None] == j, dA, 0.), 0)
             rP = tl.sum(tl.where(o[:, None] == j, dP, 0.), 0)
             ck += (rA[:, None] * qj[None, :] + rP[:, None] * kj[None, :]) * e_c
-        return rq, rk, ck
+        return dq + rq, dr + rk, dc + ck
 
     @triton.jit
-    def _diag_bwd_dense(a, p, q, k, g, n, e, PREC: tl.constexpr):
-        """Diagonal tile, gate span within fp32 range: relative to the tile's first row n, e = exp(G_i - G_n)."""
+    def _diag_bwd_dense(dq, dr, dc, a, p, q, k, g, n, e, PREC: tl.constexpr):
+        """Diagonal tile, gate span within fp32 range, added to (dq, dr, dc): relative to the tile's first row n,
+        e = exp(G_i - G_n)."""
         kt = k * tl.exp2(n[None, :] - g)
-        dq = tl.dot(a, kt, input_precision=PREC) * e
-        dr = tl.dot(p, kt, input_precision=PREC) * e
-        dc = (tl.dot(tl.trans(a), q * e, input_precision=PREC)
-              + tl.dot(tl.trans(p), k * e, input_precision=PREC)) * tl.exp2(n[None, :] - g)
-        return dq, dr, dc
+        x = tl.dot(a, kt, input_precision=PREC) * e
+        y = tl.dot(p, kt, input_precision=PREC) * e
+        z = (tl.dot(tl.trans(a), q * e, input_precision=PREC)
+             + tl.dot(tl.trans(p), k * e, input_precision=PREC)) * tl.exp2(n[None, :] - g)
+        return dq + x, dr + y, dc + z
 
     @triton.jit
     def _intra_bwd_kernel(qn, kn, gc, dAs, dPs, dqn, dkn, dG, tab, cu, max_span,
@@ -321,39 +322,19 @@ if TRITON_AVAILABLE:
                 dense = span <= max_span
             if dense:
                 e0 = tl.exp2(tl.where(v0, g0 - n0[None, :], 0.))
-                x, y, z = _diag_bwd_dense(a00, p00, q0, k0, g0, n0, e0, PREC)
-                dq0 += x
-                dr0 += y
-                dc0 += z
-                x, y, z = _diag_bwd_dense(a11, p11, q1, k1, g1, n1, e1, PREC)
-                dq1 += x
-                dr1 += y
-                dc1 += z
-                x, y, z = _diag_bwd_dense(a22, p22, q2, k2, g2, n2, e2, PREC)
-                dq2 += x
-                dr2 += y
-                dc2 += z
-                x, y, z = _diag_bwd_dense(a33, p33, q3, k3, g3, n3, e3, PREC)
-                dq3 += x
-                dr3 += y
-                dc3 += z
+                dq0, dr0, dc0 = _diag_bwd_dense(dq0, dr0, dc0, a00, p00, q0, k0, g0, n0, e0, PREC)
+                dq1, dr1, dc1 = _diag_bwd_dense(dq1, dr1, dc1, a11, p11, q1, k1, g1, n1, e1, PREC)
+                dq2, dr2, dc2 = _diag_bwd_dense(dq2, dr2, dc2, a22, p22, q2, k2, g2, n2, e2, PREC)
+                dq3, dr3, dc3 = _diag_bwd_dense(dq3, dr3, dc3, a33, p33, q3, k3, g3, n3, e3, PREC)
             else:
-                x, y, z = _diag_bwd_loop(a00, p00, q0, k0, g0, qn, kn, gc, t0, eos, H, i_h, K, cols, mc, BC)
-                dq0 += x
-                dr0 += y
-                dc0 += z
-                x, y, z = _diag_bwd_loop(a11, p11, q1, k1, g1, qn, kn, gc, t0 + BC, eos, H, i_h, K, cols, mc, BC)
-                dq1 += x
-                dr1 += y
-                dc1 += z
-                x, y, z = _diag_bwd_loop(a22, p22, q2, k2, g2, qn, kn, gc, t0 + 2 * BC, eos, H, i_h, K, cols, mc, BC)
-                dq2 += x
-                dr2 += y
-                dc2 += z
-                x, y, z = _diag_bwd_loop(a33, p33, q3, k3, g3, qn, kn, gc, t0 + 3 * BC, eos, H, i_h, K, cols, mc, BC)
-                dq3 += x
-                dr3 += y
-                dc3 += z
+                dq0, dr0, dc0 = _diag_bwd_loop(dq0, dr0, dc0, a00, p00, q0, k0, g0, qn, kn, gc, t0, eos, H, i_h, K,
+                                               cols, mc, BC)
+                dq1, dr1, dc1 = _diag_bwd_loop(dq1, dr1, dc1, a11, p11, q1, k1, g1, qn, kn, gc, t0 + BC, eos, H, i_h,
+                                               K, cols, mc, BC)
+                dq2, dr2, dc2 = _diag_bwd_loop(dq2, dr2, dc2, a22, p22, q2, k2, g2, qn, kn, gc, t0 + 2 * BC, eos, H,
+                                               i_h, K, cols, mc, BC)
+                dq3, dr3, dc3 = _diag_bwd_loop(dq3, dr3, dc3, a33, p33, q3, k3, g3, qn, kn, gc, t0 + 3 * BC, eos, H,
+                                               i_h, K, cols, mc, BC)
             _acc(dqn, dkn, dG, r0, eos, H, i_h, K, cols, mc, q0, k0, dq0, dr0, dc0)
             _acc(dqn, dkn, dG, r1, eos, H, i_h, K, cols, mc, q1, k1, dq1, dr1, dc1)
             _acc(dqn, dkn, dG, r2, eos, H, i_h, K, cols, mc, q2, k2, dq2, dr2, dc2)
