@@ -311,6 +311,31 @@ def test_chunk_gradients(lb, env, K, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_head_dims_not_a_power_of_two(lb):
+    # K = 96, V = 48: the kernels' tiles are wider than the head, so every store must mask its spare columns (an
+    # unmasked one wrote into the next row and past the buffer: a crash under the interpreter, corruption on a GPU).
+    # Forward, state and gradients against fp64, with an initial state and a partial last chunk.
+    q, k, v, f, beta, A_log, dtb, h0 = make(1, 80, 1, 96, 48, seed=23)
+    ins = [q, k, v, f, beta, A_log, dtb, h0[:1]]
+    gen = torch.Generator().manual_seed(24)
+    do = torch.randn(1, 80, 1, 48, generator=gen)
+    res = {}
+    for name in ("triton", "fp64"):
+        xs = [x.double().clone().requires_grad_() if name == "fp64" else x.clone().requires_grad_() for x in ins]
+        if name == "triton":
+            o, s = chunk_kda(*xs[:5], A_log=xs[5], dt_bias=xs[6], lower_bound=lb, initial_state=xs[7],
+                             output_final_state=True)
+        else:
+            o, s = rec64(*xs[:5], xs[5], xs[6], lb, h0=xs[7])
+        ((o * do.to(o.dtype)).sum() + s.sum()).backward()
+        res[name] = [o, s] + [x.grad for x in xs]
+    names = ["o", "state", "q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0"]
+    for i, (n, a, b) in enumerate(zip(names, res["triton"], res["fp64"])):
+        assert rel(a, b) < (TOL if i < 2 else GTOL)[torch.float32], (n, rel(a, b))
+
+
+@needs_triton
 def test_unbounded_gate_dense_and_loop_diagonal_tiles():
     # Unbounded (softplus) gate: each diagonal tile (per K slice) takes one matmul when its gate span is at most
     # chunk_fwd.DENSE_MAX_SPAN and the per-column loop otherwise. Heads with steep, moderate and mild decay put tiles

@@ -84,7 +84,9 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _st_blk(ptr, X, rows, eos, H, i_h, D: tl.constexpr, col0, BC: tl.constexpr):
         c = col0 + tl.arange(0, BC)
-        tl.store(ptr + (rows[:, None] * H + i_h) * D + c[None, :], X, mask=(rows < eos)[:, None])
+        # the column mask matters when D is not a multiple of BC (head dims such as 96): without it the tile's
+        # spare columns land in the next row
+        tl.store(ptr + (rows[:, None] * H + i_h) * D + c[None, :], X, mask=(rows < eos)[:, None] & (c < D)[None, :])
 
     @triton.jit
     def _st_lower(ptr, x00, x10, x11, x20, x21, x22, x30, x31, x32, x33, r0, eos, H, i_h, D: tl.constexpr,
