@@ -21,14 +21,13 @@ from kimi3_kernels.kda import chunk_kda  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from kda import bench, inputs  # noqa: E402
 
-FWD = [("base", "", "64:4:2"), ("base", "", "32:4:2"), ("split", "split", "64:4:2"), ("split", "split", "64:8:2"),
-       ("split", "split", "32:4:2"), ("split", "split", "64:4:3"), ("split", "split", "32:4:3"),
-       ("prefetch", "prefetch", "64:8:1"), ("prefetch", "prefetch", "32:4:1"),
-       ("split+prefetch", "split,prefetch", "64:8:1"), ("split+prefetch", "split,prefetch", "32:4:1")]
-BWD = [("base", "", "32:8:2"), ("bsplit", "bsplit", "32:8:2"), ("bsplit", "bsplit", "32:4:2"),
-       ("bsplit", "bsplit", "16:4:2"), ("bsplit", "bsplit", "64:8:2"), ("bsplit", "bsplit", "32:8:3"),
-       ("base", "", "16:4:2"), ("base", "", "64:8:2"), ("bsplit", "bsplit", "16:8:2"), ("base", "", "32:8:3"),
-       ("bsplit", "bsplit", "32:8:1")]
+# defaults: forward variants, each with the default backward; then backward variants with the default forward.
+# Format "flags:BV:warps:stages" (flags: base, split, prefetch, split+prefetch, bsplit).
+FWD = ("base:64:4:2,split:64:4:3,split:32:4:3,base:64:4:3,base:32:4:3,split:64:4:4,split:64:8:3,prefetch:64:8:1,"
+       "split+prefetch:64:8:1,base:64:4:2")
+BWD = "base:32:8:2,bsplit:32:4:2,base:32:8:3"
+FWD_DEFAULT, BWD_DEFAULT = "base:64:4:2", "base:32:8:2"
+FLAGS = {"base": "", "split": "split", "prefetch": "prefetch", "split+prefetch": "split,prefetch", "bsplit": "bsplit"}
 RES = {}
 
 
@@ -60,11 +59,15 @@ def kernel_us(fn, n=3):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
+    ap.add_argument("--fwd", default=FWD)
+    ap.add_argument("--bwd", default=BWD)
+    ap.add_argument("--shapes", default="32:16384:sp,96:16384:k3")
+    ap.add_argument("--no-whole", action="store_true")
     args = ap.parse_args()
     RES.update(gpu=torch.cuda.get_device_name(), git_commit=os.environ.get("GIT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    shapes = ((32, 16384, None), (96, 16384, -5.0))
+    shapes = [(int(h), int(t), -5.0 if g == "k3" else None) for h, t, g in (x.split(":") for x in args.shapes.split(","))]
     data = {}
     for H, T, lb in shapes:
         q, k, v, f, beta, A_log, dtb = inputs(1, T, H, 128, 128, torch.bfloat16, seed=7)
@@ -83,28 +86,33 @@ def main():
 
         data[H] = (fwd, fb, xs)
         gate = "k3" if lb else "softplus"
+        for _ in range(3):  # clocks up before the first row
+            fb()
         ref = None
-        for i in range(max(len(FWD), len(BWD))):
-            fl, fs, flaunch = FWD[min(i, len(FWD) - 1)]
-            bl, bs, blaunch = BWD[min(i, len(BWD) - 1)]
-            setenv(",".join(filter(None, (fs, bs))), f"state_fwd={flaunch},state_bwd={blaunch}")
+        runs = [(f, BWD_DEFAULT) for f in args.fwd.split(",") if f] + [(FWD_DEFAULT, b) for b in args.bwd.split(",") if b]
+        for fv, bv in runs:
+            fl, flaunch = fv.split(":", 1)
+            bl, blaunch = bv.split(":", 1)
+            setenv(",".join(filter(None, (FLAGS[fl], FLAGS[bl]))), f"state_fwd={flaunch},state_bwd={blaunch}")
             try:
                 o = fb().detach().clone()
                 dq = xs[0].grad.clone()
                 if ref is None:
                     ref = (o, dq)
                 ks = kernel_us(fb)
-                row = dict(H=H, T=T, gate=gate, fwd=f"{fl} {flaunch}", bwd=f"{bl} {blaunch}",
+                row = dict(H=H, T=T, gate=gate, fwd=fv, bwd=bv,
                            state_fwd_us=sum(t for n, t in ks.items() if "_state_fwd" in n),
                            state_bwd_us=sum(t for n, t in ks.items() if "_state_bwd" in n),
                            total_us=sum(ks.values()),
                            o_diff=((o.float() - ref[0].float()).norm() / ref[0].float().norm()).item(),
                            dq_diff=((dq.float() - ref[1].float()).norm() / ref[1].float().norm()).item())
             except Exception as ex:  # noqa: BLE001
-                row = dict(H=H, T=T, gate=gate, fwd=f"{fl} {flaunch}", bwd=f"{bl} {blaunch}", error=repr(ex)[:300])
+                row = dict(H=H, T=T, gate=gate, fwd=fv, bwd=bv, error=repr(ex)[:300])
             RES.setdefault("kernels", []).append(row)
             print("ab", json.dumps(row), flush=True)
             save(args.out)
+            if "error" in row:  # a CUDA fault poisons the process
+                sys.exit(1)
         for inv in ("1", "2"):
             setenv("", "", inv)
             ks = kernel_us(fwd)
@@ -113,21 +121,20 @@ def main():
             RES.setdefault("diag_inv", []).append(row)
             print("ab", json.dumps(row), flush=True)
         save(args.out)
-    # the fastest forward and backward variants (summed over both shapes), against the defaults, whole calls
-    def best(key, table):
+    # the fastest forward and backward variants (per-kernel time summed over both shapes), against the defaults,
+    # whole calls
+    def best(key, col):
         tot = {}
         for r in RES["kernels"]:
             if key in r:
-                lab = r["fwd" if key == "state_fwd_us" else "bwd"]
-                tot[lab] = tot.get(lab, 0.0) + r[key] / (r["H"] / 32)
+                tot[r[col]] = tot.get(r[col], 0.0) + r[key]
         return min(tot, key=tot.get)
-    bf, bb = best("state_fwd_us", FWD), best("state_bwd_us", BWD)
-    flag = lambda lab: {"base": "", "split": "split", "prefetch": "prefetch", "split+prefetch": "split,prefetch",  # noqa
-                        "bsplit": "bsplit"}[lab.split()[0]]
-    pick = (",".join(filter(None, (flag(bf), flag(bb)))), f"state_fwd={bf.split()[1]},state_bwd={bb.split()[1]}")
+    bf, bb = best("state_fwd_us", "fwd"), best("state_bwd_us", "bwd")
+    pick = (",".join(filter(None, (FLAGS[bf.split(":")[0]], FLAGS[bb.split(":")[0]]))),
+            f"state_fwd={bf.split(':', 1)[1]},state_bwd={bb.split(':', 1)[1]}")
     RES["pick"] = pick
     print("ab pick", pick, flush=True)
-    for H, T, lb in shapes:
+    for H, T, lb in [] if args.no_whole else shapes:
         fwd, fb, _ = data[H]
         for rnd in range(2):
             for name, (state, launch) in (("default", ("", "")), ("pick", pick)):
