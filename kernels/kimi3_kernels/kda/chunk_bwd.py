@@ -28,9 +28,7 @@ if TRITON_AVAILABLE:
     def _state_bwd_kernel(W, Qg, Kd, Aqk, gc, do, dht, dh0, dhs, dvn, cu, chunk_off,
                           H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, BT: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
-                          PREC: tl.constexpr, SPLIT: tl.constexpr):
-        """The reverse scan over one sequence's chunks for one head and value tile. SPLIT: the state gradient's K
-        rows as two BK-row halves."""
+                          PREC: tl.constexpr):
         # one grid axis, value tiles fastest (the axes after the first stop at 65,535 programs)
         i_v = tl.program_id(0) % tl.cdiv(V, BV)
         i_nh = tl.program_id(0) // tl.cdiv(V, BV)
@@ -42,31 +40,22 @@ if TRITON_AVAILABLE:
         NTn = tl.cdiv(eos - bos, BT)
         o_k = tl.arange(0, BK)
         mk = o_k < K
-        mk2 = o_k + BK < K
         o_v = i_v * BV + tl.arange(0, BV)
         mv = o_v < V
         o_t = tl.arange(0, BT)
         DT = W.dtype.element_ty
         s_off = (i_nh.to(tl.int64) * K + o_k[:, None]) * V + o_v[None, :]
         m_s = mk[:, None] & mv[None, :]
-        m_s2 = mk2[:, None] & mv[None, :]
         dS = tl.zeros([BK, BV], dtype=tl.float32)
-        dS2 = tl.zeros([BK, BV], dtype=tl.float32)
         if HAS_DHT:
             dS += tl.load(dht + s_off, mask=m_s, other=0.)
-            if SPLIT:
-                dS2 += tl.load(dht + s_off + BK * V, mask=m_s2, other=0.)
         for i in range(0, NTn):
             c = NTn - 1 - i
             t0 = bos + c * BT
             rows = t0 + o_t
             mr = rows < eos
-            h_off = ((c0 + c) * H * K + i_h * K + o_k[:, None]) * V + o_v[None, :]
-            tl.store(dhs + h_off, dS, mask=m_s)
-            if SPLIT:
-                tl.store(dhs + h_off + BK * V, dS2, mask=m_s2)
+            tl.store(dhs + ((c0 + c) * H * K + i_h * K + o_k[:, None]) * V + o_v[None, :], dS, mask=m_s)
             mrk = mr[:, None] & mk[None, :]
-            mrk2 = mr[:, None] & mk2[None, :]
             mrv = mr[:, None] & mv[None, :]
             offk = (rows[:, None] * H + i_h) * K + o_k[None, :]
             offv = (rows[:, None] * H + i_h) * V + o_v[None, :]
@@ -74,28 +63,17 @@ if TRITON_AVAILABLE:
             a = tl.load(Aqk + (rows[:, None] * H + i_h) * BT + o_t[None, :],
                         mask=mr[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.).to(DT)
             kd = tl.load(Kd + offk, mask=mrk, other=0.)
-            bdv = tl.dot(tl.trans(a), bdo, input_precision=PREC) + tl.dot(kd, dS.to(DT), input_precision=PREC)
-            if SPLIT:
-                kd2 = tl.load(Kd + offk + BK, mask=mrk2, other=0.)
-                bdv = tl.dot(kd2, dS2.to(DT), bdv, input_precision=PREC)
+            dSd = dS.to(DT)
+            bdv = tl.dot(tl.trans(a), bdo, input_precision=PREC) + tl.dot(kd, dSd, input_precision=PREC)
             tl.store(dvn + offv, bdv, mask=mrv)
-            bdvd = bdv.to(DT)
-            last = tl.minimum(eos, t0 + BT) - 1
             qg = tl.load(Qg + offk, mask=mrk, other=0.)
             w = tl.load(W + offk, mask=mrk, other=0.)
+            last = tl.minimum(eos, t0 + BT) - 1
             gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=mk, other=0.)
             dS = dS * tl.exp2(gl)[:, None] + tl.dot(tl.trans(qg), bdo, input_precision=PREC) \
-                - tl.dot(tl.trans(w), bdvd, input_precision=PREC)
-            if SPLIT:
-                qg2 = tl.load(Qg + offk + BK, mask=mrk2, other=0.)
-                w2 = tl.load(W + offk + BK, mask=mrk2, other=0.)
-                gl2 = tl.load(gc + (last * H + i_h) * K + BK + o_k, mask=mk2, other=0.)
-                dS2 = dS2 * tl.exp2(gl2)[:, None] + tl.dot(tl.trans(qg2), bdo, input_precision=PREC) \
-                    - tl.dot(tl.trans(w2), bdvd, input_precision=PREC)
+                - tl.dot(tl.trans(w), bdv.to(DT), input_precision=PREC)
         if HAS_H0:
             tl.store(dh0 + s_off, dS, mask=m_s)
-            if SPLIT:
-                tl.store(dh0 + s_off + BK * V, dS2, mask=m_s2)
 
     @triton.jit
     def _main_bwd_kernel(qn, kn, v, gc, bs, Mo, Po, hs, dhs, vn, dvn, do, dv, dAs, dPs, dqn, dkn, dG, db,
@@ -405,13 +383,11 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
     if info.N > 0:
         bv, warps, stages = launch_config("state_bwd")
         BV = min(bv, next_pow2(V))
-        import os
-        split = "bsplit" in os.environ.get("KIMI3_KDA_STATE", "") and K > 64  # TEMPORARY A/B
         _state_bwd_kernel[(triton.cdiv(V, BV) * info.N * H,)](
             I["W"], I["Qg"], I["Kd"], I["Aqk"], gc, do, dht if dht is not None else do,
             dh0 if dh0 is not None else do, dhs, dvn, info.cu, info.chunk_off,
-            H=H, K=K, V=V, BK=BK // 2 if split else BK, BV=BV, BT=BT, HAS_DHT=dht is not None, HAS_H0=h0 is not None,
-            PREC=prec, SPLIT=split, num_warps=warps, num_stages=stages)
+            H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_DHT=dht is not None, HAS_H0=h0 is not None,
+            PREC=prec, num_warps=warps, num_stages=stages)
     dv = torch.zeros(TT, H, V, device=dev, dtype=v.dtype)
     dqn = torch.zeros(TT, H, K, device=dev, dtype=torch.float32)
     dkn = torch.zeros_like(dqn)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, launch_config, next_pow2
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, launch_config, next_pow2, state_value_tile
 
 # K3's bound (-5): 15 steps inside a 16-row sub-tile stay above -75 nats, so exp(+span) < 4e32.
 SAFE_LOWER_BOUND = -5.5
@@ -342,41 +342,10 @@ if TRITON_AVAILABLE:
             _st_blk(U, tl.dot(t, vv, input_precision=PREC).to(DT), rows, eos, H, i_h, V, i_v * BV, BV)
 
     @triton.jit
-    def _state_loads(W, U, Kd, gc, t0, eos, H, i_h, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                     BT: tl.constexpr, o_v, mv, SPLIT: tl.constexpr):
-        """One chunk's scan operands: W and Kd rows (K split in two BK-wide halves with SPLIT), U's value tile, the
-        gate at the chunk's last row."""
-        rows = t0 + tl.arange(0, BT)
-        mr = rows < eos
-        o_k = tl.arange(0, BK)
-        offk = (rows[:, None] * H + i_h) * K + o_k[None, :]
-        mrk = mr[:, None] & (o_k < K)[None, :]
-        w = tl.load(W + offk, mask=mrk, other=0.)
-        kd = tl.load(Kd + offk, mask=mrk, other=0.)
-        last = tl.minimum(eos, t0 + BT) - 1
-        live = (o_k * 0 + t0) < eos  # a prefetch past the sequence's end loads nothing
-        gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=(o_k < K) & live, other=0.)
-        if SPLIT:
-            mrk2 = mr[:, None] & (o_k + BK < K)[None, :]
-            w2 = tl.load(W + offk + BK, mask=mrk2, other=0.)
-            kd2 = tl.load(Kd + offk + BK, mask=mrk2, other=0.)
-            gl2 = tl.load(gc + (last * H + i_h) * K + BK + o_k, mask=(o_k + BK < K) & live, other=0.)
-        else:
-            w2 = w
-            kd2 = kd
-            gl2 = gl
-        u = tl.load(U + (rows[:, None] * H + i_h) * V + o_v[None, :], mask=mr[:, None] & mv[None, :], other=0.)
-        return w, w2, kd, kd2, gl, gl2, u
-
-    @triton.jit
     def _state_fwd_kernel(W, U, Kd, gc, h0, ht, hs, vn, cu, chunk_off,
                           H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
-                          STORE_STATES: tl.constexpr, STORE_VN: tl.constexpr, PREC: tl.constexpr,
-                          SPLIT: tl.constexpr, PREFETCH: tl.constexpr):
-        """The scan over one sequence's chunks for one head and value tile. SPLIT: the state's K rows as two
-        BK-row halves, two independent matmul chains. PREFETCH: the next chunk's operands load into registers
-        while this chunk computes (launch with one stage: Triton's pipeliner is not used)."""
+                          STORE_STATES: tl.constexpr, STORE_VN: tl.constexpr, PREC: tl.constexpr):
         # one grid axis, value tiles fastest (the axes after the first stop at 65,535 programs)
         i_v = tl.program_id(0) % tl.cdiv(V, BV)
         i_nh = tl.program_id(0) // tl.cdiv(V, BV)
@@ -387,52 +356,40 @@ if TRITON_AVAILABLE:
         c0 = tl.load(chunk_off + n).to(tl.int64)
         NTn = tl.cdiv(eos - bos, BT)
         o_k = tl.arange(0, BK)
+        mk = o_k < K
         o_v = i_v * BV + tl.arange(0, BV)
         mv = o_v < V
         o_t = tl.arange(0, BT)
         DT = W.dtype.element_ty
         s_off = (i_nh.to(tl.int64) * K + o_k[:, None]) * V + o_v[None, :]
-        m_s = (o_k < K)[:, None] & mv[None, :]
-        m_s2 = (o_k + BK < K)[:, None] & mv[None, :]
+        m_s = mk[:, None] & mv[None, :]
         S = tl.zeros([BK, BV], dtype=tl.float32)
-        S2 = tl.zeros([BK, BV], dtype=tl.float32)
         if HAS_H0:
             S += tl.load(h0 + s_off, mask=m_s, other=0.)
-            if SPLIT:
-                S2 += tl.load(h0 + s_off + BK * V, mask=m_s2, other=0.)
-        if PREFETCH:
-            nw, nw2, nkd, nkd2, ngl, ngl2, nu = _state_loads(W, U, Kd, gc, bos, eos, H, i_h, K, V, BK, BT, o_v, mv,
-                                                             SPLIT)
         for c in range(0, NTn):
             t0 = bos + c * BT
-            if PREFETCH:
-                w, w2, kd, kd2, gl, gl2, u = nw, nw2, nkd, nkd2, ngl, ngl2, nu
-                nw, nw2, nkd, nkd2, ngl, ngl2, nu = _state_loads(W, U, Kd, gc, t0 + BT, eos, H, i_h, K, V, BK, BT,
-                                                                 o_v, mv, SPLIT)
-            else:
-                w, w2, kd, kd2, gl, gl2, u = _state_loads(W, U, Kd, gc, t0, eos, H, i_h, K, V, BK, BT, o_v, mv,
-                                                          SPLIT)
-            if STORE_STATES:
-                h_off = ((c0 + c) * H * K + i_h * K + o_k[:, None]) * V + o_v[None, :]
-                tl.store(hs + h_off, S.to(hs.dtype.element_ty), mask=m_s)
-                if SPLIT:
-                    tl.store(hs + h_off + BK * V, S2.to(hs.dtype.element_ty), mask=m_s2)
-            ws = tl.dot(w, S.to(DT), input_precision=PREC)
-            if SPLIT:
-                ws = tl.dot(w2, S2.to(DT), ws, input_precision=PREC)
-            vnew = u.to(tl.float32) - ws
             rows = t0 + o_t
+            mr = rows < eos
+            if STORE_STATES:
+                tl.store(hs + ((c0 + c) * H * K + i_h * K + o_k[:, None]) * V + o_v[None, :],
+                         S.to(hs.dtype.element_ty), mask=m_s)
+            mrk = mr[:, None] & mk[None, :]
+            mrv = mr[:, None] & mv[None, :]
+            offk = (rows[:, None] * H + i_h) * K + o_k[None, :]
             offv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+            w = tl.load(W + offk, mask=mrk, other=0.)
+            u = tl.load(U + offv, mask=mrv, other=0.).to(tl.float32)
+            Sd = S.to(DT)
+            vnew = u - tl.dot(w, Sd, input_precision=PREC)
             if STORE_VN:
-                tl.store(vn + offv, vnew.to(vn.dtype.element_ty), mask=(rows < eos)[:, None] & mv[None, :])
+                tl.store(vn + offv, vnew.to(vn.dtype.element_ty), mask=mrv)
             vd = vnew.to(DT)
+            kd = tl.load(Kd + offk, mask=mrk, other=0.)
+            last = tl.minimum(eos, t0 + BT) - 1
+            gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=mk, other=0.)
             S = S * tl.exp2(gl)[:, None] + tl.dot(tl.trans(kd), vd, input_precision=PREC)
-            if SPLIT:
-                S2 = S2 * tl.exp2(gl2)[:, None] + tl.dot(tl.trans(kd2), vd, input_precision=PREC)
         if STORE_FINAL:
             tl.store(ht + s_off, S, mask=m_s)
-            if SPLIT:
-                tl.store(ht + s_off + BK * V, S2, mask=m_s2)
 
 
     @triton.jit
@@ -475,13 +432,6 @@ def _diag_inv():
     if mode not in ("0", "1", "2"):
         raise ValueError(f"KIMI3_KDA_DIAG_INV must be 0, 1 or 2, got {mode!r}")
     return int(mode)
-
-
-def _state_variant():
-    # TEMPORARY (A/B on the H200): KIMI3_KDA_STATE="split,prefetch" flags
-    import os
-    v = os.environ.get("KIMI3_KDA_STATE", "")
-    return "split" in v, "prefetch" in v
 
 
 def _prec(dtype):
@@ -555,18 +505,16 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, store_states, s
           if store_states or compute_o else None)
     vn = torch.empty(TT, H, V, device=dev, dtype=W.dtype) if store_vn else None
     if N > 0:
+        BK = next_pow2(K)
         bv, warps, stages = launch_config("state_fwd")
-        BV = min(bv, next_pow2(V))
-        split, prefetch = _state_variant()
-        split = split and K > 64
-        BK = next_pow2(K) // 2 if split else next_pow2(K)
+        BV = min(bv or state_value_tile(triton.cdiv(V, 64) * N * H, dev), next_pow2(V))
         dummy = W
         _state_fwd_kernel[(triton.cdiv(V, BV) * N * H,)](
             W, I["U"], I["Kd"], gc, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
             hs if hs is not None else dummy, vn if vn is not None else dummy, info.cu, info.chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, BT=CHUNK_SIZE, HAS_H0=h0 is not None,
             STORE_FINAL=output_final_state, STORE_STATES=hs is not None, STORE_VN=store_vn, PREC=_prec(W.dtype),
-            SPLIT=split, PREFETCH=prefetch, num_warps=warps, num_stages=1 if prefetch else stages)
+            num_warps=warps, num_stages=stages)
         if compute_o and info.NC > 0:
             bv, warps, stages = launch_config("output_fwd")
             BVo = min(bv, next_pow2(V))
