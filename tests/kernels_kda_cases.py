@@ -157,10 +157,10 @@ def test_launch_config(monkeypatch):
         monkeypatch.setenv("KIMI3_KDA_LAUNCH", bad)
         with pytest.raises(ValueError, match="KIMI3_KDA_LAUNCH"):
             launch_config("wu_fwd")
-    # the forward scan's value tile: 32 wide when 64-wide tiles leave SMs idle (H=32 at B=1), else 64
-    from kimi3_kernels.kda._utils import state_value_tile
+    # the forward scan's value tile and stages: 32 wide on 3 stages when 64-wide tiles leave SMs idle (H=32 at B=1)
+    from kimi3_kernels.kda._utils import state_scan_tile
     cpu = torch.device("cpu")
-    assert [state_value_tile(n, cpu) for n in (1, 64, 131, 132, 192)] == [32, 32, 32, 64, 64]
+    assert [state_scan_tile(n, cpu) for n in (1, 64, 131, 132, 192)] == [(32, 3)] * 3 + [(64, 2)] * 2
     from kimi3_kernels.kda.chunk_fwd import _diag_inv
     monkeypatch.setenv("KIMI3_KDA_DIAG_INV", "3")
     with pytest.raises(ValueError, match="KIMI3_KDA_DIAG_INV"):

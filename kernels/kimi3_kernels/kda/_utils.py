@@ -31,12 +31,13 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, x))))
 
 
-def state_value_tile(programs_at_64: int, device) -> int:
-    """Value-tile width of the forward state scan: 64, or 32 when 64-wide tiles give fewer programs than the GPU has
-    SMs (H=32, B=1: 64 programs on an H200's 132 SMs; the scan is latency-bound, so more, smaller programs win).
-    Off the GPU (the interpreter) an H200's count stands in, so tests take the same branches."""
+def state_scan_tile(programs_at_64: int, device) -> tuple[int, int]:
+    """(value-tile width, pipeline stages) of the forward state scan: (64, 2), or (32, 3) when 64-wide tiles give
+    fewer programs than the GPU has SMs (H=32, B=1: 64 programs on an H200's 132 SMs; the scan is latency-bound, so
+    more, smaller programs win). Off the GPU (the interpreter) an H200's count stands in, so tests take the same
+    branches."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return 64 if programs_at_64 >= sms else 32
+    return (64, 2) if programs_at_64 >= sms else (32, 3)
 
 
 def interpret_mode() -> bool:
@@ -113,10 +114,10 @@ class SeqInfo:
 # unbounded gates' diagonal tiles mostly take the one-matmul path too (fcfd66e), their kernel runs best on 32-wide
 # slices and 2 warps (6ca64d8: H=32 forward 2.89 -> 2.73 ms; 1 warp 0.97x, 64:2:1 1.04x), and their backward like
 # K3's (9b2537d: H=32 forward+backward 12.23 -> 11.06 ms with 32,4,2). The prep kernel's gate in 64-column slices,
-# apart from the norms (9b2537d: H=96 forward 6.51 -> 6.17 ms, H=32 1.009x). The state scans on 3 stages, and the
-# forward scan's value tile 32 wide when 64-wide tiles leave SMs idle (tile None: `state_value_tile`). Per-kernel CUDA
-# time at T=16K (359a6df): forward scan H=32 707 -> 394 us (32,4,3; 64,4,3 557), H=96 1,182 -> 1,183 us (64,4,3;
-# 32,4,3 1,220); backward scan 885 -> 852 and 2,700 -> 2,582 us.
+# apart from the norms (9b2537d: H=96 forward 6.51 -> 6.17 ms, H=32 1.009x). The forward state scan's tile and stages
+# by grid size (None: `state_scan_tile`): at H=32 T=16K 32-wide value tiles on 3 stages, 707 -> 394 us per call
+# (training forward, 359a6df) and forward 2.44 -> 2.24 ms (2e8a4d2); at H=96 64-wide on 2 stages (3 stages: 6.05 /
+# 5.67 ms). The backward scan on 3 stages: 885 -> 852 and 2,700 -> 2,582 us per call (359a6df).
 LAUNCH_DEFAULTS = {
     "prep_fwd": (64, 8, 3),
     "diag_fwd": (32, 1, 1),
@@ -124,7 +125,7 @@ LAUNCH_DEFAULTS = {
     "diag_inv": (None, 1, 1),
     "intra_fwd": (32, 2, 2),
     "wu_fwd": (128, 8, 2),
-    "state_fwd": (None, 4, 3),
+    "state_fwd": (None, 4, None),
     "output_fwd": (64, 4, 2),
     "state_bwd": (32, 8, 3),
     "main_bwd": (32, 8, 1),

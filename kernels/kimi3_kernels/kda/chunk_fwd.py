@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, launch_config, next_pow2, state_value_tile
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, launch_config, next_pow2, state_scan_tile
 
 # K3's bound (-5): 15 steps inside a 16-row sub-tile stay above -75 nats, so exp(+span) < 4e32.
 SAFE_LOWER_BOUND = -5.5
@@ -507,7 +507,9 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, store_states, s
     if N > 0:
         BK = next_pow2(K)
         bv, warps, stages = launch_config("state_fwd")
-        BV = min(bv or state_value_tile(triton.cdiv(V, 64) * N * H, dev), next_pow2(V))
+        auto_bv, auto_stages = state_scan_tile(triton.cdiv(V, 64) * N * H, dev)
+        BV = min(bv or auto_bv, next_pow2(V))
+        stages = stages or auto_stages
         dummy = W
         _state_fwd_kernel[(triton.cdiv(V, BV) * N * H,)](
             W, I["U"], I["Kd"], gc, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
