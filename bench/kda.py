@@ -238,9 +238,9 @@ def timings():
     extra = [(96, 8192, -5.0), (96, 32768, -5.0), (32, 16384, -5.0), (96, 16384, None)]
     if not ARGS.quick:
         cfgs += extra
-    if ARGS.shapes:  # "H:T:gate,..." with gate k3 (lower bound -5) or sp (softplus)
+    if ARGS.shapes is not None:  # "H:T:gate,..." with gate k3 (lower bound -5) or sp (softplus); "" = none
         cfgs = [(int(h), int(t), -5.0 if g == "k3" else None)
-                for h, t, g in (x.split(":") for x in ARGS.shapes.split(","))]
+                for h, t, g in (x.split(":") for x in ARGS.shapes.split(",") if x)]
     K = V = 128
     # our kernels first for every shape, then fla: a run cut short still returns our numbers
     impls = [("ours", None)] + ([("fla", None)] if HAVE_FLA else [])
@@ -540,7 +540,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--shapes", default=None, help="timing shapes 'H:T:gate,...' (gate k3 or sp)")
+    ap.add_argument("--shapes", default=None, help="timing shapes 'H:T:gate,...' (gate k3 or sp); '' = only the "
+                    "varlen batch")
     ap.add_argument("--sections", default="ceil,check,time,decode")
     ap.add_argument("--warmup", default=None, help="compile-only run for one gate: 'k3' or 'softplus'")
     ap.add_argument("--no-fla", action="store_true", help="time ours only (fla autotunes for minutes per shape)")
