@@ -162,9 +162,13 @@ def test_launch_config(monkeypatch):
     cpu = torch.device("cpu")
     assert [state_scan_tile(n, cpu) for n in (1, 64, 131, 132, 192)] == [(32, 3)] * 3 + [(64, 2)] * 2
     from kimi3_kernels.kda.chunk_fwd import _diag_inv
+    monkeypatch.delenv("KIMI3_KDA_DIAG_INV", raising=False)
+    assert (_diag_inv(True), _diag_inv(False)) == (2, 1)  # bounded gates: inverses in the diagonal-tile kernel
+    monkeypatch.setenv("KIMI3_KDA_DIAG_INV", "0")
+    assert (_diag_inv(True), _diag_inv(False)) == (0, 0)
     monkeypatch.setenv("KIMI3_KDA_DIAG_INV", "3")
     with pytest.raises(ValueError, match="KIMI3_KDA_DIAG_INV"):
-        _diag_inv()
+        _diag_inv(True)
 
 
 def test_import_without_triton():

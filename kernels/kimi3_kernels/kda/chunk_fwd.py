@@ -422,13 +422,15 @@ if TRITON_AVAILABLE:
         tl.store(o + offv, acc.to(o.dtype.element_ty), mask=mr[:, None] & mv[None, :])
 
 
-def _diag_inv():
-    """Where the inverses of the diagonal 16x16 blocks are formed, KIMI3_KDA_DIAG_INV: 1 (default) `_diag_inv_kernel`,
-    0 inside the pairwise kernel (forward at H=32 / 96, T=16K on an H200: 4.77 / 11.53 -> 4.00 / 10.02 ms with 1,
-    9b619ae, bench/results/kda_h200.md), 2 at the end of `_diag_fwd_kernel` (one launch and one read of the blocks
-    fewer; not yet timed)."""
+def _diag_inv(safe):
+    """Where the inverses of the diagonal 16x16 blocks are formed, KIMI3_KDA_DIAG_INV: 0 inside the pairwise kernel,
+    1 in `_diag_inv_kernel`, 2 at the end of `_diag_fwd_kernel` (one launch and one read of the blocks fewer). Default:
+    2 for bounded gates (safe), 1 for unbounded ones. On an H200 (bench/results/kda_h200.md): 1 against 0, forward
+    at H=32 / 96, T=16K 4.77 / 11.53 -> 4.00 / 10.02 ms (9b619ae); 2 against 1, per-call CUDA time of the diagonal
+    stage at H=96 T=16K, K3 gate 875 -> 855 us, but at H=32 with the per-column loop of an unbounded gate 412 -> 469
+    us (359a6df)."""
     import os
-    mode = os.environ.get("KIMI3_KDA_DIAG_INV", "1").strip() or "0"
+    mode = os.environ.get("KIMI3_KDA_DIAG_INV", "").strip() or ("2" if safe else "1")
     if mode not in ("0", "1", "2"):
         raise ValueError(f"KIMI3_KDA_DIAG_INV must be 0, 1 or 2, got {mode!r}")
     return int(mode)
@@ -460,7 +462,7 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
         # off-diagonal ones and the solve in the pairwise kernel: forward 1.38x at H=32, T=16K and 1.05x at H=96
         # on the H200 against the diagonal tiles inside the pairwise kernel, which, like splitting the pairwise
         # kernel in two launches, was slower at both shapes (bench/results/kda_h200.md, sweep of 76324af).
-        inv = _diag_inv()
+        inv = _diag_inv(safe)
         Md = torch.empty_like(Pd) if inv else Pd
         bk, warps, stages = launch_config("diag_fwd" if safe else "diag_fwd_loop")
         _diag_fwd_kernel[(info.NC * (BT // 16), H)](
