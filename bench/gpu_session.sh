@@ -8,8 +8,8 @@
 #   OUT=/some/dir bash bench/gpu_session.sh e2e   # ~6 min: the static-graph decode at B=64 after a 32K prompt; the
 #                                                 # decode and prefill profiles
 #   OUT=/some/dir bash bench/gpu_session.sh fla   # ~9 min: fla's KDA rows in the same process as ours at H=32 T=4K /
-#                                                 # 64K and H=96 T=32K + varlen (fla autotunes for minutes per
-#                                                 # process); KIMI3_KDA_DIAG_INV=2 vs 1; needs fla in PYTHONPATH
+#                                                 # 16K / 64K, H=96 T=8K / 32K and the varlen batch (fla autotunes
+#                                                 # for minutes per process); needs fla in PYTHONPATH
 #   OUT=/some/dir bash bench/gpu_session.sh prefill  # ~6 min: moe.py at 1-64 tokens (the unsorted decode paths in a
 #                                                    # CUDA graph), MXFP4 tiles at 2K / 4K tokens, the 4.3B and
 #                                                    # K3-shaped prefills and the K3-shaped decode
@@ -53,25 +53,21 @@ e2e)
   grep -h '"stage"' "$W"/e2e_*.log | cut -c1-300
   ;;
 fla)
-  # fla in the same process as ours, one shape per process (fla autotunes for 2-4 minutes per process): H=32 at 4K
-  # and 64K on GPU 0, H=96 at 32K and the varlen batch on GPU 1; then KIMI3_KDA_DIAG_INV=2 against the default
+  # fla in the same process as ours (fla autotunes for 2-4 minutes per head count and process, and again for varlen):
+  # H=32 at 4K / 16K / 64K on GPU 0; H=96 at 8K / 32K, then the varlen batch in a process of its own, on GPU 1
   (
-    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/kda.py --out "$W/kda_32_4k" --sections time --no-varlen \
-      --shapes 32:4096:sp > "$W/kda_32_4k.log" 2>&1
-    CUDA_VISIBLE_DEVICES=0 timeout 330 python3 bench/kda.py --out "$W/kda_32_64k" --sections time --no-varlen \
-      --shapes 32:65536:sp > "$W/kda_32_64k.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout 450 python3 bench/kda.py --out "$W/kda_32" --sections time --no-varlen \
+      --shapes 32:4096:sp,32:16384:sp,32:65536:sp > "$W/kda_32.log" 2>&1
   ) &
   (
-    CUDA_VISIBLE_DEVICES=1 timeout 380 python3 bench/kda.py --out "$W/kda_96_32k" --sections time \
-      --shapes 96:32768:k3 > "$W/kda_96_32k.log" 2>&1
-    for inv in 1 2; do
-      KIMI3_KDA_DIAG_INV=$inv CUDA_VISIBLE_DEVICES=1 timeout 60 python3 bench/kda.py --out "$W/kda_inv$inv" \
-        --sections time --no-fla --no-varlen --shapes 32:16384:sp,96:16384:k3 > "$W/kda_inv$inv.log" 2>&1
-    done
+    CUDA_VISIBLE_DEVICES=1 timeout 300 python3 bench/kda.py --out "$W/kda_96" --sections time --no-varlen \
+      --shapes 96:8192:k3,96:32768:k3 > "$W/kda_96.log" 2>&1
+    CUDA_VISIBLE_DEVICES=1 timeout 270 python3 bench/kda.py --out "$W/kda_varlen" --sections time --shapes "" \
+      > "$W/kda_varlen.log" 2>&1
   ) &
   wait
   tar czf "$OUT/session.tgz" -C "$W" .
-  grep -h '^fla\|^ours' "$W"/kda_*.log | cut -c1-300
+  grep -h '^fla\|^ours\|varlen' "$W"/kda_*.log | cut -c1-300
   ;;
 prefill)
   # the MXFP4 decode paths without the sort (moe.py at 1-16 tokens, CUDA graph rows) and tiles at 2K / 4K tokens;
