@@ -2,9 +2,9 @@
 
     python bench/plot_kda.py [--json bench/results/kda_h200.json] [--out bench/results/kda_h200.png]
 
-The newest timings with fla 0.6.0 in the same process ("time_tuned_same_run_fla": one shape per process, so every
-point pairs ours with fla measured beside it); H=32 with the softplus gate, H=96 with K3's. Needs matplotlib (not a
-project requirement).
+The newest timings with fla 0.6.0 in the same process ("session_2e8a4d2_d544d25": one process per head count, so
+every point pairs ours with fla measured beside it); H=32 with the softplus gate, H=96 with K3's. Needs matplotlib
+(not a project requirement).
 """
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ def main():
     import matplotlib.pyplot as plt
 
     res = json.load(open(args.json))
-    rows = [r for r in res["time_tuned_same_run_fla"]["rows"] if "varlen" not in r]
+    session = res["session_2e8a4d2_d544d25"]
+    rows = [dict(r, commit=c) for key, c in (("time_2e8a4d2", "2e8a4d2"), ("time_a5192f8", "a5192f8"))
+            for r in session[key]]
     commits = "/".join(sorted({r["commit"] for r in rows}))
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
