@@ -274,6 +274,25 @@ def test_chunk_varlen(lb):
     assert cs.shape == (4, 2, 16, 16) and rel(cs, rcs) < 1e-4
 
 
+def check_vs_fp64(ins, lb, do, dS=None):
+    """chunk_kda's output, final state and the gradients of every input (q, k, v, g, beta, A_log, dt_bias, h0: fp32)
+    against the fp64 recurrence, for the loss <o, do> + <state, dS> (dS: ones)."""
+    res = {}
+    for name in ("triton", "fp64"):
+        xs = [x.double().clone().requires_grad_() if name == "fp64" else x.clone().requires_grad_() for x in ins]
+        if name == "triton":
+            o, s = chunk_kda(*xs[:5], A_log=xs[5], dt_bias=xs[6], lower_bound=lb, initial_state=xs[7],
+                             output_final_state=True)
+        else:
+            o, s = rec64(*xs[:5], xs[5], xs[6], lb, h0=xs[7])
+        w = torch.ones_like(s) if dS is None else dS.to(s.dtype)
+        ((o * do.to(o.dtype)).sum() + (s * w).sum()).backward()
+        res[name] = [o, s] + [x.grad for x in xs]
+    names = ["o", "state", "q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0"]
+    for i, (n, a, b) in enumerate(zip(names, res["triton"], res["fp64"])):
+        assert rel(a, b) < (TOL if i < 2 else GTOL)[torch.float32], (n, rel(a, b))
+
+
 @needs_triton
 @pytest.mark.parametrize("lb,env,K", [(-5.0, {}, 16), (None, {}, 16),
                                       (None, dict(KIMI3_KDA_LAUNCH="intra_fwd=16:4:1", KIMI3_KDA_SAVE_FWD="0"), 16),
@@ -299,22 +318,10 @@ def test_chunk_gradients(lb, env, K, monkeypatch):
     intra = chunk_fwd.intra_fwd
     monkeypatch.setattr(chunk_fwd, "intra_fwd", lambda *a, **kw: intra_calls.append(1) or intra(*a, **kw))
     q, k, v, f, beta, A_log, dtb, h0 = make(1, 80, 2, K, 32, seed=2)
-    ins = [q, k, v, f, beta, A_log, dtb, h0]
     gen = torch.Generator().manual_seed(5)
     do = torch.randn(1, 80, 2, 32, generator=gen)
     dS = torch.randn(1, 2, K, 32, generator=gen)
-    grads = {}
-    for name in ("triton", "fp64"):
-        xs = [x.double().clone().requires_grad_() if name == "fp64" else x.clone().requires_grad_() for x in ins]
-        if name == "triton":
-            o, s = chunk_kda(*xs[:5], A_log=xs[5], dt_bias=xs[6], lower_bound=lb, initial_state=xs[7],
-                             output_final_state=True)
-        else:
-            o, s = rec64(*xs[:5], xs[5], xs[6], lb, h0=xs[7])
-        ((o * do.to(o.dtype)).sum() + (s * dS.to(s.dtype)).sum()).backward()
-        grads[name] = [x.grad for x in xs]
-    for n, a, b in zip(["q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0"], grads["triton"], grads["fp64"]):
-        assert rel(a, b) < GTOL[torch.float32], (n, rel(a, b))
+    check_vs_fp64([q, k, v, f, beta, A_log, dtb, h0], lb, do, dS)
     assert len(intra_calls) == (1 if env.get("KIMI3_KDA_SAVE_FWD", "1") == "1" else 2)  # forward (+ backward recompute)
 
 
@@ -325,22 +332,8 @@ def test_head_dims_not_a_power_of_two(lb):
     # unmasked one wrote into the next row and past the buffer: a crash under the interpreter, corruption on a GPU).
     # Forward, state and gradients against fp64, with an initial state and a partial last chunk.
     q, k, v, f, beta, A_log, dtb, h0 = make(1, 80, 1, 96, 48, seed=23)
-    ins = [q, k, v, f, beta, A_log, dtb, h0[:1]]
-    gen = torch.Generator().manual_seed(24)
-    do = torch.randn(1, 80, 1, 48, generator=gen)
-    res = {}
-    for name in ("triton", "fp64"):
-        xs = [x.double().clone().requires_grad_() if name == "fp64" else x.clone().requires_grad_() for x in ins]
-        if name == "triton":
-            o, s = chunk_kda(*xs[:5], A_log=xs[5], dt_bias=xs[6], lower_bound=lb, initial_state=xs[7],
-                             output_final_state=True)
-        else:
-            o, s = rec64(*xs[:5], xs[5], xs[6], lb, h0=xs[7])
-        ((o * do.to(o.dtype)).sum() + s.sum()).backward()
-        res[name] = [o, s] + [x.grad for x in xs]
-    names = ["o", "state", "q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0"]
-    for i, (n, a, b) in enumerate(zip(names, res["triton"], res["fp64"])):
-        assert rel(a, b) < (TOL if i < 2 else GTOL)[torch.float32], (n, rel(a, b))
+    do = torch.randn(1, 80, 1, 48, generator=torch.Generator().manual_seed(24))
+    check_vs_fp64([q, k, v, f, beta, A_log, dtb, h0[:1]], lb, do)
 
 
 @needs_triton
@@ -355,21 +348,8 @@ def test_unbounded_gate_dense_and_loop_diagonal_tiles():
     span = -g[:64].view(4, 16, 3, 16)[:, 1:].sum(1) / math.log(2)  # per 16-row tile of the full chunk, log2 units
     assert (span.amax(-1)[:, 0] > DENSE_MAX_SPAN).all() and (span.amax(-1)[:, 1] < DENSE_MAX_SPAN).all()
     assert (span[..., 2] > DENSE_MAX_SPAN).any() and (span[..., 2] < DENSE_MAX_SPAN).any()
-    ins = [q, k, v, f, beta, A_log, dtb, h0[:1]]
-    gen = torch.Generator().manual_seed(22)
-    do = torch.randn(1, 80, 3, 16, generator=gen)
-    res = {}
-    for name in ("triton", "fp64"):
-        xs = [x.double().clone().requires_grad_() if name == "fp64" else x.clone().requires_grad_() for x in ins]
-        if name == "triton":
-            o, s = chunk_kda(*xs[:5], A_log=xs[5], dt_bias=xs[6], initial_state=xs[7], output_final_state=True)
-        else:
-            o, s = rec64(*xs[:5], xs[5], xs[6], h0=xs[7])
-        ((o * do.to(o.dtype)).sum() + s.sum()).backward()
-        res[name] = [o, s] + [x.grad for x in xs]
-    names = ["o", "state", "q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0"]
-    for i, (n, a, b) in enumerate(zip(names, res["triton"], res["fp64"])):
-        assert rel(a, b) < (TOL if i < 2 else GTOL)[torch.float32], (n, rel(a, b))
+    do = torch.randn(1, 80, 3, 16, generator=torch.Generator().manual_seed(22))
+    check_vs_fp64([q, k, v, f, beta, A_log, dtb, h0[:1]], None, do)
 
 
 @needs_triton
