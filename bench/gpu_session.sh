@@ -7,9 +7,9 @@
 #                                                 # tune); GPU 1 moe.py between 1 and 16K tokens, MXFP4 tiles at 16K
 #   OUT=/some/dir bash bench/gpu_session.sh e2e   # ~6 min: the static-graph decode at B=64 after a 32K prompt; the
 #                                                 # decode and prefill profiles
-#   OUT=/some/dir bash bench/gpu_session.sh fla   # ~9 min: fla's KDA rows in the same process as ours at H=32 T=4K /
-#                                                 # 16K / 64K, H=96 T=8K / 32K and the varlen batch (fla autotunes
-#                                                 # for minutes per process); needs fla in PYTHONPATH
+#   OUT=/some/dir bash bench/gpu_session.sh fla   # ~10 min: fla's KDA rows in the same process as ours at H=32
+#                                                 # T=4K / 16K / 64K, H=96 T=4K-64K and the varlen batch (fla
+#                                                 # autotunes for minutes per process); needs fla in PYTHONPATH
 #   OUT=/some/dir bash bench/gpu_session.sh prefill  # ~6 min: moe.py at 1-64 tokens (the unsorted decode paths in a
 #                                                    # CUDA graph), MXFP4 tiles at 2K / 4K tokens, the 4.3B and
 #                                                    # K3-shaped prefills and the K3-shaped decode
@@ -54,16 +54,16 @@ e2e)
   ;;
 fla)
   # fla in the same process as ours (fla autotunes for 2-4 minutes per head count and process, and again for varlen):
-  # H=32 at 4K / 16K / 64K on GPU 0; H=96 at 8K / 32K, then the varlen batch in a process of its own, on GPU 1
+  # H=32 at 4K / 16K / 64K, then the varlen batch in a process of its own, on GPU 0; H=96 at 4K-64K on GPU 1
   (
-    CUDA_VISIBLE_DEVICES=0 timeout 450 python3 bench/kda.py --out "$W/kda_32" --sections time --no-varlen \
+    CUDA_VISIBLE_DEVICES=0 timeout 260 python3 bench/kda.py --out "$W/kda_32" --sections time --no-varlen \
       --shapes 32:4096:sp,32:16384:sp,32:65536:sp > "$W/kda_32.log" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/kda.py --out "$W/kda_varlen" --sections time --shapes "" \
+      > "$W/kda_varlen.log" 2>&1
   ) &
   (
-    CUDA_VISIBLE_DEVICES=1 timeout 300 python3 bench/kda.py --out "$W/kda_96" --sections time --no-varlen \
-      --shapes 96:8192:k3,96:32768:k3 > "$W/kda_96.log" 2>&1
-    CUDA_VISIBLE_DEVICES=1 timeout 270 python3 bench/kda.py --out "$W/kda_varlen" --sections time --shapes "" \
-      > "$W/kda_varlen.log" 2>&1
+    CUDA_VISIBLE_DEVICES=1 timeout 550 python3 bench/kda.py --out "$W/kda_96" --sections time --no-varlen \
+      --shapes 96:4096:k3,96:8192:k3,96:16384:k3,96:32768:k3,96:65536:k3 > "$W/kda_96.log" 2>&1
   ) &
   wait
   tar czf "$OUT/session.tgz" -C "$W" .
