@@ -136,15 +136,31 @@ def test_state_layout_helpers():
     assert vk.shape == (3, 2, 32, 16) and torch.equal(state_vk_to_kv(vk), s)
 
 
-def test_fixed_length_tables_are_reused():
-    # fixed-length batches' chunk tables are built once (building them waits for the stream); varlen ones per call
+def test_chunk_tables_are_reused():
+    # Building the chunk tables waits for the stream: fixed-length batches' are built once per shape, a varlen
+    # batch's once per cu_seqlens tensor while it is unchanged (in place changes and inference tensors, which keep no
+    # version counter, rebuild them)
     from kimi3_kernels.kda._utils import SeqInfo
     a = SeqInfo.get(2, 130, None, "cpu")
     assert a is SeqInfo.get(2, 130, None, "cpu") and a is not SeqInfo.get(2, 131, None, "cpu")
     assert a.NC == 6 and a.chunk_tab.tolist() == [[0, 0], [0, 64], [0, 128], [1, 130], [1, 194], [1, 258]]
+    assert a.cu.tolist() == [0, 130, 260] and a.chunk_off.tolist() == [0, 3, 6]
     cu = torch.tensor([0, 70, 130])
     c = SeqInfo.get(1, 130, cu, "cpu")
-    assert c is not SeqInfo.get(1, 130, cu, "cpu") and c.NC == 3 and c.cu.tolist() == [0, 70, 130]
+    assert c is SeqInfo.get(1, 130, cu, "cpu") and c is not SeqInfo.get(1, 131, cu, "cpu")
+    c = SeqInfo.get(1, 130, cu, "cpu")
+    assert c.NC == 3 and c.cu.tolist() == [0, 70, 130] and c.chunk_off.tolist() == [0, 2, 3]
+    assert c.chunk_tab.tolist() == [[0, 0], [0, 64], [1, 70]]
+    cu[1] = 3
+    d = SeqInfo.get(1, 130, cu, "cpu")
+    assert d is not c and d.lens == [3, 127] and d.chunk_tab.tolist() == [[0, 0], [1, 3], [1, 67]]
+    assert SeqInfo.get(1, 130, cu.clone(), "cpu") is not d  # another tensor with the same values: rebuilt
+    with torch.inference_mode():
+        ci = torch.tensor([0, 70, 130])
+    assert SeqInfo.get(1, 130, ci, "cpu") is not SeqInfo.get(1, 130, ci, "cpu")
+    # each table starts on a 16-byte boundary of the one buffer they share
+    e = SeqInfo.get(1, 130, torch.tensor([0, 1, 2, 3, 130]), "cpu")
+    assert all(t.data_ptr() % 16 == 0 for t in (e.cu, e.chunk_off, e.chunk_tab))
 
 
 def test_launch_config(monkeypatch):
