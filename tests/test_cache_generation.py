@@ -86,6 +86,29 @@ def test_left_padding_is_exact(model):
     assert torch.equal(gen[0, -6:], gen_long[0, -6:])
 
 
+def test_padding_plan_is_built_once_per_forward(model, monkeypatch):
+    # Every KDA layer of a forward gets the same mask, and building the packing plan reads it on the host (a stream
+    # wait on GPUs): one plan per forward, reused by every layer, rebuilt when the mask changes in place.
+    from transformers_kimi3 import kda
+    plans = []
+    real = kda.packing
+    monkeypatch.setattr(kda, "packing", lambda mask, seq_idx: plans.append(real(mask, seq_idx)) or plans[-1])
+    n_kda = sum(isinstance(m, kda.Kimi3DeltaAttention) for m in model.modules())
+    batch = ids(2, 30, seed=5)
+    mask = torch.ones_like(batch)
+    mask[1, :11] = 0
+    with torch.no_grad():
+        first = model(input_ids=batch, attention_mask=mask, use_cache=False).logits
+        assert len(plans) == n_kda > 1 and all(p is plans[0] for p in plans)
+        assert plans[0][1].tolist() == [0, 30, 49] and plans[0][0].numel() == 49
+        mask[1, :11] = 1
+        mask[0, :4] = 0
+        second = model(input_ids=batch, attention_mask=mask, use_cache=False).logits
+        ref = model(input_ids=batch[:1, 4:], use_cache=False).logits
+    assert plans[-1] is not plans[0] and plans[-1][1].tolist() == [0, 26, 56]
+    assert rel_err(second[0, 4:], ref[0]) < TOL and rel_err(second[1], first[1]) > 1e-3
+
+
 def test_generate_logits_match_manual_loop(model):
     x = ids(1, 12, seed=4)
     with torch.no_grad():

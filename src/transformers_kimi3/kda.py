@@ -98,6 +98,44 @@ def resolve_backend(device, requested=None, announce=True):
     return backend
 
 
+_LAST_PACKING = ()
+
+
+def packing(mask, seq_idx):
+    """(idx, cu_seqlens) that pack a [B, T] batch into one row: idx = the flat positions of its valid tokens (None when
+    every token is valid), cu_seqlens = the bounds of the sequences they form. Without seq_idx every row is one
+    sequence (empty ones included, so initial states keep one row each); with it every (row, document) run is one.
+
+    Every KDA layer of a forward gets the same mask / seq_idx tensors, and building the plan reads them on the host
+    (nonzero waits for the stream), so the last plan is reused while the same, unchanged tensors come back (identity
+    and version counter; the reference kept here stops their ids from being reused). The kernels then also find the
+    same cu_seqlens tensor and reuse their chunk tables."""
+    global _LAST_PACKING
+    # inference-mode tensors keep no version counter, so in-place changes would go unseen: no reuse for them
+    cacheable = not any(t is not None and t.is_inference() for t in (mask, seq_idx))
+    key = tuple(None if t is None else t._version for t in (mask, seq_idx)) if cacheable else None
+    last = _LAST_PACKING
+    if cacheable and last and last[0] is mask and last[1] is seq_idx and last[2] == key:
+        return last[3]
+    if seq_idx is None:
+        B, T = mask.shape
+        flat = mask.reshape(-1).bool()
+        idx = flat.nonzero().squeeze(1)
+        cu = F.pad(mask.reshape(B, T).bool().sum(-1).cumsum(0), (1, 0)).to(torch.int32)
+    else:
+        B, T = seq_idx.shape
+        valid = None if mask is None else mask.reshape(-1).bool()
+        doc = (seq_idx - seq_idx.amin(1, keepdim=True)) + torch.arange(B, device=seq_idx.device)[:, None] * (T + 1)
+        doc = doc.reshape(-1) if valid is None else doc.reshape(-1)[valid]
+        starts = torch.ones_like(doc, dtype=torch.bool)
+        starts[1:] = doc[1:] != doc[:-1]
+        cu = F.pad(starts.nonzero().flatten(), (0, 1), value=doc.numel()).to(torch.int32)
+        idx = None if valid is None else valid.nonzero().squeeze(1)
+    plan = (idx, cu)
+    _LAST_PACKING = (mask, seq_idx, key, plan) if cacheable else ()
+    return plan
+
+
 def kda_chunk(q, k, v, g, beta, backend, **kw):
     if backend == "fla_chunk":
         backend = "fla"
@@ -226,10 +264,8 @@ class Kimi3DeltaAttention(nn.Module):
 
         kw = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
                   initial_state=h0, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
-        if seq_idx is not None:
+        if seq_idx is not None or attention_mask is not None:
             o, ht = self._packed(q, k, v, g, beta, attention_mask, seq_idx, backend, kw)
-        elif attention_mask is not None:
-            o, ht = self._varlen(q, k, v, g, beta, attention_mask, backend, kw)
         elif h0 is not None and T <= 4:  # decode / speculative verification
             o, ht = kda_recurrent(q, k, v, g, beta, backend, **kw)
         else:
@@ -266,29 +302,14 @@ class Kimi3DeltaAttention(nn.Module):
 
     @staticmethod
     def _packed(q, k, v, g, beta, mask, seq_idx, backend, kw):
-        """Documents packed in rows: every (row, document) run of valid tokens is its own sequence."""
-        B, T = seq_idx.shape
-        valid = torch.ones(B * T, dtype=torch.bool, device=q.device) if mask is None else mask.reshape(-1).bool()
-        key = (seq_idx - seq_idx.amin(1, keepdim=True)) + torch.arange(B, device=q.device)[:, None] * (T + 1)
-        key = key.reshape(-1)[valid]
-        starts = torch.ones_like(key, dtype=torch.bool)
-        starts[1:] = key[1:] != key[:-1]
-        cu = F.pad(starts.nonzero().flatten(), (0, 1), value=key.numel()).to(torch.int32)
-        pack = lambda t: t.reshape(B * T, *t.shape[2:])[valid][None]  # noqa: E731
+        """Documents packed in rows (seq_idx), or padded rows (mask only): every (row, document) run of valid tokens
+        becomes its own sequence of one packed row with cu_seqlens, so pads and neighbours never touch its state."""
+        B, T = (seq_idx if seq_idx is not None else mask).shape
+        idx, cu = packing(mask, seq_idx)
+        pack = lambda t: (t.reshape(B * T, *t.shape[2:]) if idx is None  # noqa: E731
+                          else t.reshape(B * T, *t.shape[2:]).index_select(0, idx))[None]
         o, ht = kda_chunk(pack(q), pack(k), pack(v), pack(g), pack(beta), backend, cu_seqlens=cu, **kw)
-        out = o.new_zeros(B * T, *o.shape[2:])
-        out[valid] = o[0]
-        return out.view(B, T, *o.shape[2:]), ht
-
-    @staticmethod
-    def _varlen(q, k, v, g, beta, mask, backend, kw):
-        """Padded rows -> one packed row with cu_seqlens, so pads never touch the recurrent state."""
-        B, T = mask.shape
-        flat = mask.reshape(-1).bool()
-        lengths = mask.sum(-1)
-        cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-        pack = lambda t: t.reshape(B * T, *t.shape[2:])[flat][None]  # noqa: E731
-        o, ht = kda_chunk(pack(q), pack(k), pack(v), pack(g), pack(beta), backend, cu_seqlens=cu, **kw)
-        out = o.new_zeros(B * T, *o.shape[2:])
-        out[flat] = o[0]
+        if idx is None:
+            return o.view(B, T, *o.shape[2:]), ht
+        out = o.new_zeros(B * T, *o.shape[2:]).index_copy(0, idx, o[0])
         return out.view(B, T, *o.shape[2:]), ht
