@@ -551,6 +551,33 @@ def test_combine_sorted():
 
 
 @needs_triton
+def test_model_padded_batch_through_the_kernels(monkeypatch):
+    """The tiny model's left-padded batch with the Triton chunk kernels (forced onto the CPU interpreter) equals the
+    PyTorch reference, and its KDA layers share one set of chunk tables: one packing plan per forward hands every
+    layer the same cu_seqlens tensor."""
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from kimi3_testing import rel_err, tiny_model
+    from transformers_kimi3 import kda as kda_layer
+
+    from kimi3_kernels.kda import _utils
+    model = tiny_model()
+    batch = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(batch)
+    mask[1, :11] = 0
+    with torch.no_grad():
+        ref = model(input_ids=batch, attention_mask=mask, use_cache=False).logits
+        monkeypatch.setattr(kda_layer, "resolve_backend", lambda device, requested=None, announce=True: "triton")
+        built = []
+        init = _utils.SeqInfo.__init__
+        monkeypatch.setattr(_utils.SeqInfo, "__init__", lambda self, *a, **kw: built.append(1) or init(self, *a, **kw))
+        got = model(input_ids=batch, attention_mask=mask, use_cache=False).logits
+    n_kda = sum(isinstance(m, kda_layer.Kimi3DeltaAttention) for m in model.modules())
+    assert n_kda > 1 and len(built) == 1
+    assert rel_err(got, ref) < 1e-4
+
+
+@needs_triton
 def test_grouped_experts_combine_in_the_module(monkeypatch):
     """Kimi3Experts' prefill path (bf16, torch._grouped_mm) with the combine kernel against the same GEMM outputs
     unsorted and summed in PyTorch, 40 tokens x top-3 (past the decode GEMV's route limit)."""
