@@ -109,6 +109,31 @@ def test_padding_plan_is_built_once_per_forward(model, monkeypatch):
     assert rel_err(second[0, 4:], ref[0]) < TOL and rel_err(second[1], first[1]) > 1e-3
 
 
+def test_kda_layers_see_no_mask_once_the_new_tokens_are_all_valid(model, monkeypatch):
+    # a left-padded batch: its prefill hands the KDA layers the mask; its decode steps (new tokens are never padding)
+    # hand them None, checked once per forward instead of once per layer (each check waits for the GPU)
+    from transformers_kimi3 import kda
+    seen = []
+    forward = kda.Kimi3DeltaAttention.forward
+    monkeypatch.setattr(kda.Kimi3DeltaAttention, "forward",
+                        lambda self, x, attention_mask=None, **kw: seen.append(attention_mask) or
+                        forward(self, x, attention_mask=attention_mask, **kw))
+    batch = ids(2, 12, seed=6)
+    mask = torch.ones_like(batch)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        out = model(input_ids=batch, attention_mask=mask, use_cache=True)
+        assert seen and all(m is not None for m in seen)
+        seen.clear()
+        nxt = out.logits[:, -1:].argmax(-1)
+        step = model(input_ids=nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1),
+                     past_key_values=out.past_key_values, use_cache=True).logits
+        assert seen and all(m is None for m in seen)
+        full = model(input_ids=torch.cat([batch, nxt], 1), attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1),
+                     use_cache=False).logits
+    assert rel_err(step[:, -1], full[:, -1]) < TOL
+
+
 def test_generate_logits_match_manual_loop(model):
     x = ids(1, 12, seed=4)
     with torch.no_grad():

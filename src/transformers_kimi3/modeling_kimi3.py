@@ -186,6 +186,8 @@ class Kimi3Model(Kimi3PreTrainedModel):
         past = cache.seen_tokens if cache is not None else 0
         full_mask = self._full_mask(attention_mask, cache, B, T, past, inputs_embeds.device)
         kda_mask = None if full_mask is None else full_mask[:, -T:]
+        if kda_mask is not None and bool(kda_mask.all()):  # e.g. decode steps of a left-padded batch: checked once
+            kda_mask = None                                 # here, not in every KDA layer (each check waits for the GPU)
         # Packed documents (a training layout) are read from position_ids only without a cache: the model has no
         # positional encoding, so during generation position_ids carry no information.
         seq_idx = None
