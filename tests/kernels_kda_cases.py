@@ -153,7 +153,8 @@ def test_chunk_tables_are_reused():
     assert c.chunk_tab.tolist() == [[0, 0], [0, 64], [1, 70]]
     cu[1] = 3
     d = SeqInfo.get(1, 130, cu, "cpu")
-    assert d is not c and d.lens == [3, 127] and d.chunk_tab.tolist() == [[0, 0], [1, 3], [1, 67]]
+    assert d is not c and d.chunk_off.tolist() == [0, 1, 3] and d.tokens == 130
+    assert d.chunk_tab.tolist() == [[0, 0], [1, 3], [1, 67]]  # lengths 3 and 127
     assert SeqInfo.get(1, 130, cu.clone(), "cpu") is not d  # another tensor with the same values: rebuilt
     with torch.inference_mode():
         ci = torch.tensor([0, 70, 130])

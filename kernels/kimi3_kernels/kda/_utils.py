@@ -77,17 +77,14 @@ class SeqInfo:
             off.append(off[-1] + c)
         self.N = N
         self.NC = off[-1]
-        self.lens = lens
+        self.tokens = cu_host[-1]  # tokens covered by the sequences; any after them are outside every sequence
         # one host-to-device copy for the three tables (each copy from pageable memory waits for the stream), each
         # table starting on a 16-byte boundary like a tensor of its own
-        pad = lambda xs: xs + [0] * (-len(xs) % 4)  # noqa: E731
-        flat_tab = [x for row in tab for x in row]
-        host = pad(list(cu_host)) + pad(off) + flat_tab
-        buf = torch.tensor(host, dtype=torch.int32).to(device)
-        n_cu, n_off = len(pad(list(cu_host))), len(pad(off))
+        cu_p, off_p = (list(xs) + [0] * (-len(xs) % 4) for xs in (cu_host, off))
+        buf = torch.tensor(cu_p + off_p + [x for row in tab for x in row], dtype=torch.int32).to(device)
         self.cu = buf[:N + 1]
-        self.chunk_off = buf[n_cu:n_cu + N + 1]
-        self.chunk_tab = buf[n_cu + n_off:].view(-1, 2)
+        self.chunk_off = buf[len(cu_p):len(cu_p) + N + 1]
+        self.chunk_tab = buf[len(cu_p) + len(off_p):].view(-1, 2)
 
     _FIXED: dict = {}
     _LAST_VARLEN: tuple = ()

@@ -61,7 +61,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         I = intra_fwd(qn, kn, vf, gc, bs, scale, lower_bound, info, store_bwd=save)
         o, ht, hs, vn = state_fwd(I, gc, h0, info, V, q.dtype, output_final_state, return_chunk_states or save, save,
                                   True, o=torch.zeros(B * T, H, V, device=q.device, dtype=q.dtype)
-                                  if sum(info.lens) < B * T else None)
+                                  if info.tokens < B * T else None)
         ctx.saved_fwd = (I, hs, vn) if save else None
         hs = hs if return_chunk_states else None
         ctx.save_for_backward(qf, kf, vf, gf, bf, A_log_c, dt_c, h0, qn, kn, gc, bs, rq, rk)
@@ -87,10 +87,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         ctx.saved_fwd = None
         dq, dk, df, dbeta, dA, ddt = prep_bwd(qf, kf, gf, A_log, dt_bias, bs, rq, rk, dG, dqn, dkn, db,
                                               lower_bound, use_l2, info, bf.dtype)
-        tail = sum(info.lens)
-        if tail < B * T:  # tokens after the last packed sequence get no gradient
+        if info.tokens < B * T:  # tokens after the last packed sequence get no gradient
             for x in (dq, dk, df, dbeta, dv):
-                x[tail:] = 0
+                x[info.tokens:] = 0
         dA_full = torch.zeros_like(A_log, dtype=torch.float32)
         dA_full[:H] = dA
         return (dq.view(B, T, H, K), dk.view(B, T, H, K), dv.view(B, T, H, V), df.view(B, T, H, K),
