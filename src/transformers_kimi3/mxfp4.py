@@ -485,18 +485,6 @@ class PackedMXFP4Experts(nn.Module):
             out[rows] = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs).float()
         return out
 
-    def _gate_up(self, run, x, offsets, **kw):
-        """GLU(x W1^T, x W3^T) in x's dtype through `run` (the packed grouped GEMM). The GLU runs in the gate+up
-        epilogue whenever the kernel knows it: K3's SiTU too, at every tile height since the K-permuted BM=128 tiles
-        (H200, 19b363b: 16,384 tokens 63.2 ms fused vs 83.2 ms unfused)."""
-        kw.update(b_packed=self.w3_packed, b_scale=self.w3_scale)
-        if self._fused is not None:
-            return run(x, self.w1_packed, self.w1_scale, offsets, act=self._fused[0],
-                       act_params=self._fused[1:] or (1.0, 1.0), out_dtype=x.dtype, **kw)
-        gu = run(x, self.w1_packed, self.w1_scale, offsets, **kw)
-        I = self.intermediate_size
-        return self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
-
     def _forward_unsorted(self, x, topk_idx):
         """[T*k, D] fp32 outputs of the routes in topk_idx's order: row m = (token m // k, slot m % k). The kernels
         read each route's expert themselves, so nothing is sorted, gathered or scattered: the packed GEMM one route
@@ -527,7 +515,15 @@ class PackedMXFP4Experts(nn.Module):
         bk_up, bk_dn = G.kperm_bk(M, E, I, D, "out"), G.kperm_bk(M, E, D, I)
         if bk_up:
             x = G.permute_k(x, bk_up)
-        h = self._gate_up(G.mxfp4_grouped_gemm, x, offsets, dual="out", a_kperm=bk_up, **up_rows)
+        # the GLU runs in the gate+up epilogue whenever the kernel knows it: K3's SiTU too, at every tile height
+        # since the K-permuted BM=128 tiles (H200, 19b363b: 16,384 tokens 63.2 ms fused vs 83.2 ms unfused)
+        up = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, dual="out", a_kperm=bk_up, **up_rows)
+        if self._fused is not None:
+            h = G.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, act=self._fused[0],
+                                     act_params=self._fused[1:] or (1.0, 1.0), out_dtype=x.dtype, **up)
+        else:
+            gu = G.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, **up)
+            h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
         if bk_dn:
             h = G.permute_k(h, bk_dn)
         return G.mxfp4_grouped_gemm(h, self.w2_packed, self.w2_scale, offsets, a_kperm=bk_dn, **down_rows)
