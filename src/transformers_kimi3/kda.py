@@ -118,10 +118,9 @@ def packing(mask, seq_idx):
     if cacheable and last and last[0] is mask and last[1] is seq_idx and last[2] == key:
         return last[3]
     if seq_idx is None:
-        B, T = mask.shape
         flat = mask.reshape(-1).bool()
         idx = flat.nonzero().squeeze(1)
-        cu = F.pad(mask.reshape(B, T).bool().sum(-1).cumsum(0), (1, 0)).to(torch.int32)
+        cu = F.pad(mask.bool().sum(-1).cumsum(0), (1, 0)).to(torch.int32)
     else:
         B, T = seq_idx.shape
         valid = None if mask is None else mask.reshape(-1).bool()
@@ -233,12 +232,11 @@ class Kimi3DeltaAttention(nn.Module):
         self.o_proj = nn.Linear(D, d, bias=False)
 
     def forward(self, x, attention_mask=None, cache=None, seq_idx=None):
-        """x [B,T,d]; attention_mask [B,T] (1 = token) for this call's positions or None; seq_idx [B,T] document
-        ids of packed sequences (training; no cache) or None."""
+        """x [B,T,d]; attention_mask [B,T] (1 = token) for this call's positions, or None when every one is a token
+        (the model decides that once per forward: checking here would wait for the GPU in every layer); seq_idx
+        [B,T] document ids of packed sequences (training; no cache) or None."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        if attention_mask is not None and bool(attention_mask.all()):
-            attention_mask = None
         if attention_mask is not None:  # padding never enters the convs (zero input = the convs' own padding)
             x = x * attention_mask[..., None].to(x.dtype)
         if seq_idx is not None and cache is not None:

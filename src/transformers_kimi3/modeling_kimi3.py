@@ -186,8 +186,11 @@ class Kimi3Model(Kimi3PreTrainedModel):
         past = cache.seen_tokens if cache is not None else 0
         full_mask = self._full_mask(attention_mask, cache, B, T, past, inputs_embeds.device)
         kda_mask = None if full_mask is None else full_mask[:, -T:]
-        if kda_mask is not None and bool(kda_mask.all()):  # e.g. decode steps of a left-padded batch: checked once
-            kda_mask = None                                 # here, not in every KDA layer (each check waits for the GPU)
+        # the KDA layers take None for "every token of this call is valid", decided here once rather than in every
+        # layer (each check waits for the GPU). Without past tokens _full_mask has already checked; with them (a decode
+        # step of a left-padded batch, say) this call's slice can be all ones while the history is not.
+        if kda_mask is not None and past > 0 and bool(kda_mask.all()):
+            kda_mask = None
         # Packed documents (a training layout) are read from position_ids only without a cache: the model has no
         # positional encoding, so during generation position_ids carry no information.
         seq_idx = None
