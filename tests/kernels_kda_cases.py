@@ -370,28 +370,6 @@ def test_unbounded_gate_dense_and_loop_diagonal_tiles():
 
 
 @needs_triton
-@pytest.mark.parametrize("lb,A_log", [(-5.0, None), (None, [3.0, 0.0, 1.6])])
-def test_chunk_forward_raw_gate(lb, A_log, monkeypatch):
-    # Inference forms the gate's chunk cumsum inside each chunk kernel from the raw pre-activation
-    # (KIMI3_KDA_RAW_GATE=1, the default) instead of reading prep's stored copy (0, what training uses). Both against
-    # fp64 and each other: varlen with an empty, a one-token and a partial last chunk, an initial state, chunk states;
-    # for the softplus gate, heads whose diagonal tiles take the per-column loop, the matmul, or both.
-    cu = torch.tensor([0, 0, 1, 70, 150], dtype=torch.int32)
-    q, k, v, f, beta, A_log0, dtb, h0 = make(1, 150, 3, 16, 16, N=4, seed=31)
-    A_log = A_log0 if A_log is None else torch.tensor(A_log)
-    res = {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv("KIMI3_KDA_RAW_GATE", mode)
-        res[mode] = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0,
-                              output_final_state=True, cu_seqlens=cu, return_chunk_states=True)
-    ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0, cu=cu)
-    for o, s, cs in res.values():
-        assert rel(o, ro) < TOL[torch.float32] and rel(s, rs) < TOL[torch.float32]
-    for a, b in zip(res["0"], res["1"]):
-        assert rel(a, b) < 1e-6
-
-
-@needs_triton
 def test_chunk_gradients_varlen_bf16():
     cu = torch.tensor([0, 1, 1, 70], dtype=torch.int32)
     q, k, v, f, beta, A_log, dtb, h0 = make(1, 70, 1, 16, 16, torch.bfloat16, N=3, seed=4)

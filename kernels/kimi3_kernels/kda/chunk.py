@@ -38,16 +38,6 @@ def _save_fwd():
     return os.environ.get("KIMI3_KDA_SAVE_FWD", "1") == "1"
 
 
-def _raw_gate():
-    """Inference only (the backward needs the stored cumsum): the chunk kernels form the gate's cumsum from the raw
-    pre-activation themselves instead of reading prep's fp32 copy. KIMI3_KDA_RAW_GATE=0 turns it off."""
-    import os
-    mode = os.environ.get("KIMI3_KDA_RAW_GATE", "1").strip()
-    if mode not in ("0", "1"):
-        raise ValueError(f"KIMI3_KDA_RAW_GATE must be 0 or 1, got {mode!r}")
-    return mode == "1"
-
-
 class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound, output_final_state,
@@ -64,16 +54,12 @@ class ChunkKDAFunction(torch.autograd.Function):
         # intermediates (normalised q/k, W, U, ...) are kept in the input dtype; the Triton CPU interpreter
         # cannot multiply bf16 matrices, so it keeps them in fp32
         inter = torch.float32 if (interpret_mode() or q.dtype == torch.float32) else q.dtype
-        grad = any(ctx.needs_input_grad)
-        raw = not grad and _raw_gate()
-        qn, kn, gc, bs, rq, rk = prep_fwd(qf, kf, gf, bf, A_log_c, dt_c, lower_bound, use_l2, info, inter,
-                                          gate=not raw)
+        qn, kn, gc, bs, rq, rk = prep_fwd(qf, kf, gf, bf, A_log_c, dt_c, lower_bound, use_l2, info, inter)
         # KIMI3_KDA_SAVE_FWD=1 (default) keeps what the backward needs (per-chunk M, P, W, U, ..., fp32 chunk states and
         # v_new) instead of recomputing it: less time, ~(2 * 64 * 4 + 8 K) bytes per token and head more memory
-        save = _save_fwd() and grad
-        I = intra_fwd(qn, kn, vf, gc, bs, scale, lower_bound, info, store_bwd=save,
-                      raw=(gf, A_log_c, dt_c) if raw else None)
-        o, ht, hs, vn = state_fwd(I, h0, info, V, q.dtype, output_final_state, return_chunk_states or save, save,
+        save = _save_fwd() and any(ctx.needs_input_grad)
+        I = intra_fwd(qn, kn, vf, gc, bs, scale, lower_bound, info, store_bwd=save)
+        o, ht, hs, vn = state_fwd(I, gc, h0, info, V, q.dtype, output_final_state, return_chunk_states or save, save,
                                   True, o=torch.zeros(B * T, H, V, device=q.device, dtype=q.dtype)
                                   if info.tokens < B * T else None)
         ctx.saved_fwd = (I, hs, vn) if save else None

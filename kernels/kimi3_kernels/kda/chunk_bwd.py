@@ -374,7 +374,7 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
         I, hs, vn = saved
     else:
         I = intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=True)
-        _, _, hs, vn = state_fwd(I, h0, info, V, qn.dtype, False, True, True, False)
+        _, _, hs, vn = state_fwd(I, gc, h0, info, V, qn.dtype, False, True, True, False)
     dvn = torch.empty(TT, H, V, device=dev, dtype=torch.float32)
     dhs = torch.empty(max(info.NC, 1), H, K, V, device=dev, dtype=torch.float32)
     dh0 = torch.empty(info.N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else None

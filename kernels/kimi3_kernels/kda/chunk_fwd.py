@@ -34,8 +34,6 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .gate import _gate_log2
-
     @triton.jit
     def _ld(ptr, rows, eos, H, i_h, D: tl.constexpr, cols, mc):
         m = (rows < eos)[:, None] & mc[None, :]
@@ -46,16 +44,16 @@ if TRITON_AVAILABLE:
         return tl.load(ptr + (row * H + i_h) * D + cols, mask=mc & ((cols * 0 + row) < eos), other=0.).to(tl.float32)
 
     @triton.jit
-    def _diag_loop(aI, kI, gI, valid, BC: tl.constexpr):
-        """Diagonal 16x16 tile, any gate: column by column with per-pair exponents (all <= 1). Column j's key and
-        gate come from the tile's own rows (kI is 0 on rows past the sequence end, `valid` false there)."""
+    def _diag_loop(aI, kI, gI, k_ptr, g_ptr, row0, eos, H, i_h, K: tl.constexpr, cols, mc,
+                   BC: tl.constexpr):
+        """Diagonal 16x16 tile, any gate: column by column with per-pair exponents (all <= 1)."""
         o_i = tl.arange(0, BC)
         acc_a = tl.zeros([BC, BC], dtype=tl.float32)
         acc_k = tl.zeros([BC, BC], dtype=tl.float32)
         for j in range(0, BC):
-            kj = tl.sum(tl.where(o_i[:, None] == j, kI, 0.), 0)
-            gj = tl.sum(tl.where(o_i[:, None] == j, gI, 0.), 0)
-            ok = (o_i[:, None] >= j) & valid[:, None]
+            kj = _ld_row(k_ptr, row0 + j, eos, H, i_h, K, cols, mc)
+            gj = _ld_row(g_ptr, row0 + j, eos, H, i_h, K, cols, mc)
+            ok = (o_i[:, None] >= j) & ((row0 + o_i) < eos)[:, None]
             e = tl.exp2(tl.where(ok, gI - gj[None, :], -float("inf"))) * kj[None, :]
             ca = tl.sum(aI * e, 1)
             ck = tl.sum(kI * e, 1)
@@ -115,14 +113,12 @@ if TRITON_AVAILABLE:
         return n, tl.load(tab + 2 * i_c + 1).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
 
     @triton.jit
-    def _intra_fwd_kernel(qn, kn, gc, A_log, dt_bias, lower_bound, bs, Aqk, Mo, Po, Tm, Pd, Md, tab, cu, scale,
+    def _intra_fwd_kernel(qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, Md, tab, cu, scale,
                           H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          STORE_BWD: tl.constexpr, PREC: tl.constexpr, MINV: tl.constexpr, RAW: tl.constexpr,
-                          USE_LB: tl.constexpr):
+                          STORE_BWD: tl.constexpr, PREC: tl.constexpr, MINV: tl.constexpr):
         """The six off-diagonal 16x16 tiles of Aqk and P for one chunk and head, then the blockwise inverse and
         T = M Diag(beta); the diagonal tiles come from _diag_fwd_kernel (Aqk's written, P's in Pd), and with MINV
-        the inverses of the diagonal blocks of I + Diag(beta) P from _diag_inv_kernel (Md). RAW: gc is the raw gate
-        pre-activation and the chunk's cumsum is formed here (see intra_fwd)."""
+        the inverses of the diagonal blocks of I + Diag(beta) P from _diag_inv_kernel (Md)."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
         _, t0, eos = _chunk_span(tab, cu, i_c)
@@ -157,36 +153,14 @@ if TRITON_AVAILABLE:
             q1 = _ld(qn, r1, eos, H, i_h, K, cols, mc)
             q2 = _ld(qn, r2, eos, H, i_h, K, cols, mc)
             q3 = _ld(qn, r3, eos, H, i_h, K, cols, mc)
-            # reference rows: the first row of each sub-tile (clamped to the chunk's last row)
-            if RAW:
-                # each sub-tile's cumsum plus the sums of the ones above it; past the end the steps are 0, so a
-                # clamped reference row equals the first row of its (empty) sub-tile
-                x = _gate_log2(gc, A_log, dt_bias, lower_bound, r0, (r0 < eos)[:, None] & mc[None, :], H, i_h, K,
-                               cols, mc, USE_LB)
-                g0 = tl.cumsum(x, 0)
-                c = tl.sum(x, 0)
-                x = _gate_log2(gc, A_log, dt_bias, lower_bound, r1, (r1 < eos)[:, None] & mc[None, :], H, i_h, K,
-                               cols, mc, USE_LB)
-                g1 = tl.cumsum(x, 0) + c[None, :]
-                n1 = c + tl.sum(tl.where(o_c[:, None] == 0, x, 0.), 0)
-                c += tl.sum(x, 0)
-                x = _gate_log2(gc, A_log, dt_bias, lower_bound, r2, (r2 < eos)[:, None] & mc[None, :], H, i_h, K,
-                               cols, mc, USE_LB)
-                g2 = tl.cumsum(x, 0) + c[None, :]
-                n2 = c + tl.sum(tl.where(o_c[:, None] == 0, x, 0.), 0)
-                c += tl.sum(x, 0)
-                x = _gate_log2(gc, A_log, dt_bias, lower_bound, r3, (r3 < eos)[:, None] & mc[None, :], H, i_h, K,
-                               cols, mc, USE_LB)
-                g3 = tl.cumsum(x, 0) + c[None, :]
-                n3 = c + tl.sum(tl.where(o_c[:, None] == 0, x, 0.), 0)
-            else:
-                g0 = _ld(gc, r0, eos, H, i_h, K, cols, mc)
-                g1 = _ld(gc, r1, eos, H, i_h, K, cols, mc)
-                g2 = _ld(gc, r2, eos, H, i_h, K, cols, mc)
-                g3 = _ld(gc, r3, eos, H, i_h, K, cols, mc)
-                n1 = _ld_row(gc, tl.minimum(t0 + BC, last), eos, H, i_h, K, cols, mc)
-                n2 = _ld_row(gc, tl.minimum(t0 + 2 * BC, last), eos, H, i_h, K, cols, mc)
-                n3 = _ld_row(gc, tl.minimum(t0 + 3 * BC, last), eos, H, i_h, K, cols, mc)
+            g0 = _ld(gc, r0, eos, H, i_h, K, cols, mc)
+            g1 = _ld(gc, r1, eos, H, i_h, K, cols, mc)
+            g2 = _ld(gc, r2, eos, H, i_h, K, cols, mc)
+            g3 = _ld(gc, r3, eos, H, i_h, K, cols, mc)
+            # reference rows: the first row of each sub-tile
+            n1 = _ld_row(gc, tl.minimum(t0 + BC, last), eos, H, i_h, K, cols, mc)
+            n2 = _ld_row(gc, tl.minimum(t0 + 2 * BC, last), eos, H, i_h, K, cols, mc)
+            n3 = _ld_row(gc, tl.minimum(t0 + 3 * BC, last), eos, H, i_h, K, cols, mc)
             # row sides, exp(Gam_i - Gam_ref) <= 1 on valid rows (0 elsewhere)
             e1 = tl.exp2(tl.where((r1 < eos)[:, None], g1 - n1[None, :], 0.))
             e2 = tl.exp2(tl.where((r2 < eos)[:, None], g2 - n2[None, :], 0.))
@@ -278,9 +252,9 @@ if TRITON_AVAILABLE:
         return tl.max(tl.max(tl.where(valid, ref[None, :] - g, 0.), 1), 0)
 
     @triton.jit
-    def _diag_fwd_kernel(qn, kn, gc, A_log, dt_bias, lower_bound, bs, Aqk, Pd, Md, tab, cu, scale, max_span, H,
-                         K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SAFE: tl.constexpr,
-                         PREC: tl.constexpr, INV: tl.constexpr, RAW: tl.constexpr, USE_LB: tl.constexpr):
+    def _diag_fwd_kernel(qn, kn, gc, bs, Aqk, Pd, Md, tab, cu, scale, max_span, H, K: tl.constexpr,
+                         BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SAFE: tl.constexpr,
+                         PREC: tl.constexpr, INV: tl.constexpr):
         """The four diagonal 16x16 tiles of a chunk, one program per tile (4x the parallelism of the pairwise
         kernel, a fraction of its registers): Aqk's go straight to Aqk, the key-key ones to Pd [TT, H, BC].
         Without a static bound (SAFE) each K slice checks its gate span: one matmul when the span is at most
@@ -301,13 +275,8 @@ if TRITON_AVAILABLE:
             mc = cols < K
             q = _ld(qn, rows, eos, H, i_h, K, cols, mc)
             k = _ld(kn, rows, eos, H, i_h, K, cols, mc)
-            if RAW:  # the tile needs only differences of the cumsum inside it: its own 16 rows suffice
-                g = tl.cumsum(_gate_log2(gc, A_log, dt_bias, lower_bound, rows, (rows < eos)[:, None] & mc[None, :],
-                                         H, i_h, K, cols, mc, USE_LB), 0)
-                ref = tl.sum(tl.where(o_c[:, None] == 0, g, 0.), 0)
-            else:
-                g = _ld(gc, rows, eos, H, i_h, K, cols, mc)
-                ref = _ld_row(gc, tl.minimum(t0, last), eos, H, i_h, K, cols, mc)
+            g = _ld(gc, rows, eos, H, i_h, K, cols, mc)
+            ref = _ld_row(gc, tl.minimum(t0, last), eos, H, i_h, K, cols, mc)
             dense = SAFE
             if not SAFE:
                 dense = _tile_span(g, ref, (rows < eos)[:, None] & mc[None, :]) <= max_span
@@ -317,7 +286,7 @@ if TRITON_AVAILABLE:
                 acc_a += tl.dot(q * e, kt, input_precision=PREC)
                 acc_k += tl.dot(k * e, kt, input_precision=PREC)
             else:
-                x, y = _diag_loop(q, k, g, rows < eos, BC)
+                x, y = _diag_loop(q, k, g, kn, gc, t0, eos, H, i_h, K, cols, mc, BC)
                 acc_a += x
                 acc_k += y
         incl = o_c[:, None] >= o_c[None, :]
@@ -343,12 +312,10 @@ if TRITON_AVAILABLE:
         _st_blk(Md, m, rows, eos, H, i_h, BC, 0, BC)
 
     @triton.jit
-    def _wu_fwd_kernel(qn, kn, v, gc, A_log, dt_bias, lower_bound, Tm, W, U, Qg, Kd, GL, tab, cu, scale, H,
-                       K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       PREC: tl.constexpr, RAW: tl.constexpr, USE_LB: tl.constexpr):
+    def _wu_fwd_kernel(qn, kn, v, gc, Tm, W, U, Qg, Kd, tab, cu, scale, H, K: tl.constexpr, V: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
         """W = T (k * exp(Gam)), U = T v, Qg, Kd for one chunk and head: whole-chunk [BT, BT] x [BT, BK] products
-        (the pairwise kernel above keeps only the 16-row tiles it must); GL [NC, H, K]: Gam at the chunk's last row,
-        for the state scan."""
+        (the pairwise kernel above keeps only the 16-row tiles it must)."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
         _, t0, eos = _chunk_span(tab, cu, i_c)
@@ -362,14 +329,8 @@ if TRITON_AVAILABLE:
             cols = i_k * BK + tl.arange(0, BK)
             mc = cols < K
             k = _ld(kn, rows, eos, H, i_h, K, cols, mc)
-            if RAW:
-                g = tl.cumsum(_gate_log2(gc, A_log, dt_bias, lower_bound, rows, (rows < eos)[:, None] & mc[None, :],
-                                         H, i_h, K, cols, mc, USE_LB), 0)
-                gl = tl.sum(tl.where((rows == last)[:, None], g, 0.), 0)
-            else:
-                g = _ld(gc, rows, eos, H, i_h, K, cols, mc)
-                gl = _ld_row(gc, last, eos, H, i_h, K, cols, mc)
-            tl.store(GL + (i_c.to(tl.int64) * H + i_h) * K + cols, gl, mask=mc)
+            g = _ld(gc, rows, eos, H, i_h, K, cols, mc)
+            gl = _ld_row(gc, last, eos, H, i_h, K, cols, mc)
             eg = tl.exp2(g)
             _st_blk(W, tl.dot(t, (k * eg).to(DT), input_precision=PREC).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
             _st_blk(Kd, (k * tl.exp2(gl[None, :] - g)).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
@@ -381,7 +342,7 @@ if TRITON_AVAILABLE:
             _st_blk(U, tl.dot(t, vv, input_precision=PREC).to(DT), rows, eos, H, i_h, V, i_v * BV, BV)
 
     @triton.jit
-    def _state_fwd_kernel(W, U, Kd, GL, h0, ht, hs, vn, cu, chunk_off,
+    def _state_fwd_kernel(W, U, Kd, gc, h0, ht, hs, vn, cu, chunk_off,
                           H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
                           STORE_STATES: tl.constexpr, STORE_VN: tl.constexpr, PREC: tl.constexpr):
@@ -424,7 +385,8 @@ if TRITON_AVAILABLE:
                 tl.store(vn + offv, vnew.to(vn.dtype.element_ty), mask=mrv)
             vd = vnew.to(DT)
             kd = tl.load(Kd + offk, mask=mrk, other=0.)
-            gl = tl.load(GL + ((c0 + c) * H + i_h) * K + o_k, mask=mk, other=0.)
+            last = tl.minimum(eos, t0 + BT) - 1
+            gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=mk, other=0.)
             S = S * tl.exp2(gl)[:, None] + tl.dot(tl.trans(kd), vd, input_precision=PREC)
         if STORE_FINAL:
             tl.store(ht + s_off, S, mask=m_s)
@@ -479,18 +441,13 @@ def _prec(dtype):
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False, raw=None):
-    """The per-chunk quantities. The gate comes as gc, the chunk-local cumsum (prep_fwd), or with raw=(g, A_log,
-    dt_bias) as the raw pre-activation, whose cumsum each kernel forms itself (gc None): no [T, H, K] fp32 cumsum
-    written and read back three times."""
+def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
     TT, H, K = qn.shape
     V = v.shape[-1]
     dev = qn.device
     DT = qn.dtype
     BT = CHUNK_SIZE
-    # the output kernel rounds Aqk to the matmul dtype as it loads it: stored in that dtype unless the backward
-    # reads it too (half the bytes written and read back, the same output)
-    Aqk = torch.empty(TT, H, BT, device=dev, dtype=torch.float32 if store_bwd else DT)
+    Aqk = torch.empty(TT, H, BT, device=dev, dtype=torch.float32)
     W = torch.empty(TT, H, K, device=dev, dtype=DT)
     Qg = torch.empty_like(W)
     Kd = torch.empty_like(W)
@@ -500,10 +457,6 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False, raw=
     safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
     Tm = torch.empty(TT, H, BT, device=dev, dtype=DT)
     Pd = torch.empty(TT, H, 16, device=dev, dtype=torch.float32)  # the diagonal tiles' key-key products
-    GL = torch.empty(max(info.NC, 1), H, K, device=dev, dtype=torch.float32)
-    g, A_log, dt_bias = raw if raw is not None else (gc, gc, gc)
-    lb = float(lower_bound) if lower_bound is not None else 0.0
-    gate = dict(RAW=raw is not None, USE_LB=lower_bound is not None)
     if info.NC > 0:
         # The diagonal 16x16 tiles in their own kernel (a quarter of a chunk per program, few registers), the
         # off-diagonal ones and the solve in the pairwise kernel: forward 1.38x at H=32, T=16K and 1.05x at H=96
@@ -513,9 +466,9 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False, raw=
         Md = torch.empty_like(Pd) if inv else Pd
         bk, warps, stages = launch_config("diag_fwd" if safe else "diag_fwd_loop")
         _diag_fwd_kernel[(info.NC * (BT // 16), H)](
-            qn, kn, g, A_log, dt_bias, lb, bs, Aqk, Pd, Md, info.chunk_tab, info.cu, scale, DENSE_MAX_SPAN, H=H,
-            K=K, BK=min(bk, next_pow2(K)), BT=BT, BC=16, SAFE=safe, PREC=_prec(DT), INV=inv == 2, num_warps=warps,
-            num_stages=stages, **gate)
+            qn, kn, gc, bs, Aqk, Pd, Md, info.chunk_tab, info.cu, scale, DENSE_MAX_SPAN, H=H, K=K,
+            BK=min(bk, next_pow2(K)), BT=BT, BC=16, SAFE=safe, PREC=_prec(DT), INV=inv == 2, num_warps=warps,
+            num_stages=stages)
         if inv == 1:
             _, warps, stages = launch_config("diag_inv")
             _diag_inv_kernel[(info.NC * (BT // 16), H)](Pd, bs, Md, info.chunk_tab, info.cu, H=H, BT=BT, BC=16,
@@ -523,21 +476,21 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False, raw=
         # at K = 128 the pairwise kernel sits at sm_90's 255-register cap
         bk, warps, stages = launch_config("intra_fwd")
         _intra_fwd_kernel[(info.NC, H)](
-            qn, kn, g, A_log, dt_bias, lb, bs, Aqk, Mo, Po, Tm, Pd, Md, info.chunk_tab, info.cu, scale,
+            qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, Md, info.chunk_tab, info.cu, scale,
             H=H, K=K, BK=min(bk, next_pow2(K)), BT=BT, BC=16, STORE_BWD=store_bwd, PREC=_prec(DT), MINV=inv > 0,
-            num_warps=warps, num_stages=stages, **gate)
+            num_warps=warps, num_stages=stages)
         bk, warps, stages = launch_config("wu_fwd")
         _wu_fwd_kernel[(info.NC, H)](
-            qn, kn, v, g, A_log, dt_bias, lb, Tm, W, U, Qg, Kd, GL, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
+            qn, kn, v, gc, Tm, W, U, Qg, Kd, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
             BK=min(bk, next_pow2(K)), BV=min(bk, next_pow2(V)), BT=BT, PREC=_prec(DT), num_warps=warps,
-            num_stages=stages, **gate)
-    out = dict(Aqk=Aqk, W=W, U=U, Qg=Qg, Kd=Kd, GL=GL)
+            num_stages=stages)
+    out = dict(Aqk=Aqk, W=W, U=U, Qg=Qg, Kd=Kd)
     if store_bwd:
         out.update(M=Mo, P=Po)
     return out
 
 
-def state_fwd(I, h0, info, V, out_dtype, output_final_state, store_states, store_vn, compute_o, o=None):
+def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, store_states, store_vn, compute_o, o=None):
     """The sequential scan over chunks (state entering each chunk, v_new), then, with compute_o, the output by
     `_output_fwd_kernel`, parallel over chunks: the scan stays short. Computing the output inside the scan was
     slower on the H200 (bench/results/kda_h200.md)."""
@@ -561,7 +514,7 @@ def state_fwd(I, h0, info, V, out_dtype, output_final_state, store_states, store
         stages = stages or auto_stages
         dummy = W
         _state_fwd_kernel[(triton.cdiv(V, BV) * N * H,)](
-            W, I["U"], I["Kd"], I["GL"], h0 if h0 is not None else dummy, ht if ht is not None else dummy,
+            W, I["U"], I["Kd"], gc, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
             hs if hs is not None else dummy, vn if vn is not None else dummy, info.cu, info.chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, BT=CHUNK_SIZE, HAS_H0=h0 is not None,
             STORE_FINAL=output_final_state, STORE_STATES=hs is not None, STORE_VN=store_vn, PREC=_prec(W.dtype),

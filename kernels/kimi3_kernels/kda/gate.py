@@ -26,19 +26,6 @@ if TRITON_AVAILABLE:
         return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
 
     @triton.jit
-    def _gate_log2(f, A_log, dt_bias, lower_bound, rows, m, H, i_h, K: tl.constexpr, cols, mc, USE_LB: tl.constexpr):
-        """The per-step log decay of rows x cols in log2 units (exp2 is cheaper), from the raw pre-activation f;
-        0 where m is false, so a cumsum over rows past a sequence's end stays at its last value."""
-        x = tl.load(f + (rows[:, None] * H + i_h) * K + cols[None, :], mask=m, other=0.).to(tl.float32)
-        x = x + tl.load(dt_bias + i_h * K + cols, mask=mc, other=0.).to(tl.float32)[None, :]
-        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        if USE_LB:
-            gv = lower_bound * tl.sigmoid(a * x)
-        else:
-            gv = -a * _softplus(x)
-        return tl.where(m, gv * 1.4426950408889634, 0.)
-
-    @triton.jit
     def _prep_fwd_kernel(q, k, f, beta, A_log, dt_bias, qn, kn, gc, bo, rq, rk, tab, cu,
                          lower_bound, H, K: tl.constexpr, BK: tl.constexpr, BKG: tl.constexpr,
                          BT: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr, GATE: tl.constexpr,
@@ -56,8 +43,17 @@ if TRITON_AVAILABLE:
             cols = tl.program_id(2) * BKG + tl.arange(0, BKG)
             mc = cols < K
             m = mr[:, None] & mc[None, :]
-            gv = _gate_log2(f, A_log, dt_bias, lower_bound, rows, m, H, i_h, K, cols, mc, USE_LB)
-            tl.store(gc + (rows[:, None] * H + i_h) * K + cols[None, :], tl.cumsum(gv, axis=0), mask=m)
+            off = (rows[:, None] * H + i_h) * K + cols[None, :]
+            x = tl.load(f + off, mask=m, other=0.).to(tl.float32)
+            x = x + tl.load(dt_bias + i_h * K + cols, mask=mc, other=0.).to(tl.float32)[None, :]
+            a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            if USE_LB:
+                gv = lower_bound * tl.sigmoid(a * x)
+            else:
+                gv = -a * _softplus(x)
+            gv = tl.where(m, gv, 0.)
+            # x 1/ln 2: log2 units, exp2 is cheaper
+            tl.store(gc + off, tl.cumsum(gv * 1.4426950408889634, axis=0), mask=m)
         if NORM:
             cols = tl.arange(0, BK)
             mc = cols < K
@@ -131,14 +127,13 @@ if TRITON_AVAILABLE:
         tl.store(dbeta + rows * H + i_h, (db * b * (1.0 - b)).to(dbeta.dtype.element_ty), mask=mr)
 
 
-def prep_fwd(q, k, g, beta, A_log, dt_bias, lower_bound, use_l2, info, inter_dtype, gate=True):
-    """q, k, g: [TT, H, K] (flattened tokens); beta: [TT, H]. Returns qn, kn, gc, beta_s, rq, rk; without `gate`
-    gc is None (the chunk kernels then form the gate from g themselves)."""
+def prep_fwd(q, k, g, beta, A_log, dt_bias, lower_bound, use_l2, info, inter_dtype):
+    """q, k, g: [TT, H, K] (flattened tokens); beta: [TT, H]. Returns qn, kn, gc, beta_s, rq, rk."""
     TT, H, K = q.shape
     dev = q.device
     qn = torch.empty(TT, H, K, device=dev, dtype=inter_dtype)
     kn = torch.empty_like(qn)
-    gc = torch.empty(TT, H, K, device=dev, dtype=torch.float32) if gate else None
+    gc = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
     bs = torch.empty(TT, H, device=dev, dtype=torch.float32)
     rq = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
     rk = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
@@ -148,13 +143,11 @@ def prep_fwd(q, k, g, beta, A_log, dt_bias, lower_bound, use_l2, info, inter_dty
         tile, warps, stages = launch_config("prep_fwd")
         BK = next_pow2(K)
         parts = [(True, True, BK)] if tile is None or tile >= K else [(True, False, tile), (False, True, BK)]
-        if not gate:
-            parts = [(False, True, BK)]
-        for do_gate, norm, bkg in parts:
-            _prep_fwd_kernel[(info.NC, H, triton.cdiv(K, bkg) if do_gate and not norm else 1)](
-                q, k, g, beta, A_log, dt_bias, qn, kn, gc if gate else qn, bs, rq, rk, info.chunk_tab, info.cu,
+        for gate, norm, bkg in parts:
+            _prep_fwd_kernel[(info.NC, H, triton.cdiv(K, bkg) if gate and not norm else 1)](
+                q, k, g, beta, A_log, dt_bias, qn, kn, gc, bs, rq, rk, info.chunk_tab, info.cu,
                 float(lower_bound) if lower_bound is not None else 0.0,
-                H=H, K=K, BK=BK, BKG=bkg, BT=CHUNK_SIZE, USE_LB=lower_bound is not None, L2=use_l2, GATE=do_gate,
+                H=H, K=K, BK=BK, BKG=bkg, BT=CHUNK_SIZE, USE_LB=lower_bound is not None, L2=use_l2, GATE=gate,
                 NORM=norm, num_warps=warps, num_stages=stages)
     return qn, kn, gc, bs, (rq if use_l2 else None), (rk if use_l2 else None)
 
