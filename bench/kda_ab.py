@@ -1,0 +1,127 @@
+"""In-process A/B of the KDA chunk kernels: this tree's against a base copy (another commit's `kernels/` folder,
+loaded under another package name) and against environment toggles, interleaved over rounds, plus each variant's
+per-kernel CUDA time. One process, so launch overhead, clocks and caches are shared.
+
+    git archive BASE kernels | tar x -C /tmp/base      # on the GPU machine: /tmp/base/kernels
+    python bench/kda_ab.py --base /tmp/base/kernels --variants "inv1:KIMI3_KDA_DIAG_INV=1" \
+        --shapes 32:16384:sp,96:16384:k3 --out DIR
+
+Writes DIR/kda_ab.json (medians per round, the ratio of each variant to the base, kernel times).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kda import bench, inputs  # noqa: E402  (puts this tree's kernels/ on the path)
+from kimi3_kernels.kda import chunk_kda  # noqa: E402
+
+
+def load_base(folder):
+    """`folder`/kimi3_kernels imported as kimi3_kernels_base: its modules import each other relatively."""
+    pkg = os.path.join(folder, "kimi3_kernels")
+    for name, path, sub in (("kimi3_kernels_base", pkg, [pkg]), ("kimi3_kernels_base.kda", os.path.join(pkg, "kda"),
+                                                                 [os.path.join(pkg, "kda")])):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                      submodule_search_locations=sub)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["kimi3_kernels_base.kda"].chunk_kda
+
+
+def kernel_ms(fn):
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    ks = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            ks[e.name[:60]] = ks.get(e.name[:60], 0.0) + e.device_time_total / 3e3
+    return {n: round(t, 4) for n, t in sorted(ks.items(), key=lambda kv: -kv[1])}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--base", default=None, help="a kernels/ folder to compare against (loaded as kimi3_kernels_base)")
+    ap.add_argument("--variants", default="", help="'name:ENV=VAL:ENV=VAL,...' run on this tree's kernels")
+    ap.add_argument("--shapes", default="32:16384:sp,96:16384:k3", help="'H:T:gate,...' (gate k3 or sp)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bwd", action="store_true", help="also forward+backward")
+    ap.add_argument("--profile", action="store_true", help="per-kernel CUDA time of each variant's forward")
+    args = ap.parse_args()
+    variants = [("new", {}, chunk_kda)]
+    if args.base:
+        variants.insert(0, ("base", {}, load_base(args.base)))
+    for item in filter(None, args.variants.split(",")):
+        name, *envs = item.split(":")
+        variants.append((name, dict(e.split("=", 1) for e in envs), chunk_kda))
+    res = dict(gpu=torch.cuda.get_device_name(), git_commit=os.environ.get("GIT_COMMIT", ""), base=args.base,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=[])
+    os.makedirs(args.out, exist_ok=True)
+    for shape in args.shapes.split(","):
+        H, T, gate = shape.split(":")
+        H, T, lb = int(H), int(T), (-5.0 if gate == "k3" else None)
+        q, k, v, f, beta, A_log, dtb = inputs(1, T, H, 128, 128, torch.bfloat16, seed=7)
+        qq, kk, vv, ff = (x.clone().requires_grad_() for x in (q, k, v, f))
+        row = dict(H=H, T=T, gate=gate, fwd_ms={}, fwdbwd_ms={}, kernels_ms={}, out_rel_to_first={})
+        ref = None
+        for rnd in range(args.rounds):
+            for name, env, fn in variants:
+                old = {e: os.environ.get(e) for e in env}
+                os.environ.update(env)
+                try:
+                    def fwd():
+                        return fn(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)
+
+                    def fb():
+                        o, _ = fn(qq, kk, vv, ff, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)
+                        o.sum().backward()
+                    row["fwd_ms"].setdefault(name, []).append(bench(fwd, rep=10 if T * H <= 2**19 else 5))
+                    if args.bwd:
+                        row["fwdbwd_ms"].setdefault(name, []).append(bench(fb, warm=1, rep=5))
+                    if rnd == 0:
+                        o = fwd()[0].float()
+                        ref = o if ref is None else ref
+                        row["out_rel_to_first"][name] = ((o - ref).norm() / ref.norm()).item()
+                        if args.profile:
+                            row["kernels_ms"][name] = kernel_ms(fwd)
+                finally:
+                    for e, val in old.items():
+                        if val is None:
+                            os.environ.pop(e, None)
+                        else:
+                            os.environ[e] = val
+            print(shape, "round", rnd, json.dumps({n: round(t[-1], 4) for n, t in row["fwd_ms"].items()}),
+                  json.dumps({n: round(t[-1], 3) for n, t in row["fwdbwd_ms"].items()}), flush=True)
+        first = variants[0][0]
+        for key in ("fwd_ms", "fwdbwd_ms"):
+            med = {n: sorted(ts)[len(ts) // 2] for n, ts in row[key].items()}
+            row[key.replace("_ms", "_median_ms")] = med
+            row[key.replace("_ms", "_speedup_vs_" + first)] = {n: med[first] / t for n, t in med.items()}
+        print(shape, json.dumps({k: row[k] for k in row if "median" in k or "speedup" in k or k == "out_rel_to_first"}),
+              flush=True)
+        if args.profile:
+            for n, ks in row["kernels_ms"].items():
+                print(shape, n, json.dumps(ks)[:700], flush=True)
+        res["rows"].append(row)
+        with open(os.path.join(args.out, "kda_ab.json"), "w") as fh:
+            json.dump(res, fh, indent=1)
+        del q, k, v, f, qq, kk, vv, ff
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
