@@ -231,6 +231,26 @@ def flops_bytes(T, H, K, V, bwd=False):
     return fwd, byt
 
 
+def stage_bytes(K=128, V=128, C=64, e=2, aqk=2, inv_in_diag=True):
+    """Bytes each forward kernel moves per token and head, each tensor counted once (a value tile's re-reads of W
+    and Kd assumed to hit L2): the traffic of our six-stage design, against which a kernel's time gives its achieved
+    bandwidth. e: bytes of the input / intermediate dtype; aqk: of Aqk (fp32 when the backward keeps it); f32 cumsum
+    gc; 64-token chunks. inv_in_diag: the diagonal blocks' inverses formed in the diagonal kernel (bounded gates) or
+    in _diag_inv_kernel (unbounded)."""
+    f = 4
+    b = {
+        "_prep_fwd_kernel": 3 * K * e + 2 * K * e + K * f + 4 * f,  # q, k, g -> qn, kn, gc; beta -> bs, rq, rk
+        "_diag_fwd_kernel": 2 * K * e + K * f + 16 * aqk + 16 * f + (16 * f if inv_in_diag else 0),  # -> Aqk, Pd, Md
+        "_intra_fwd_kernel": 1.75 * K * e + K * f + 2 * 16 * f + f + 24 * aqk + C * e,  # -> off-diagonal Aqk, T
+        "_wu_fwd_kernel": C * e + 2 * K * e + K * f + V * e + 3 * K * e + V * e,  # T, kn, qn, gc, v -> W, Kd, Qg, U
+        "_state_fwd_kernel": 2 * K * e + V * e + K * V * e / C + V * e,  # W, Kd, U -> entry states, v_new
+        "_output_fwd_kernel": K * e + K * V * e / C + C * aqk + V * e + V * e,  # Qg, states, Aqk, v_new -> o
+    }
+    if not inv_in_diag:
+        b["_diag_inv_kernel"] = 16 * f + f + 16 * f
+    return b
+
+
 def timings():
     cfgs = [(32, T, None) for T in (4096, 16384, 65536)] + [(96, T, -5.0) for T in (4096, 16384, 65536)]
     if ARGS.quick:
@@ -359,6 +379,11 @@ def kernel_profile():
                 row = dict(impl=name, H=H, T=T, gate="k3" if lb else "softplus", pass_="fwdbwd" if bwd else "fwd",
                            total_ms=sum(ks.values()),
                            kernels_ms={n: round(t, 4) for n, t in sorted(ks.items(), key=lambda kv: -kv[1])[:12]})
+                if name == "ours" and not bwd:  # achieved bandwidth of each stage on the design's own traffic
+                    sb = stage_bytes(inv_in_diag=lb is not None)
+                    row["kernels_TBps"] = {n: round(sb[n] * T * H / (ks[n] * 1e9), 3) for n in sb if ks.get(n)}
+                    row["design_bytes_floor_ms"] = sum(sb.values()) * T * H / (RES.get("ceilings", {}).get(
+                        "copy_TBps", 4.19) * 1e9)
                 rows.append(row)
                 print("prof", json.dumps(row), flush=True)
         del q, k, v, f, qq, kk, vv, ff
