@@ -2,8 +2,8 @@
 
     python bench/plot_kda.py [--json bench/results/kda_h200.json] [--out bench/results/kda_h200.png]
 
-The newest timings with fla 0.6.0 in the same process ("session_2e8a4d2_d544d25": one process per head count, so
-every point pairs ours with fla measured beside it); H=32 with the softplus gate, H=96 with K3's. Needs matplotlib
+The newest timings with fla 0.6.0 in the same process ("session_3d2490b": one process per head count, so every
+point pairs ours with fla measured beside it); H=32 with the softplus gate, H=96 with K3's, T = 4K / 16K / 64K. Needs matplotlib
 (not a project requirement).
 """
 from __future__ import annotations
@@ -25,9 +25,9 @@ def main():
     import matplotlib.pyplot as plt
 
     res = json.load(open(args.json))
-    session = res["session_2e8a4d2_d544d25"]
-    rows = [dict(r, commit=c) for key, c in (("time_2e8a4d2", "2e8a4d2"), ("time_a5192f8", "a5192f8"))
-            for r in session[key]]
+    session = res["session_3d2490b"]
+    rows = [dict(r, commit=session[key]["meta"]["git_commit"]) for key in ("time_h32", "time_h96")
+            for r in session[key]["rows"]]
     commits = "/".join(sorted({r["commit"] for r in rows}))
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
