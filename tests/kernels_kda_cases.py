@@ -370,6 +370,32 @@ def test_unbounded_gate_dense_and_loop_diagonal_tiles():
 
 
 @needs_triton
+def test_chunk_gradients_from_unfilled_buffers(monkeypatch):
+    # The backward allocates its gradient buffers without a zero fill: every uninitialised float buffer starts as NaN
+    # here, so a gradient that leans on memory no kernel wrote shows. Varlen with an empty sequence, a one-token one,
+    # a partial last chunk and tokens after the last sequence (zero gradients); both gates, fp32, against the PyTorch
+    # reference's autograd.
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: (lambda t: t.fill_(float("nan")) if t.is_floating_point()
+                                                          else t)(empty(*a, **kw)))
+    cu = torch.tensor([0, 0, 1, 70, 130], dtype=torch.int32)
+    q, k, v, f, beta, A_log, dtb, h0 = make(1, 150, 2, 16, 16, N=4, seed=41)
+    do = torch.randn(1, 150, 2, 16, generator=torch.Generator().manual_seed(42))
+    for lb in (-5.0, None):
+        grads = []
+        for fn in (chunk_kda, naive_chunk_kda):
+            xs = [x.detach().clone().requires_grad_() for x in (q, k, v, f, beta, A_log, dtb, h0)]
+            o, s = fn(*xs[:5], A_log=xs[5], dt_bias=xs[6], lower_bound=lb, initial_state=xs[7],
+                      output_final_state=True, cu_seqlens=cu)
+            ((o * do)[:, :130].sum() + s.sum()).backward()
+            grads.append([x.grad for x in xs])
+        for name, a, b in zip(("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0"), *grads):
+            assert torch.isfinite(a).all() and rel(a, b) < GTOL[torch.float32], (lb, name, rel(a, b))
+        for a in grads[0][:5]:
+            assert a[:, 130:].eq(0).all()
+
+
+@needs_triton
 def test_chunk_gradients_varlen_bf16():
     cu = torch.tensor([0, 1, 1, 70], dtype=torch.int32)
     q, k, v, f, beta, A_log, dtb, h0 = make(1, 70, 1, 16, 16, torch.bfloat16, N=3, seed=4)

@@ -388,11 +388,14 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
             dh0 if dh0 is not None else do, dhs, dvn, info.cu, info.chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_DHT=dht is not None, HAS_H0=h0 is not None,
             PREC=prec, num_warps=warps, num_stages=stages)
-    dv = torch.zeros(TT, H, V, device=dev, dtype=v.dtype)
-    dqn = torch.zeros(TT, H, K, device=dev, dtype=torch.float32)
-    dkn = torch.zeros_like(dqn)
-    dG = torch.zeros_like(dqn)
-    db = torch.zeros(TT, H, device=dev, dtype=torch.float32)
+    # no zero fill: _main_bwd_kernel stores every row of every chunk before _intra_bwd_kernel adds to dqn / dkn / dG,
+    # and rows after the last sequence are never read (ChunkKDAFunction zeroes their gradients). The fills took 0.52 of
+    # 28.5 ms of kernel time in an H=96 T=16K forward+backward on the H200 (bench/results/kda_h200.md).
+    dv = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
+    dqn = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
+    dkn = torch.empty_like(dqn)
+    dG = torch.empty_like(dqn)
+    db = torch.empty(TT, H, device=dev, dtype=torch.float32)
     dAs = torch.empty(TT, H, BT, device=dev, dtype=torch.float32)
     dPs = torch.empty_like(dAs)
     if info.NC > 0:
