@@ -251,6 +251,24 @@ def stage_bytes(K=128, V=128, C=64, e=2, aqk=2, inv_in_diag=True):
     return b
 
 
+def stage_bytes_bwd(K=128, V=128, C=64, e=2):
+    """The backward kernels' traffic per token and head, counted like stage_bytes: fp32 gradient buffers, per-chunk
+    fp32 states (K V 4 / C bytes per token) and the forward's kept fp32 M, P, Aqk."""
+    f = 4
+    S = K * V * f / C
+    return {
+        # W, Qg, Kd, Aqk, dO -> dS per chunk, dVn
+        "_state_bwd_kernel": 3 * K * e + C * f + V * e + S + V * f,
+        # qn, kn, v, gc, beta, M, P, S, dS, Vn, dVn, dO -> dv, dA, dP, dqn, dkn, dG, dbeta
+        "_main_bwd_kernel": 2 * K * e + V * e + K * f + f + 2 * C * f + 2 * S + V * e + V * f + V * e
+        + V * e + 2 * C * f + 3 * K * f + f,
+        # qn, kn, gc, dA, dP; dqn, dkn, dG read and written back
+        "_intra_bwd_kernel": 2 * K * e + K * f + 2 * C * f + 2 * 3 * K * f,
+        # dG, g, q, k, dqn, dkn, rq, rk, beta, dbeta -> dg, dq, dk, dbeta_raw
+        "_prep_bwd_kernel": K * f + 3 * K * e + 2 * K * f + 4 * f + K * e + 2 * K * e + f,
+    }
+
+
 def timings():
     cfgs = [(32, T, None) for T in (4096, 16384, 65536)] + [(96, T, -5.0) for T in (4096, 16384, 65536)]
     if ARGS.quick:
@@ -379,9 +397,10 @@ def kernel_profile():
                 row = dict(impl=name, H=H, T=T, gate="k3" if lb else "softplus", pass_="fwdbwd" if bwd else "fwd",
                            total_ms=sum(ks.values()),
                            kernels_ms={n: round(t, 4) for n, t in sorted(ks.items(), key=lambda kv: -kv[1])[:12]})
-                if name == "ours" and not bwd:  # achieved bandwidth of each stage on the design's own traffic
-                    sb = stage_bytes(inv_in_diag=lb is not None)
+                if name == "ours":  # achieved bandwidth of each stage on the design's own traffic
+                    sb = stage_bytes_bwd() if bwd else stage_bytes(inv_in_diag=lb is not None)
                     row["kernels_TBps"] = {n: round(sb[n] * T * H / (ks[n] * 1e9), 3) for n in sb if ks.get(n)}
+                if name == "ours" and not bwd:
                     row["design_bytes_floor_ms"] = sum(sb.values()) * T * H / (RES.get("ceilings", {}).get(
                         "copy_TBps", 4.19) * 1e9)
                 rows.append(row)
