@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kda import bench, inputs  # noqa: E402  (puts this tree's kernels/ on the path)
+from kda import backward, bench, inputs  # noqa: E402  (puts this tree's kernels/ on the path)
 from kimi3_kernels.kda import chunk_kda  # noqa: E402
 
 
@@ -88,7 +88,7 @@ def main():
 
                     def fb():
                         o, _ = fn(qq, kk, vv, ff, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)
-                        o.sum().backward()
+                        backward(o, (qq, kk, vv, ff))
                     row["fwd_ms"].setdefault(name, []).append(bench(fwd, rep=10 if T * H <= 2**19 else 5))
                     if args.bwd:
                         row["fwdbwd_ms"].setdefault(name, []).append(bench(fb, warm=1, rep=5))
