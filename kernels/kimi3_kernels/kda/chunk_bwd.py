@@ -207,11 +207,17 @@ if TRITON_AVAILABLE:
         return dq + x, dr + y, dc + z
 
     @triton.jit
-    def _intra_bwd_kernel(qn, kn, gc, dAs, dPs, dqn, dkn, dG, tab, cu, max_span,
+    def _intra_bwd_kernel(qn, kn, gc, dAs, dPs, dqn, dkn, dG, steep, tab, cu, max_span,
                           H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                          BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr):
+                          BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr, STEEP: tl.constexpr):
+        """SAFE: every diagonal tile by one matmul. STEEP 1 / 2: only the chunks that steep [NC, H] (from the
+        forward's diagonal kernel) marks 0 / 1; unbounded gates run the unmarked chunks with SAFE, whose code has no
+        per-column loop and far fewer registers, and the marked ones with the per-slice choice."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
+        if STEEP > 0:
+            if (tl.load(steep + i_c * H + i_h) != 0) != (STEEP == 2):
+                return
         _, t0, eos = _chunk_span(tab, cu, i_c)
         o_c = tl.arange(0, BC)
         r0 = t0 + o_c
@@ -405,8 +411,14 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
             info.chunk_tab, info.cu, scale, H=H, K=K, V=V, BK=BK, BV=min(bv, next_pow2(V)), BT=BT,
             PREC=prec, KS=_main_bwd_ksplit(BK), num_warps=warps, num_stages=stages)
         safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
-        bk, warps, stages = launch_config("intra_bwd" if safe else "intra_bwd_loop")
-        _intra_bwd_kernel[(info.NC, H)](
-            qn, kn, gc, dAs, dPs, dqn, dkn, dG, info.chunk_tab, info.cu, DENSE_MAX_SPAN,
-            H=H, K=K, BK=min(bk, BK), BT=BT, BC=16, SAFE=safe, PREC=prec, num_warps=warps, num_stages=stages)
+        # unbounded gates: two launches, the chunks whose diagonal tiles all take one matmul (most) without the
+        # per-column loop's code and registers, then the steep ones (sm_90, Triton 3.6: 240 against 744 bytes of
+        # spill stack per thread)
+        passes = [("intra_bwd", True, 0)] if safe else [("intra_bwd", True, 1), ("intra_bwd_loop", False, 2)]
+        for name, dense, sel in passes:
+            bk, warps, stages = launch_config(name)
+            _intra_bwd_kernel[(info.NC, H)](
+                qn, kn, gc, dAs, dPs, dqn, dkn, dG, I["steep"] if sel else dAs, info.chunk_tab, info.cu, DENSE_MAX_SPAN,
+                H=H, K=K, BK=min(bk, BK), BT=BT, BC=16, SAFE=dense, PREC=prec, STEEP=sel, num_warps=warps,
+                num_stages=stages)
     return dqn, dkn, dv, dG, db, dh0

@@ -252,13 +252,14 @@ if TRITON_AVAILABLE:
         return tl.max(tl.max(tl.where(valid, ref[None, :] - g, 0.), 1), 0)
 
     @triton.jit
-    def _diag_fwd_kernel(qn, kn, gc, bs, Aqk, Pd, Md, tab, cu, scale, max_span, H, K: tl.constexpr,
+    def _diag_fwd_kernel(qn, kn, gc, bs, Aqk, Pd, Md, steep, tab, cu, scale, max_span, H, K: tl.constexpr,
                          BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SAFE: tl.constexpr,
                          PREC: tl.constexpr, INV: tl.constexpr):
         """The four diagonal 16x16 tiles of a chunk, one program per tile (4x the parallelism of the pairwise
         kernel, a fraction of its registers): Aqk's go straight to Aqk, the key-key ones to Pd [TT, H, BC].
         Without a static bound (SAFE) each K slice checks its gate span: one matmul when the span is at most
-        max_span, the per-column loop otherwise. INV: also (I + Diag(beta) P_dd)^-1 into Md, as _diag_inv_kernel."""
+        max_span, the per-column loop otherwise, and marks the chunk in steep [NC, H] (int8, zeroed by the caller) for
+        the backward. INV: also (I + Diag(beta) P_dd)^-1 into Md, as _diag_inv_kernel."""
         i_s = tl.program_id(0)
         i_h = tl.program_id(1)
         i_c = i_s // (BT // BC)
@@ -280,6 +281,8 @@ if TRITON_AVAILABLE:
             dense = SAFE
             if not SAFE:
                 dense = _tile_span(g, ref, (rows < eos)[:, None] & mc[None, :]) <= max_span
+                if not dense:
+                    tl.store(steep + i_c * H + i_h, 1)
             if dense:
                 e = tl.exp2(tl.where((rows < eos)[:, None], g - ref[None, :], 0.))
                 kt = tl.trans(k * tl.exp2(ref[None, :] - g))
@@ -458,6 +461,8 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
     Mo = torch.empty(TT, H, BT, device=dev, dtype=torch.float32) if store_bwd else Aqk
     Po = torch.empty(TT, H, BT, device=dev, dtype=torch.float32) if store_bwd else Aqk
     safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
+    # unbounded gates: the chunks with a diagonal tile too steep for one matmul (the backward runs them apart)
+    steep = None if safe else torch.zeros(max(info.NC, 1), H, device=dev, dtype=torch.int8)
     Tm = torch.empty(TT, H, BT, device=dev, dtype=DT)
     Pd = torch.empty(TT, H, 16, device=dev, dtype=torch.float32)  # the diagonal tiles' key-key products
     if info.NC > 0:
@@ -469,7 +474,8 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
         Md = torch.empty_like(Pd) if inv else Pd
         bk, warps, stages = launch_config("diag_fwd" if safe else "diag_fwd_loop")
         _diag_fwd_kernel[(info.NC * (BT // 16), H)](
-            qn, kn, gc, bs, Aqk, Pd, Md, info.chunk_tab, info.cu, scale, DENSE_MAX_SPAN, H=H, K=K,
+            qn, kn, gc, bs, Aqk, Pd, Md, steep if steep is not None else Pd, info.chunk_tab, info.cu, scale,
+            DENSE_MAX_SPAN, H=H, K=K,
             BK=min(bk, next_pow2(K)), BT=BT, BC=16, SAFE=safe, PREC=_prec(DT), INV=inv == 2, num_warps=warps,
             num_stages=stages)
         if inv == 1:
@@ -487,7 +493,7 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
             qn, kn, v, gc, Tm, W, U, Qg, Kd, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
             BK=min(bk, next_pow2(K)), BV=min(bk, next_pow2(V)), BT=BT, PREC=_prec(DT), num_warps=warps,
             num_stages=stages)
-    out = dict(Aqk=Aqk, W=W, U=U, Qg=Qg, Kd=Kd)
+    out = dict(Aqk=Aqk, W=W, U=U, Qg=Qg, Kd=Kd, steep=steep)
     if store_bwd:
         out.update(M=Mo, P=Po)
     return out
