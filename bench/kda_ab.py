@@ -2,9 +2,10 @@
 loaded under another package name) and against environment toggles, interleaved over rounds, plus each variant's
 per-kernel CUDA time. One process, so launch overhead, clocks and caches are shared.
 
-    git archive BASE kernels | tar x -C /tmp/base      # on the GPU machine: /tmp/base/kernels
-    python bench/kda_ab.py --base /tmp/base/kernels --variants "inv1:KIMI3_KDA_DIAG_INV=1" \
-        --shapes 32:16384:sp,96:16384:k3 --out DIR
+    mkdir -p .kbase && git archive BASE kernels | tar x -C .kbase   # here; .kbase in .git/info/exclude, carried
+    python bench/kda_ab.py --base .kbase/kernels --variants "inv1:KIMI3_KDA_DIAG_INV=1" \
+        --shapes 32:16384:sp,96:16384:k3 --out DIR                  # on the GPU machine (pass GIT_COMMIT there:
+                                                                    # its copy's git HEAD can be stale)
 
 Writes DIR/kda_ab.json (medians per round, the ratio of each variant to the base, kernel times).
 """
