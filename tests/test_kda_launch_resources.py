@@ -63,7 +63,7 @@ def compile_sm90(fn, args, kwargs):
     from triton.backends.compiler import GPUTarget
 
     ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
-           torch.int64: "*i64", torch.uint8: "*u8"}
+           torch.int64: "*i64", torch.uint8: "*u8", torch.int8: "*i8"}
     vals = dict(zip(fn.arg_names, args), **kwargs)
     options = dict(num_warps=vals.pop("num_warps", 4), num_stages=vals.pop("num_stages", 3))
     sig, consts, attrs = {}, {}, {}
