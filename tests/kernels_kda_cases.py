@@ -354,10 +354,13 @@ def test_head_dims_not_a_power_of_two(lb):
 
 
 @needs_triton
-def test_unbounded_gate_dense_and_loop_diagonal_tiles():
+@pytest.mark.parametrize("save_fwd", ["1", "0"])
+def test_unbounded_gate_dense_and_loop_diagonal_tiles(save_fwd, monkeypatch):
     # Unbounded (softplus) gate: each diagonal tile (per K slice) takes one matmul when its gate span is at most
     # chunk_fwd.DENSE_MAX_SPAN and the per-column loop otherwise. Heads with steep, moderate and mild decay put tiles
     # on both sides of the threshold, in the same launch and within one head; forward and gradients against fp64.
+    # The backward runs the chunks the forward marked steep apart, from the kept forward or a recomputed one.
+    monkeypatch.setenv("KIMI3_KDA_SAVE_FWD", save_fwd)
     from kimi3_kernels.kda.chunk_fwd import DENSE_MAX_SPAN
     q, k, v, f, beta, _, dtb, h0 = make(1, 80, 3, 16, 16, seed=21)
     A_log = torch.tensor([3.0, 0.0, 1.6])
