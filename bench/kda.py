@@ -373,10 +373,25 @@ def timings():
     print(row, flush=True)
 
 
+def kernel_ms(fn, n=3):
+    """CUDA time per kernel name (ms, mean of n calls after one warm-up) of fn, by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    ks = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            ks[e.name[:80]] = ks.get(e.name[:80], 0.0) + e.device_time_total / (n * 1e3)
+    return dict(sorted(ks.items(), key=lambda kv: -kv[1]))
+
+
 def kernel_profile():
     """Per-kernel CUDA time of one forward and one forward+backward (torch.profiler), ours and fla, at two shapes:
     where the time goes, for the roofline discussion."""
-    from torch.profiler import ProfilerActivity, profile
     rows = RES.setdefault("kernel_profile", [])
     for H, T, lb in ((32, 16384, None), (96, 16384, -5.0)):
         q, k, v, f, beta, A_log, dtb = inputs(1, T, H, 128, 128, torch.bfloat16, seed=7)
@@ -392,25 +407,15 @@ def kernel_profile():
                 if bwd:
                     backward(o, (qq, kk, vv, ff))
             for bwd in (False, True):
-                run(bwd)
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(3):
-                        run(bwd)
-                    torch.cuda.synchronize()
-                ks = {}
-                for e in prof.events():
-                    if e.device_type.name == "CUDA":
-                        ks[e.name[:80]] = ks.get(e.name[:80], 0.0) + e.device_time_total / 3e3
+                ks = kernel_ms(lambda: run(bwd))
                 row = dict(impl=name, H=H, T=T, gate="k3" if lb else "softplus", pass_="fwdbwd" if bwd else "fwd",
-                           total_ms=sum(ks.values()),
-                           kernels_ms={n: round(t, 4) for n, t in sorted(ks.items(), key=lambda kv: -kv[1])[:12]})
+                           total_ms=sum(ks.values()), kernels_ms={n: round(t, 4) for n, t in list(ks.items())[:12]})
                 if name == "ours":  # achieved bandwidth of each stage on the design's own traffic
                     sb = stage_bytes_bwd() if bwd else stage_bytes(inv_in_diag=lb is not None)
                     row["kernels_TBps"] = {n: round(sb[n] * T * H / (ks[n] * 1e9), 3) for n in sb if ks.get(n)}
-                if name == "ours" and not bwd:
-                    row["design_bytes_floor_ms"] = sum(sb.values()) * T * H / (RES.get("ceilings", {}).get(
-                        "copy_TBps", 4.19) * 1e9)
+                    if not bwd:
+                        row["design_bytes_floor_ms"] = sum(sb.values()) * T * H / (RES.get("ceilings", {}).get(
+                            "copy_TBps", 4.19) * 1e9)
                 rows.append(row)
                 print("prof", json.dumps(row), flush=True)
         del q, k, v, f, qq, kk, vv, ff
@@ -517,9 +522,7 @@ def tune():
 def _fwdbwd(xs, beta, A_log, dtb, lb):
     """A forward+backward of chunk_kda on the leaf tensors xs = (q, k, v, f); returns dq."""
     def fb():
-        for x in xs:
-            x.grad = None
-        chunk_kda(*xs, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)[0].sum().backward()
+        backward(chunk_kda(*xs, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)[0], xs)
         return xs[0].grad
     return fb
 

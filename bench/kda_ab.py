@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kda import backward, bench, inputs  # noqa: E402  (puts this tree's kernels/ on the path)
+from kda import backward, bench, inputs, kernel_ms  # noqa: E402  (puts this tree's kernels/ on the path)
 from kimi3_kernels.kda import chunk_kda  # noqa: E402
 
 
@@ -36,21 +36,6 @@ def load_base(folder):
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules["kimi3_kernels_base.kda"].chunk_kda
-
-
-def kernel_ms(fn):
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-    ks = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            ks[e.name[:60]] = ks.get(e.name[:60], 0.0) + e.device_time_total / 3e3
-    return {n: round(t, 4) for n, t in sorted(ks.items(), key=lambda kv: -kv[1])}
 
 
 def main():
@@ -98,7 +83,7 @@ def main():
                         ref = o if ref is None else ref
                         row["out_rel_to_first"][name] = ((o - ref).norm() / ref.norm()).item()
                         if args.profile:
-                            row["kernels_ms"][name] = kernel_ms(fwd)
+                            row["kernels_ms"][name] = {n: round(t, 4) for n, t in kernel_ms(fwd).items()}
                 finally:
                     for e, val in old.items():
                         if val is None:
