@@ -218,14 +218,19 @@ def test_chunk_forward(lb, dtype):
     assert rel(o, po) < TOL[dtype] and rel(s, ps) < TOL[dtype]
 
 
-@needs_triton
-def test_chunk_forward_varlen_bf16(monkeypatch):
-    # the output kernel reads the chunk entry states kept in the matmul dtype: varlen with an empty and a
-    # one-token sequence, bf16. Every uninitialised float buffer starts as NaN here, so a result that leans on
-    # memory no kernel wrote (the rows after the last sequence, say) shows.
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty's float tensors start as NaN, so a result that leans on memory no kernel wrote shows."""
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: (lambda t: t.fill_(float("nan")) if t.is_floating_point()
                                                           else t)(empty(*a, **kw)))
+
+
+@needs_triton
+def test_chunk_forward_varlen_bf16(nan_empty):
+    # the output kernel reads the chunk entry states kept in the matmul dtype: varlen with an empty and a
+    # one-token sequence, bf16. Every uninitialised float buffer starts as NaN here, so a result that leans on
+    # memory no kernel wrote (the rows after the last sequence, say) shows.
     q, k, v, f, beta, A_log, dtb, _ = make(1, 150, 2, 32, 32, torch.bfloat16, seed=11)
     cu = torch.tensor([0, 0, 1, 70, 150], dtype=torch.int32)
     o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0, cu_seqlens=cu,
@@ -373,14 +378,11 @@ def test_unbounded_gate_dense_and_loop_diagonal_tiles(save_fwd, monkeypatch):
 
 
 @needs_triton
-def test_chunk_gradients_from_unfilled_buffers(monkeypatch):
+def test_chunk_gradients_from_unfilled_buffers(nan_empty):
     # The backward allocates its gradient buffers without a zero fill: every uninitialised float buffer starts as NaN
     # here, so a gradient that leans on memory no kernel wrote shows. Varlen with an empty sequence, a one-token one,
     # a partial last chunk and tokens after the last sequence (zero gradients); both gates, fp32, against the PyTorch
     # reference's autograd.
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: (lambda t: t.fill_(float("nan")) if t.is_floating_point()
-                                                          else t)(empty(*a, **kw)))
     cu = torch.tensor([0, 0, 1, 70, 130], dtype=torch.int32)
     q, k, v, f, beta, A_log, dtb, h0 = make(1, 150, 2, 16, 16, N=4, seed=41)
     do = torch.randn(1, 150, 2, 16, generator=torch.Generator().manual_seed(42))
