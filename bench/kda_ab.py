@@ -25,32 +25,36 @@ from kda import backward, bench, inputs, kernel_ms  # noqa: E402  (puts this tre
 from kimi3_kernels.kda import chunk_kda  # noqa: E402
 
 
-def load_base(folder):
-    """`folder`/kimi3_kernels imported as kimi3_kernels_base: its modules import each other relatively."""
+def load_base(folder, i=0):
+    """`folder`/kimi3_kernels imported as kimi3_kernels_base (kimi3_kernels_base<i> for i > 0): its modules import
+    each other relatively."""
     pkg = os.path.join(folder, "kimi3_kernels")
-    for name, path, sub in (("kimi3_kernels_base", pkg, [pkg]), ("kimi3_kernels_base.kda", os.path.join(pkg, "kda"),
-                                                                 [os.path.join(pkg, "kda")])):
+    top = "kimi3_kernels_base" + (str(i) if i else "")
+    for name, path, sub in ((top, pkg, [pkg]), (top + ".kda", os.path.join(pkg, "kda"), [os.path.join(pkg, "kda")])):
         spec = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
                                                       submodule_search_locations=sub)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
-    return sys.modules["kimi3_kernels_base.kda"].chunk_kda
+    return sys.modules[top + ".kda"].chunk_kda
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--base", default=None, help="a kernels/ folder to compare against (loaded as kimi3_kernels_base)")
+    ap.add_argument("--base", default=None, help="a kernels/ folder to compare against (loaded as kimi3_kernels_base), "
+                    "or several as 'name=folder,name=folder' (the first is the reference of the ratios)")
     ap.add_argument("--variants", default="", help="'name:ENV=VAL:ENV=VAL,...' run on this tree's kernels")
     ap.add_argument("--shapes", default="32:16384:sp,96:16384:k3", help="'H:T:gate,...' (gate k3 or sp)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bwd", action="store_true", help="also forward+backward")
-    ap.add_argument("--profile", action="store_true", help="per-kernel CUDA time of each variant's forward")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel CUDA time of each variant's forward (and forward+backward with --bwd)")
     args = ap.parse_args()
     variants = [("new", {}, chunk_kda)]
     if args.base:
-        variants.insert(0, ("base", {}, load_base(args.base)))
+        bases = [b.split("=", 1) if "=" in b else ("base", b) for b in args.base.split(",")]
+        variants[:0] = [(name, {}, load_base(folder, i)) for i, (name, folder) in enumerate(bases)]
     for item in filter(None, args.variants.split(",")):
         name, *envs = item.split(":")
         variants.append((name, dict(e.split("=", 1) for e in envs), chunk_kda))
@@ -84,6 +88,9 @@ def main():
                         row["out_rel_to_first"][name] = ((o - ref).norm() / ref.norm()).item()
                         if args.profile:
                             row["kernels_ms"][name] = {n: round(t, 4) for n, t in kernel_ms(fwd).items()}
+                            if args.bwd:
+                                row.setdefault("kernels_fwdbwd_ms", {})[name] = {
+                                    n: round(t, 4) for n, t in kernel_ms(fb).items()}
                 finally:
                     for e, val in old.items():
                         if val is None:
@@ -100,8 +107,9 @@ def main():
         print(shape, json.dumps({k: row[k] for k in row if "median" in k or "speedup" in k or k == "out_rel_to_first"}),
               flush=True)
         if args.profile:
-            for n, ks in row["kernels_ms"].items():
-                print(shape, n, json.dumps(ks)[:700], flush=True)
+            for key in ("kernels_ms", "kernels_fwdbwd_ms"):
+                for n, ks in row.get(key, {}).items():
+                    print(shape, key, n, json.dumps(ks)[:900], flush=True)
         res["rows"].append(row)
         with open(os.path.join(args.out, "kda_ab.json"), "w") as fh:
             json.dump(res, fh, indent=1)
