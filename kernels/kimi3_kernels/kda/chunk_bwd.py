@@ -3,10 +3,11 @@
 Given dO and dS_final, with the forward quantities recomputed per chunk (see chunk_fwd.py):
   state_bwd  (sequential over chunks, reverse):
       dVn = Aqk^T dO + Kd dS1;   dS0 = Qg^T dO + Diag(exp(Gam_last)) dS1 - W^T dVn
-  main_bwd   (parallel over chunks): dQg = dO S0^T, dAqk = dO Vn^T, dW = -dVn S0^T, dKd = Vn dS1^T,
-      dGam_last += exp(Gam_last) * rowsum(S0 * dS1), dT = dVn v^T + dW Kg^T, dv = T^T dVn,
-      dKg = T^T dW, dbeta from T = M Diag(beta) and L = Diag(beta) P, dL = -M^T dM M^T,
-      and the elementwise chain rule through exp(+-Gam).
+  main_bwd   (parallel over chunks, and over K slices beside one V-side program per chunk):
+      K slices: dQg = dO S0^T, dW = -dVn S0^T, dKd = Vn dS1^T, dKg = T^T dW,
+          dGam_last += exp(Gam_last) * rowsum(S0 * dS1), and the elementwise chain rule through exp(+-Gam);
+      V side: dAqk = dO Vn^T, dT = dVn (v - Kg S0)^T, dv = T^T dVn, dbeta from T = M Diag(beta) and
+          L = Diag(beta) P, dL = -M^T dM M^T.
   intra_bwd  (parallel over chunks): the pairwise terms of Aqk and P (same 16-row sub-tiles and
       reference rows as the forward, so no exponential overflows).
 The gate / L2 norm / sigmoid derivatives and the reverse cumsum are in gate.prep_bwd.
@@ -80,76 +81,107 @@ if TRITON_AVAILABLE:
                          tab, cu, scale, H, K: tl.constexpr, V: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
                          KS: tl.constexpr):
-        """Per chunk: the gradients that flow through the chunk's state terms and the WY form (dq, dk, dG of the
-        state paths, dv, dbeta, and dA / dP for _intra_bwd_kernel). KS > 1 runs the K columns in KS slices, one
-        after the other, so that the three [BT, K] fp32 accumulators shrink by KS (at K = 128 and KS = 1 they spill);
-        the V-side products (dA, the dv term of dT, dv itself) are formed during the first slice only."""
-        i_c = tl.program_id(0)
+        """Per chunk, KS + 1 programs side by side: program i_z < KS takes the K columns of slice i_z (the gradients
+        that flow through the state terms: dq, dk, dG), program KS the V side and the WY form (dA, dv, dbeta, dL).
+        Each keeps only its own accumulators, so none spills the way one program doing all of them did (sm_90: 255
+        registers and a 1 KB spill stack per thread, one 8-warp program per SM, latency-bound under Nsight Compute).
+        The V side needs dT = dVn (v - Kg S0)^T, which the K slices used to add up as dVn v^T + dW Kg^T: it forms
+        v - Kg S0 itself from S0, which its neighbours are reading at the same time."""
+        i_z = tl.program_id(0) % (KS + 1)
+        i_c = tl.program_id(0) // (KS + 1)
         i_h = tl.program_id(1)
         _, t0, eos = _chunk_span(tab, cu, i_c)
         o_t = tl.arange(0, BT)
         rows = t0 + o_t
         mr = rows < eos
-        DT = dv.dtype.element_ty
         mtt = mr[:, None] & (o_t[None, :] < BT)
         offA = (rows[:, None] * H + i_h) * BT + o_t[None, :]
         b = tl.load(bs + rows * H + i_h, mask=mr, other=0.)
+        s_base = (i_c.to(tl.int64) * H + i_h) * K
+        if i_z < KS:
+            last = tl.minimum(eos, t0 + BT) - 1
+            _main_bwd_kslice(qn, kn, gc, Mo, hs, dhs, vn, dvn, do, dqn, dkn, dG, i_z, i_h, rows, mr, last, b, offA,
+                             mtt, s_base, scale, H, K, V, BK // KS, BV, BT, PREC)
+        else:
+            _main_bwd_vside(kn, v, gc, Mo, Po, hs, vn, dvn, do, dv, dAs, dPs, db, i_h, rows, mr, b, offA, mtt,
+                            s_base, scale, H, K, V, BK, BV, BT, PREC)
+
+    @triton.jit
+    def _main_bwd_kslice(qn, kn, gc, Mo, hs, dhs, vn, dvn, do, dqn, dkn, dG, i_s, i_h, rows, mr, last, b, offA, mtt,
+                         s_base, scale, H, K: tl.constexpr, V: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+                         BT: tl.constexpr, PREC: tl.constexpr):
+        """K columns [i_s * BKS, (i_s + 1) * BKS): dQg = dO S0^T, dW = -dVn S0^T, dKd = Vn dS1^T, dKg = T^T dW,
+        dGam_last += exp(Gam_last) * rowsum(S0 * dS1), and the elementwise chain rule through exp(+-Gam)."""
+        o_t = tl.arange(0, BT)
+        o_k = i_s * BKS + tl.arange(0, BKS)
+        mk = o_k < K
+        dQg = tl.zeros([BT, BKS], dtype=tl.float32)
+        dW = tl.zeros([BT, BKS], dtype=tl.float32)
+        dKd = tl.zeros([BT, BKS], dtype=tl.float32)
+        dgl = tl.zeros([BKS], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            mv = o_v < V
+            m_s = mk[:, None] & mv[None, :]
+            s0 = tl.load(hs + (s_base + o_k[:, None]) * V + o_v[None, :], mask=m_s, other=0.)
+            ds1 = tl.load(dhs + (s_base + o_k[:, None]) * V + o_v[None, :], mask=m_s, other=0.)
+            mrv = mr[:, None] & mv[None, :]
+            offv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+            bvn = tl.load(vn + offv, mask=mrv, other=0.).to(tl.float32)
+            bdvn = tl.load(dvn + offv, mask=mrv, other=0.)
+            bdo = tl.load(do + offv, mask=mrv, other=0.).to(tl.float32)
+            dQg += tl.dot(bdo, tl.trans(s0), input_precision=PREC)
+            dW -= tl.dot(bdvn, tl.trans(s0), input_precision=PREC)
+            dKd += tl.dot(bvn, tl.trans(ds1), input_precision=PREC)
+            dgl += tl.sum(s0 * ds1, 1)
         Tm = tl.load(Mo + offA, mask=mtt & (o_t[None, :] <= o_t[:, None]), other=0.) * b[None, :]
+        dKg = tl.dot(tl.trans(Tm), dW, input_precision=PREC)
+        mrk = mr[:, None] & mk[None, :]
+        offk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        bq = tl.load(qn + offk, mask=mrk, other=0.).to(tl.float32)
+        bk = tl.load(kn + offk, mask=mrk, other=0.).to(tl.float32)
+        g = tl.load(gc + offk, mask=mrk, other=0.)
+        gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=mk, other=0.)
+        # Qg = scale q e^G, Kg = k e^G, Kd = k e^(G_last - G)
+        eg = tl.exp2(g)
+        ed = tl.exp2(gl[None, :] - g)
+        kdv = bk * ed
+        dGam = dQg * bq * eg * scale + dKg * bk * eg - dKd * kdv
+        extra = tl.sum(tl.where(mrk, dKd * kdv, 0.), 0) + dgl * tl.exp2(gl)
+        dGam += tl.where((rows == last)[:, None], extra[None, :], 0.)
+        tl.store(dqn + offk, dQg * eg * scale, mask=mrk)
+        tl.store(dkn + offk, dKg * eg + dKd * ed, mask=mrk)
+        tl.store(dG + offk, dGam, mask=mrk)
+
+    @triton.jit
+    def _main_bwd_vside(kn, v, gc, Mo, Po, hs, vn, dvn, do, dv, dAs, dPs, db, i_h, rows, mr, b, offA, mtt, s_base,
+                        scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        BT: tl.constexpr, PREC: tl.constexpr):
+        """dA = dO Vn^T, dT = dVn (v - Kg S0)^T, dv = T^T dVn; then dbeta and dL from T = M Diag(beta),
+        L = Diag(beta) P, M = (I + L)^-1."""
+        o_t = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        mk = o_k < K
+        mrk = mr[:, None] & mk[None, :]
+        offk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        kg = tl.load(kn + offk, mask=mrk, other=0.).to(tl.float32) * tl.exp2(tl.load(gc + offk, mask=mrk, other=0.))
+        Tm = tl.load(Mo + offA, mask=mtt & (o_t[None, :] <= o_t[:, None]), other=0.) * b[None, :]
+        DT = dv.dtype.element_ty
         dA = tl.zeros([BT, BT], dtype=tl.float32)
         dT = tl.zeros([BT, BT], dtype=tl.float32)
-        s_base = (i_c.to(tl.int64) * H + i_h) * K
-        last = tl.minimum(eos, t0 + BT) - 1
-        BKS: tl.constexpr = BK // KS
-        for i_s in tl.static_range(KS):
-            o_k = i_s * BKS + tl.arange(0, BKS)
-            mk = o_k < K
-            dQg = tl.zeros([BT, BKS], dtype=tl.float32)
-            dW = tl.zeros([BT, BKS], dtype=tl.float32)
-            dKd = tl.zeros([BT, BKS], dtype=tl.float32)
-            dgl = tl.zeros([BKS], dtype=tl.float32)
-            for i_v in range(0, tl.cdiv(V, BV)):
-                o_v = i_v * BV + tl.arange(0, BV)
-                mv = o_v < V
-                m_s = mk[:, None] & mv[None, :]
-                s0 = tl.load(hs + (s_base + o_k[:, None]) * V + o_v[None, :], mask=m_s, other=0.)
-                ds1 = tl.load(dhs + (s_base + o_k[:, None]) * V + o_v[None, :], mask=m_s, other=0.)
-                mrv = mr[:, None] & mv[None, :]
-                offv = (rows[:, None] * H + i_h) * V + o_v[None, :]
-                bvn = tl.load(vn + offv, mask=mrv, other=0.).to(tl.float32)
-                bdvn = tl.load(dvn + offv, mask=mrv, other=0.)
-                bdo = tl.load(do + offv, mask=mrv, other=0.).to(tl.float32)
-                dQg += tl.dot(bdo, tl.trans(s0), input_precision=PREC)
-                dW -= tl.dot(bdvn, tl.trans(s0), input_precision=PREC)
-                dKd += tl.dot(bvn, tl.trans(ds1), input_precision=PREC)
-                dgl += tl.sum(s0 * ds1, 1)
-                if i_s == 0:
-                    bv = tl.load(v + offv, mask=mrv, other=0.).to(tl.float32)
-                    dA += tl.dot(bdo, tl.trans(bvn), input_precision=PREC)
-                    dT += tl.dot(bdvn, tl.trans(bv), input_precision=PREC)
-                    tl.store(dv + offv, tl.dot(tl.trans(Tm), bdvn, input_precision=PREC).to(DT), mask=mrv)
-            mrk = mr[:, None] & mk[None, :]
-            offk = (rows[:, None] * H + i_h) * K + o_k[None, :]
-            bq = tl.load(qn + offk, mask=mrk, other=0.).to(tl.float32)
-            bk = tl.load(kn + offk, mask=mrk, other=0.).to(tl.float32)
-            g = tl.load(gc + offk, mask=mrk, other=0.)
-            gl = tl.load(gc + (last * H + i_h) * K + o_k, mask=mk, other=0.)
-            eg = tl.exp2(g)
-            kg = bk * eg
-            dKg = tl.dot(tl.trans(Tm), dW, input_precision=PREC)
-            dT += tl.dot(dW, tl.trans(kg), input_precision=PREC)
-            # elementwise chain rule: Qg = scale q e^G, Kg = k e^G, Kd = k e^(G_last - G)
-            ed = tl.exp2(gl[None, :] - g)
-            kdv = bk * ed
-            bdq = dQg * eg * scale
-            bdk = dKg * eg + dKd * ed
-            dGam = dQg * bq * eg * scale + dKg * kg - dKd * kdv
-            extra = tl.sum(tl.where(mrk, dKd * kdv, 0.), 0) + dgl * tl.exp2(gl)
-            dGam += tl.where((rows == last)[:, None], extra[None, :], 0.)
-            tl.store(dqn + offk, bdq, mask=mrk)
-            tl.store(dkn + offk, bdk, mask=mrk)
-            tl.store(dG + offk, dGam, mask=mrk)
-        # T = M Diag(beta). M is read again here rather than kept live through the loops above (sm_90, Triton 3.6:
-        # spill stack 400 -> 288 bytes per thread, shared memory 81,920 -> 49,152 bytes)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            mv = o_v < V
+            s0 = tl.load(hs + (s_base + o_k[:, None]) * V + o_v[None, :], mask=mk[:, None] & mv[None, :], other=0.)
+            mrv = mr[:, None] & mv[None, :]
+            offv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+            x = tl.load(v + offv, mask=mrv, other=0.).to(tl.float32) - tl.dot(kg, s0, input_precision=PREC)
+            bvn = tl.load(vn + offv, mask=mrv, other=0.).to(tl.float32)
+            bdvn = tl.load(dvn + offv, mask=mrv, other=0.)
+            bdo = tl.load(do + offv, mask=mrv, other=0.).to(tl.float32)
+            dA += tl.dot(bdo, tl.trans(bvn), input_precision=PREC)
+            dT += tl.dot(bdvn, tl.trans(x), input_precision=PREC)
+            tl.store(dv + offv, tl.dot(tl.trans(Tm), bdvn, input_precision=PREC).to(DT), mask=mrv)
         M = tl.load(Mo + offA, mask=mtt & (o_t[None, :] <= o_t[:, None]), other=0.)
         dbeta = tl.sum(dT * M, 0)
         dM = dT * b[None, :]
@@ -407,10 +439,11 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
     dPs = torch.empty_like(dAs)
     if info.NC > 0:
         bv, warps, stages = launch_config("main_bwd")
-        _main_bwd_kernel[(info.NC, H)](
+        ks = _main_bwd_ksplit(BK)
+        _main_bwd_kernel[(info.NC * (ks + 1), H)](
             qn, kn, v, gc, bs, I["M"], I["P"], hs, dhs, vn, dvn, do, dv, dAs, dPs, dqn, dkn, dG, db,
             info.chunk_tab, info.cu, scale, H=H, K=K, V=V, BK=BK, BV=min(bv, next_pow2(V)), BT=BT,
-            PREC=prec, KS=_main_bwd_ksplit(BK), num_warps=warps, num_stages=stages)
+            PREC=prec, KS=ks, num_warps=warps, num_stages=stages)
         safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
         # unbounded gates: two launches, the chunks whose diagonal tiles all take one matmul (most) without the
         # per-column loop's code and registers, then the steep ones (sm_90, Triton 3.6: 240 against 744 bytes of
