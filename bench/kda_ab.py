@@ -16,6 +16,7 @@ import datetime
 import importlib.util
 import json
 import os
+import re
 import sys
 
 import torch
@@ -56,7 +57,8 @@ def main():
         bases = [b.split("=", 1) if "=" in b else ("base", b) for b in args.base.split(",")]
         variants[:0] = [(name, {}, load_base(folder, i)) for i, (name, folder) in enumerate(bases)]
     for item in filter(None, args.variants.split(",")):
-        name, *envs = item.split(":")
+        name, _, rest = item.partition(":")
+        envs = re.split(r":(?=[A-Z_][A-Z0-9_]*=)", rest) if rest else []  # values may hold ':' (KIMI3_KDA_LAUNCH)
         variants.append((name, dict(e.split("=", 1) for e in envs), chunk_kda))
     res = dict(gpu=torch.cuda.get_device_name(), git_commit=os.environ.get("GIT_COMMIT", ""), base=args.base,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=[])
