@@ -45,7 +45,8 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--base", default=None, help="a kernels/ folder to compare against (loaded as kimi3_kernels_base), "
                     "or several as 'name=folder,name=folder' (the first is the reference of the ratios)")
-    ap.add_argument("--variants", default="", help="'name:ENV=VAL:ENV=VAL,...' run on this tree's kernels")
+    ap.add_argument("--variants", default="", help="'name:ENV=VAL:ENV=VAL,...' run on this tree's kernels "
+                    "('name@base:...' on that base's)")
     ap.add_argument("--shapes", default="32:16384:sp,96:16384:k3", help="'H:T:gate,...' (gate k3 or sp)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bwd", action="store_true", help="also forward+backward")
@@ -56,10 +57,12 @@ def main():
     if args.base:
         bases = [b.split("=", 1) if "=" in b else ("base", b) for b in args.base.split(",")]
         variants[:0] = [(name, {}, load_base(folder, i)) for i, (name, folder) in enumerate(bases)]
-    for item in filter(None, args.variants.split(",")):
+    fns = {name: fn for name, _, fn in variants}
+    for item in filter(None, re.split(r",(?=[\w@-]+:[A-Z_][A-Z0-9_]*=)", args.variants)):
         name, _, rest = item.partition(":")
-        envs = re.split(r":(?=[A-Z_][A-Z0-9_]*=)", rest) if rest else []  # values may hold ':' (KIMI3_KDA_LAUNCH)
-        variants.append((name, dict(e.split("=", 1) for e in envs), chunk_kda))
+        envs = re.split(r":(?=[A-Z_][A-Z0-9_]*=)", rest) if rest else []  # values may hold ':' and ','
+        # name@base runs that base's kernels with the variables set
+        variants.append((name, dict(e.split("=", 1) for e in envs), fns[name.partition("@")[2] or "new"]))
     res = dict(gpu=torch.cuda.get_device_name(), git_commit=os.environ.get("GIT_COMMIT", ""), base=args.base,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=[])
     os.makedirs(args.out, exist_ok=True)
