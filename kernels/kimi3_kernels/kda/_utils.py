@@ -136,6 +136,10 @@ class SeqInfo:
 # (training forward, 359a6df) and forward 2.44 -> 2.24 ms (2e8a4d2); at H=96 64-wide on 2 stages (3 stages: 6.05 /
 # 5.67 ms). The backward scan stays on 2 stages: 3 were 885 -> 852 and 2,700 -> 2,582 us per call (359a6df), but
 # need 294,912 bytes of shared memory with fp32 inputs (sm_90 has 232,448; the fp32 gradient check failed, 446ae1e).
+# The main backward kernel, since its K slices and V side run as separate programs (1d870a5), on 4 warps and 3 stages
+# (two programs per SM): at H=96 / H=32 T=16K 6.83 / 2.24 ms per call against 8.96 / 2.99 for the single-program kernel
+# on 32:8:1 (its best: 32:4:2 took it to 13.9 ms); 32:4:2 7.29, 32:8:1 9.67, 16:4:3 7.39, 32:8:4 8.43 at H=96
+# (bench/results/kda_h200.md, 4f6ee34).
 LAUNCH_DEFAULTS = {
     "prep_fwd": (64, 8, 3),
     "diag_fwd": (32, 1, 1),
@@ -146,7 +150,7 @@ LAUNCH_DEFAULTS = {
     "state_fwd": (None, 4, None),
     "output_fwd": (64, 4, 2),
     "state_bwd": (32, 8, 2),
-    "main_bwd": (32, 8, 1),
+    "main_bwd": (32, 4, 3),
     "intra_bwd": (32, 4, 2),
     "intra_bwd_loop": (32, 4, 2),
     "prep_bwd": (None, 4, 3),

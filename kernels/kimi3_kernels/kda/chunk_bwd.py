@@ -389,10 +389,9 @@ if TRITON_AVAILABLE:
 
 
 def _main_bwd_ksplit(BK):
-    """KIMI3_KDA_MAIN_BWD_KSPLIT=KS (default 2): _main_bwd_kernel's K columns in KS slices (fewer live accumulators:
-    the sm_90 spill falls from 808 to 400 bytes per thread at K = 128). In the H200 sweep (9b619ae) forward+backward
-    at H=32 / 96, T=16K took 17.88 / 38.58 ms with KS=1, 16.96 / 36.28 with KS=2, 17.65 / 38.00 with KS=4.
-    Slices stay >= 16 wide."""
+    """KIMI3_KDA_MAIN_BWD_KSPLIT=KS (default 2): _main_bwd_kernel's K columns in KS slices, one program each beside the
+    V-side one. On the H200 at 32:4:2 (4f6ee34) KS=4 took 8.40 against 7.29 ms per call at H=96 T=16K; KS=1 spills
+    (sm_90: 2,968 bytes of stack per thread at 4 warps). Slices stay >= 16 wide."""
     import os
     ks = int(os.environ.get("KIMI3_KDA_MAIN_BWD_KSPLIT", "2"))
     while ks > 1 and (BK % ks or BK // ks < 16):
