@@ -8,7 +8,7 @@ Given dO and dS_final, with the forward quantities recomputed per chunk (see chu
           dGam_last += exp(Gam_last) * rowsum(S0 * dS1), and the elementwise chain rule through exp(+-Gam);
       V side: dAqk = dO Vn^T, dT = dVn (v - Kg S0)^T, dv = T^T dVn, dbeta from T = M Diag(beta) and
           L = Diag(beta) P, dL = -M^T dM M^T.
-  intra_bwd  (parallel over chunks): the pairwise terms of Aqk and P (same 16-row sub-tiles and
+  intra_bwd  (parallel over 16-row sub-tiles and K slices): the pairwise terms of Aqk and P (same sub-tiles and
       reference rows as the forward, so no exponential overflows).
 The gate / L2 norm / sigmoid derivatives and the reverse cumsum are in gate.prep_bwd.
 """
@@ -243,141 +243,69 @@ if TRITON_AVAILABLE:
     def _intra_bwd_kernel(qn, kn, gc, dAs, dPs, dqn, dkn, dG, steep, tab, cu, max_span,
                           H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                           BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr, STEEP: tl.constexpr):
-        """SAFE: every diagonal tile by one matmul. STEEP 1 / 2: only the chunks that steep [NC, H] (from the
-        forward's diagonal kernel) marks 0 / 1; unbounded gates run the unmarked chunks with SAFE, whose code has no
-        per-column loop and far fewer registers, and the marked ones with the per-slice choice."""
-        i_c = tl.program_id(0)
+        """One program per 16-row sub-tile i of a chunk and K slice: the rows of sub-tile i against the earlier
+        sub-tiles (row side, relative to its first row), its columns against the later ones (column side, relative to
+        its last row), and its diagonal tile, added to sub-tile i's rows of dqn / dkn / dG. A program for the whole chunk
+        kept its 20 blocks of dA and dP live (sm_90: 255 registers, spilling, two 4-warp programs per SM).
+        SAFE: the diagonal tile by one matmul. Otherwise by one matmul when its gate span is at most max_span, else by
+        the per-column loop. STEEP 1 / 2: only the chunks that steep [NC, H] (from the forward's diagonal kernel) marks
+        0 / 1; unbounded gates run the unmarked chunks with SAFE (no per-column loop in their code) and the marked ones
+        without."""
+        NS: tl.constexpr = BT // BC
+        NKB: tl.constexpr = (K + BK - 1) // BK
+        i_k = tl.program_id(0) % NKB
+        i_i = (tl.program_id(0) // NKB) % NS
+        i_c = tl.program_id(0) // (NKB * NS)
         i_h = tl.program_id(1)
         if STEEP > 0:
             if (tl.load(steep + i_c * H + i_h) != 0) != (STEEP == 2):
                 return
         _, t0, eos = _chunk_span(tab, cu, i_c)
+        r0 = t0 + i_i * BC
+        if r0 >= eos:
+            return
         o_c = tl.arange(0, BC)
-        r0 = t0 + o_c
-        r1 = r0 + BC
-        r2 = r1 + BC
-        r3 = r2 + BC
-        v0 = (r0 < eos)[:, None]
-        v1 = (r1 < eos)[:, None]
-        v2 = (r2 < eos)[:, None]
-        v3 = (r3 < eos)[:, None]
-        a00 = _ld_blk(dAs, r0, eos, H, i_h, 0, BT, BC)
-        a10 = _ld_blk(dAs, r1, eos, H, i_h, 0, BT, BC)
-        a11 = _ld_blk(dAs, r1, eos, H, i_h, BC, BT, BC)
-        a20 = _ld_blk(dAs, r2, eos, H, i_h, 0, BT, BC)
-        a21 = _ld_blk(dAs, r2, eos, H, i_h, BC, BT, BC)
-        a22 = _ld_blk(dAs, r2, eos, H, i_h, 2 * BC, BT, BC)
-        a30 = _ld_blk(dAs, r3, eos, H, i_h, 0, BT, BC)
-        a31 = _ld_blk(dAs, r3, eos, H, i_h, BC, BT, BC)
-        a32 = _ld_blk(dAs, r3, eos, H, i_h, 2 * BC, BT, BC)
-        a33 = _ld_blk(dAs, r3, eos, H, i_h, 3 * BC, BT, BC)
-        p00 = _ld_blk(dPs, r0, eos, H, i_h, 0, BT, BC)
-        p10 = _ld_blk(dPs, r1, eos, H, i_h, 0, BT, BC)
-        p11 = _ld_blk(dPs, r1, eos, H, i_h, BC, BT, BC)
-        p20 = _ld_blk(dPs, r2, eos, H, i_h, 0, BT, BC)
-        p21 = _ld_blk(dPs, r2, eos, H, i_h, BC, BT, BC)
-        p22 = _ld_blk(dPs, r2, eos, H, i_h, 2 * BC, BT, BC)
-        p30 = _ld_blk(dPs, r3, eos, H, i_h, 0, BT, BC)
-        p31 = _ld_blk(dPs, r3, eos, H, i_h, BC, BT, BC)
-        p32 = _ld_blk(dPs, r3, eos, H, i_h, 2 * BC, BT, BC)
-        p33 = _ld_blk(dPs, r3, eos, H, i_h, 3 * BC, BT, BC)
-        last = tl.minimum(eos, t0 + BT) - 1
-        for i_k in range(0, tl.cdiv(K, BK)):
-            cols = i_k * BK + tl.arange(0, BK)
-            mc = cols < K
-            q0 = _ld(qn, r0, eos, H, i_h, K, cols, mc)
-            q1 = _ld(qn, r1, eos, H, i_h, K, cols, mc)
-            q2 = _ld(qn, r2, eos, H, i_h, K, cols, mc)
-            q3 = _ld(qn, r3, eos, H, i_h, K, cols, mc)
-            k0 = _ld(kn, r0, eos, H, i_h, K, cols, mc)
-            k1 = _ld(kn, r1, eos, H, i_h, K, cols, mc)
-            k2 = _ld(kn, r2, eos, H, i_h, K, cols, mc)
-            k3 = _ld(kn, r3, eos, H, i_h, K, cols, mc)
-            g0 = _ld(gc, r0, eos, H, i_h, K, cols, mc)
-            g1 = _ld(gc, r1, eos, H, i_h, K, cols, mc)
-            g2 = _ld(gc, r2, eos, H, i_h, K, cols, mc)
-            g3 = _ld(gc, r3, eos, H, i_h, K, cols, mc)
-            # first rows (row-side references) and last valid rows (column-side references)
-            n0 = _ld_row(gc, t0, eos, H, i_h, K, cols, mc)
-            n1 = _ld_row(gc, tl.minimum(t0 + BC, last), eos, H, i_h, K, cols, mc)
-            n2 = _ld_row(gc, tl.minimum(t0 + 2 * BC, last), eos, H, i_h, K, cols, mc)
-            n3 = _ld_row(gc, tl.minimum(t0 + 3 * BC, last), eos, H, i_h, K, cols, mc)
-            m0 = _ld_row(gc, tl.minimum(t0 + BC - 1, last), eos, H, i_h, K, cols, mc)
-            m1 = _ld_row(gc, tl.minimum(t0 + 2 * BC - 1, last), eos, H, i_h, K, cols, mc)
-            m2 = _ld_row(gc, tl.minimum(t0 + 3 * BC - 1, last), eos, H, i_h, K, cols, mc)
-            # ---- row sides: sum over earlier column tiles
-            kt = k0 * tl.exp2(n1[None, :] - g0)
-            dq1 = tl.dot(a10, kt, input_precision=PREC)
-            dr1 = tl.dot(p10, kt, input_precision=PREC)
-            kt = k0 * tl.exp2(n2[None, :] - g0)
-            dq2 = tl.dot(a20, kt, input_precision=PREC)
-            dr2 = tl.dot(p20, kt, input_precision=PREC)
-            kt = k1 * tl.exp2(n2[None, :] - g1)
-            dq2 += tl.dot(a21, kt, input_precision=PREC)
-            dr2 += tl.dot(p21, kt, input_precision=PREC)
-            kt = k0 * tl.exp2(n3[None, :] - g0)
-            dq3 = tl.dot(a30, kt, input_precision=PREC)
-            dr3 = tl.dot(p30, kt, input_precision=PREC)
-            kt = k1 * tl.exp2(n3[None, :] - g1)
-            dq3 += tl.dot(a31, kt, input_precision=PREC)
-            dr3 += tl.dot(p31, kt, input_precision=PREC)
-            kt = k2 * tl.exp2(n3[None, :] - g2)
-            dq3 += tl.dot(a32, kt, input_precision=PREC)
-            dr3 += tl.dot(p32, kt, input_precision=PREC)
-            e1 = tl.exp2(tl.where(v1, g1 - n1[None, :], 0.))
-            e2 = tl.exp2(tl.where(v2, g2 - n2[None, :], 0.))
-            e3 = tl.exp2(tl.where(v3, g3 - n3[None, :], 0.))
-            dq1 *= e1
-            dr1 *= e1
-            dq2 *= e2
-            dr2 *= e2
-            dq3 *= e3
-            dr3 *= e3
-            dq0 = tl.zeros([BC, BK], dtype=tl.float32)
-            dr0 = tl.zeros([BC, BK], dtype=tl.float32)
-            # ---- column sides: sum over later row tiles, relative to the column tile's last row
-            x = tl.exp2(tl.where(v1, g1 - m0[None, :], 0.))
-            dc0 = tl.dot(tl.trans(a10), q1 * x, input_precision=PREC) + tl.dot(tl.trans(p10), k1 * x, input_precision=PREC)
-            x = tl.exp2(tl.where(v2, g2 - m0[None, :], 0.))
-            dc0 += tl.dot(tl.trans(a20), q2 * x, input_precision=PREC) + tl.dot(tl.trans(p20), k2 * x, input_precision=PREC)
-            x = tl.exp2(tl.where(v3, g3 - m0[None, :], 0.))
-            dc0 += tl.dot(tl.trans(a30), q3 * x, input_precision=PREC) + tl.dot(tl.trans(p30), k3 * x, input_precision=PREC)
-            x = tl.exp2(tl.where(v2, g2 - m1[None, :], 0.))
-            dc1 = tl.dot(tl.trans(a21), q2 * x, input_precision=PREC) + tl.dot(tl.trans(p21), k2 * x, input_precision=PREC)
-            x = tl.exp2(tl.where(v3, g3 - m1[None, :], 0.))
-            dc1 += tl.dot(tl.trans(a31), q3 * x, input_precision=PREC) + tl.dot(tl.trans(p31), k3 * x, input_precision=PREC)
-            x = tl.exp2(tl.where(v3, g3 - m2[None, :], 0.))
-            dc2 = tl.dot(tl.trans(a32), q3 * x, input_precision=PREC) + tl.dot(tl.trans(p32), k3 * x, input_precision=PREC)
-            dc0 *= tl.exp2(tl.where(v0, m0[None, :] - g0, 0.))
-            dc1 *= tl.exp2(tl.where(v1, m1[None, :] - g1, 0.))
-            dc2 *= tl.exp2(tl.where(v2, m2[None, :] - g2, 0.))
-            dc3 = tl.zeros([BC, BK], dtype=tl.float32)
-            # ---- diagonal tiles: one matmul each when the gate span allows (as in _diag_fwd_kernel)
-            dense = SAFE
-            if not SAFE:
-                vc = mc[None, :]
-                span = tl.maximum(tl.maximum(_tile_span(g0, n0, v0 & vc), _tile_span(g1, n1, v1 & vc)),
-                                  tl.maximum(_tile_span(g2, n2, v2 & vc), _tile_span(g3, n3, v3 & vc)))
-                dense = span <= max_span
-            if dense:
-                e0 = tl.exp2(tl.where(v0, g0 - n0[None, :], 0.))
-                dq0, dr0, dc0 = _diag_bwd_dense(dq0, dr0, dc0, a00, p00, q0, k0, g0, n0, e0, PREC)
-                dq1, dr1, dc1 = _diag_bwd_dense(dq1, dr1, dc1, a11, p11, q1, k1, g1, n1, e1, PREC)
-                dq2, dr2, dc2 = _diag_bwd_dense(dq2, dr2, dc2, a22, p22, q2, k2, g2, n2, e2, PREC)
-                dq3, dr3, dc3 = _diag_bwd_dense(dq3, dr3, dc3, a33, p33, q3, k3, g3, n3, e3, PREC)
-            else:
-                dq0, dr0, dc0 = _diag_bwd_loop(dq0, dr0, dc0, a00, p00, q0, k0, g0, qn, kn, gc, t0, eos, H, i_h, K,
-                                               cols, mc, BC)
-                dq1, dr1, dc1 = _diag_bwd_loop(dq1, dr1, dc1, a11, p11, q1, k1, g1, qn, kn, gc, t0 + BC, eos, H, i_h,
-                                               K, cols, mc, BC)
-                dq2, dr2, dc2 = _diag_bwd_loop(dq2, dr2, dc2, a22, p22, q2, k2, g2, qn, kn, gc, t0 + 2 * BC, eos, H,
-                                               i_h, K, cols, mc, BC)
-                dq3, dr3, dc3 = _diag_bwd_loop(dq3, dr3, dc3, a33, p33, q3, k3, g3, qn, kn, gc, t0 + 3 * BC, eos, H,
-                                               i_h, K, cols, mc, BC)
-            _acc(dqn, dkn, dG, r0, eos, H, i_h, K, cols, mc, q0, k0, dq0, dr0, dc0)
-            _acc(dqn, dkn, dG, r1, eos, H, i_h, K, cols, mc, q1, k1, dq1, dr1, dc1)
-            _acc(dqn, dkn, dG, r2, eos, H, i_h, K, cols, mc, q2, k2, dq2, dr2, dc2)
-            _acc(dqn, dkn, dG, r3, eos, H, i_h, K, cols, mc, q3, k3, dq3, dr3, dc3)
+        rows = r0 + o_c
+        vi = (rows < eos)[:, None]
+        cols = i_k * BK + tl.arange(0, BK)
+        mc = cols < K
+        q = _ld(qn, rows, eos, H, i_h, K, cols, mc)
+        k = _ld(kn, rows, eos, H, i_h, K, cols, mc)
+        g = _ld(gc, rows, eos, H, i_h, K, cols, mc)
+        n = _ld_row(gc, r0, eos, H, i_h, K, cols, mc)
+        m = _ld_row(gc, tl.minimum(r0 + BC, eos) - 1, eos, H, i_h, K, cols, mc)
+        # ---- row side: dq_i = sum_{j<i} dA_ij (k_j e^(G_n - G_j)) e^(G_i - G_n), dr_i the same with dP
+        dq = tl.zeros([BC, BK], dtype=tl.float32)
+        dr = tl.zeros([BC, BK], dtype=tl.float32)
+        for j in range(0, i_i):
+            rj = t0 + j * BC + o_c
+            kt = _ld(kn, rj, eos, H, i_h, K, cols, mc) * tl.exp2(n[None, :] - _ld(gc, rj, eos, H, i_h, K, cols, mc))
+            dq += tl.dot(_ld_blk(dAs, rows, eos, H, i_h, j * BC, BT, BC), kt, input_precision=PREC)
+            dr += tl.dot(_ld_blk(dPs, rows, eos, H, i_h, j * BC, BT, BC), kt, input_precision=PREC)
+        e = tl.exp2(tl.where(vi, g - n[None, :], 0.))
+        dq *= e
+        dr *= e
+        # ---- column side: dc_i = sum_{j>i} (dA_ji^T q_j + dP_ji^T k_j) e^(G_j - G_m) e^(G_m - G_i)
+        dc = tl.zeros([BC, BK], dtype=tl.float32)
+        for j in range(i_i + 1, NS):
+            rj = t0 + j * BC + o_c
+            x = tl.exp2(tl.where((rj < eos)[:, None], _ld(gc, rj, eos, H, i_h, K, cols, mc) - m[None, :], 0.))
+            dc += tl.dot(tl.trans(_ld_blk(dAs, rj, eos, H, i_h, i_i * BC, BT, BC)),
+                         _ld(qn, rj, eos, H, i_h, K, cols, mc) * x, input_precision=PREC)
+            dc += tl.dot(tl.trans(_ld_blk(dPs, rj, eos, H, i_h, i_i * BC, BT, BC)),
+                         _ld(kn, rj, eos, H, i_h, K, cols, mc) * x, input_precision=PREC)
+        dc *= tl.exp2(tl.where(vi, m[None, :] - g, 0.))
+        # ---- diagonal tile (as in _diag_fwd_kernel)
+        a = _ld_blk(dAs, rows, eos, H, i_h, i_i * BC, BT, BC)
+        p = _ld_blk(dPs, rows, eos, H, i_h, i_i * BC, BT, BC)
+        dense = SAFE
+        if not SAFE:
+            dense = _tile_span(g, n, vi & mc[None, :]) <= max_span
+        if dense:
+            dq, dr, dc = _diag_bwd_dense(dq, dr, dc, a, p, q, k, g, n, e, PREC)
+        else:
+            dq, dr, dc = _diag_bwd_loop(dq, dr, dc, a, p, q, k, g, qn, kn, gc, r0, eos, H, i_h, K, cols, mc, BC)
+        _acc(dqn, dkn, dG, rows, eos, H, i_h, K, cols, mc, q, k, dq, dr, dc)
 
     @triton.jit
     def _acc(dqn, dkn, dG, rows, eos, H, i_h, K: tl.constexpr, cols, mc, q, k, dq, dr, dc):
@@ -450,8 +378,9 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
         passes = [("intra_bwd", True, 0)] if safe else [("intra_bwd", True, 1), ("intra_bwd_loop", False, 2)]
         for name, dense, sel in passes:
             bk, warps, stages = launch_config(name)
-            _intra_bwd_kernel[(info.NC, H)](
+            bk = min(bk, BK)
+            _intra_bwd_kernel[(info.NC * (BT // 16) * triton.cdiv(K, bk), H)](
                 qn, kn, gc, dAs, dPs, dqn, dkn, dG, I["steep"] if sel else dAs, info.chunk_tab, info.cu, DENSE_MAX_SPAN,
-                H=H, K=K, BK=min(bk, BK), BT=BT, BC=16, SAFE=dense, PREC=prec, STEEP=sel, num_warps=warps,
+                H=H, K=K, BK=bk, BT=BT, BC=16, SAFE=dense, PREC=prec, STEEP=sel, num_warps=warps,
                 num_stages=stages)
     return dqn, dkn, dv, dG, db, dh0
