@@ -72,7 +72,7 @@ def main():
         q, k, v, f, beta, A_log, dtb = inputs(1, T, H, 128, 128, torch.bfloat16, seed=7)
         qq, kk, vv, ff = (x.clone().requires_grad_() for x in (q, k, v, f))
         row = dict(H=H, T=T, gate=gate, fwd_ms={}, fwdbwd_ms={}, kernels_ms={}, out_rel_to_first={})
-        ref = None
+        ref = gref = None
         for rnd in range(args.rounds):
             for name, env, fn in variants:
                 old = {e: os.environ.get(e) for e in env}
@@ -91,6 +91,13 @@ def main():
                         o = fwd()[0].float()
                         ref = o if ref is None else ref
                         row["out_rel_to_first"][name] = ((o - ref).norm() / ref.norm()).item()
+                        if args.bwd:  # the gradients of q, k, v, g against the first variant's
+                            fb()
+                            gs = [x.grad.float() for x in (qq, kk, vv, ff)]
+                            gref = gs if gref is None else gref
+                            row.setdefault("grad_rel_to_first", {})[name] = {
+                                n: ((a - b).norm() / b.norm()).item() for n, a, b in zip("qkvg", gs, gref)}
+                            del gs
                         if args.profile:
                             row["kernels_ms"][name] = {n: round(t, 4) for n, t in kernel_ms(fwd).items()}
                             if args.bwd:
@@ -109,7 +116,7 @@ def main():
             med = {n: sorted(ts)[len(ts) // 2] for n, ts in row[key].items()}
             row[key.replace("_ms", "_median_ms")] = med
             row[key.replace("_ms", "_speedup_vs_" + first)] = {n: med[first] / t for n, t in med.items()}
-        print(shape, json.dumps({k: row[k] for k in row if "median" in k or "speedup" in k or k == "out_rel_to_first"}),
+        print(shape, json.dumps({k: row[k] for k in row if "median" in k or "speedup" in k or "rel_to_first" in k}),
               flush=True)
         if args.profile:
             for key in ("kernels_ms", "kernels_fwdbwd_ms"):
@@ -118,7 +125,7 @@ def main():
         res["rows"].append(row)
         with open(os.path.join(args.out, "kda_ab.json"), "w") as fh:
             json.dump(res, fh, indent=1)
-        del q, k, v, f, qq, kk, vv, ff
+        del q, k, v, f, qq, kk, vv, ff, ref, gref
         torch.cuda.empty_cache()
 
 

@@ -151,8 +151,8 @@ LAUNCH_DEFAULTS = {
     "output_fwd": (64, 4, 2),
     "state_bwd": (32, 8, 2),
     "main_bwd": (32, 4, 3),
-    "intra_bwd": (32, 2, 2),
-    "intra_bwd_loop": (32, 2, 2),
+    "intra_bwd": (32, 1, 2),
+    "intra_bwd_loop": (32, 1, 2),
     "prep_bwd": (None, 4, 3),
 }
 
