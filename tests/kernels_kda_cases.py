@@ -327,7 +327,9 @@ def check_vs_fp64(ins, lb, do, dS=None):
                                       (-5.0, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="4"), 64),
                                       (-5.0, dict(KIMI3_KDA_LAUNCH="main_bwd=16:4:2,intra_bwd=16:2:2,"
                                                   "state_bwd=16:4:1,prep_bwd=:2:1"), 64),
-                                      (None, dict(KIMI3_KDA_LAUNCH="intra_bwd_loop=16:2:2"), 16)])
+                                      (None, dict(KIMI3_KDA_LAUNCH="intra_bwd_loop=16:2:2"), 16),
+                                      # the backward scan's 64-wide value tiles (taken on large grids)
+                                      (-5.0, dict(KIMI3_KDA_LAUNCH="state_bwd=64:8:2", KIMI3_TEST_V="64"), 16)])
 def test_chunk_gradients(lb, env, K, monkeypatch):
     # the backward reuses the per-chunk quantities the forward kept (default) or, with KIMI3_KDA_SAVE_FWD=0,
     # recomputes them; KIMI3_KDA_MAIN_BWD_KSPLIT runs the main backward kernel's K columns in slices (default 2;
@@ -339,10 +341,11 @@ def test_chunk_gradients(lb, env, K, monkeypatch):
     intra_calls = []
     intra = chunk_fwd.intra_fwd
     monkeypatch.setattr(chunk_fwd, "intra_fwd", lambda *a, **kw: intra_calls.append(1) or intra(*a, **kw))
-    q, k, v, f, beta, A_log, dtb, h0 = make(1, 80, 2, K, 32, seed=2)
+    V = int(env.get("KIMI3_TEST_V", 32))
+    q, k, v, f, beta, A_log, dtb, h0 = make(1, 80, 2, K, V, seed=2)
     gen = torch.Generator().manual_seed(5)
-    do = torch.randn(1, 80, 2, 32, generator=gen)
-    dS = torch.randn(1, 2, K, 32, generator=gen)
+    do = torch.randn(1, 80, 2, V, generator=gen)
+    dS = torch.randn(1, 2, K, V, generator=gen)
     check_vs_fp64([q, k, v, f, beta, A_log, dtb, h0], lb, do, dS)
     assert len(intra_calls) == (1 if env.get("KIMI3_KDA_SAVE_FWD", "1") == "1" else 2)  # forward (+ backward recompute)
 

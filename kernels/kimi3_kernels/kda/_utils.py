@@ -149,7 +149,7 @@ LAUNCH_DEFAULTS = {
     "wu_fwd": (128, 8, 2),
     "state_fwd": (None, 4, None),
     "output_fwd": (64, 4, 2),
-    "state_bwd": (32, 8, 2),
+    "state_bwd": (None, 8, 2),
     "main_bwd": (32, 4, 3),
     "intra_bwd": (32, 1, 2),
     "intra_bwd_loop": (32, 1, 2),

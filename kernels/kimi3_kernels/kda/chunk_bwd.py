@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, launch_config, next_pow2
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, launch_config, next_pow2, state_scan_tile
 from .chunk_fwd import DENSE_MAX_SPAN, SAFE_LOWER_BOUND, _prec
 
 if TRITON_AVAILABLE:
@@ -348,7 +348,7 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
     prec = _prec(qn.dtype)
     if info.N > 0:
         bv, warps, stages = launch_config("state_bwd")
-        BV = min(bv, next_pow2(V))
+        BV = min(bv or state_scan_tile(triton.cdiv(V, 64) * info.N * H, dev)[0], next_pow2(V))
         _state_bwd_kernel[(triton.cdiv(V, BV) * info.N * H,)](
             I["W"], I["Qg"], I["Kd"], I["Aqk"], gc, do, dht if dht is not None else do,
             dh0 if dh0 is not None else do, dhs, dvn, info.cu, info.chunk_off,
