@@ -270,7 +270,8 @@ def stage_bytes_bwd(K=128, V=128, C=64, e=2):
         # qn, kn, v, gc, beta, M, P, S, dS, Vn, dVn, dO -> dv, dA, dP, dqn, dkn, dG, dbeta
         "_main_bwd_kernel": 2 * K * e + V * e + K * f + f + 2 * C * f + 2 * S + V * e + V * f + V * e
         + V * e + 2 * C * f + 3 * K * f + f,
-        # qn, kn, gc, dA, dP; dqn, dkn, dG read and written back
+        # qn, kn, gc, dA, dP; dqn, dkn, dG read and written back (the main backward's V side reads S, kn and gc again,
+        # and each 16-row sub-tile of the pairwise one its neighbours' rows: cache hits, not counted)
         "_intra_bwd_kernel": 2 * K * e + K * f + 2 * C * f + 2 * 3 * K * f,
         # dG, g, q, k, dqn, dkn, rq, rk, beta, dbeta -> dg, dq, dk, dbeta_raw
         "_prep_bwd_kernel": K * f + 3 * K * e + 2 * K * f + 4 * f + K * e + 2 * K * e + f,
@@ -435,12 +436,14 @@ TUNE_FWD = {
     "state_fwd": ["64:4:3", "64:2:2", "128:8:2", "32:2:2", "16:4:2", "32:8:2"],
     "output_fwd": ["64:4:1", "128:4:2", "64:8:1"],
 }
+# The backward rows look around the picks of the fourth session's sweeps (bedee9b: one program per K slice / V side
+# and per 16-row sub-tile).
 TUNE_BWD = {
-    "intra_bwd": ["32:4:3", "64:4:2", "32:2:3", "64:8:1", "32:2:2"],
-    "intra_bwd_loop": ["64:8:1", "64:4:2", "128:4:1", "32:4:2", "32:2:2"],
-    "main_bwd": ["16:4:1", "32:16:1", "64:16:1"],
-    "state_bwd": ["64:4:2", "64:4:3", "16:4:2", "32:4:3"],
-    "prep_bwd": [":16:", ":2:1", ":8:1"],
+    "intra_bwd": ["32:1:3", "32:1:1", "32:2:2", "64:2:2"],
+    "intra_bwd_loop": ["32:1:3", "32:2:2", "64:2:2"],
+    "main_bwd": ["32:4:2", "16:4:3", "32:4:4", "64:4:2"],
+    "state_bwd": ["32:8:2", "64:8:2", "64:4:2"],
+    "prep_bwd": [":4:2", ":8:3"],
 }
 # kernels that only run for one kind of gate: timed on that shape only
 GATE_ONLY = {"diag_fwd": "k3", "intra_bwd": "k3", "diag_fwd_loop": "softplus", "intra_bwd_loop": "softplus"}

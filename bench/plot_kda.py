@@ -2,7 +2,7 @@
 
     python bench/plot_kda.py [--json bench/results/kda_h200.json] [--out bench/results/kda_h200.png]
 
-The newest timings with fla 0.6.0 in the same process ("session_3d2490b": one process per head count, so every
+The newest timings with fla 0.6.0 in the same process ("session_bedee9b": one process per head count, so every
 point pairs ours with fla measured beside it); H=32 with the softplus gate, H=96 with K3's, T = 4K / 16K / 64K. Needs matplotlib
 (not a project requirement).
 """
@@ -25,7 +25,7 @@ def main():
     import matplotlib.pyplot as plt
 
     res = json.load(open(args.json))
-    session = res["session_3d2490b"]
+    session = res["session_bedee9b"]
     rows = [dict(r, commit=session[key]["meta"]["git_commit"]) for key in ("time_h32", "time_h96")
             for r in session[key]["rows"]]
     commits = "/".join(sorted({r["commit"] for r in rows}))
