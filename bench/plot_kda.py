@@ -3,8 +3,8 @@
     python bench/plot_kda.py [--json bench/results/kda_h200.json] [--out bench/results/kda_h200.png]
 
 The newest timings with fla 0.6.0 in the same process ("session_bedee9b": one process per head count, so every
-point pairs ours with fla measured beside it); H=32 with the softplus gate, H=96 with K3's, T = 4K / 16K / 64K. Needs matplotlib
-(not a project requirement).
+point pairs ours with fla measured beside it); H=32 with the softplus gate, H=96 with K3's, T = 4K / 16K / 64K.
+Needs matplotlib (not a project requirement).
 """
 from __future__ import annotations
 

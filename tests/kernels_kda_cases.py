@@ -316,21 +316,21 @@ def check_vs_fp64(ins, lb, do, dS=None):
 
 
 @needs_triton
-@pytest.mark.parametrize("lb,env,K", [(-5.0, {}, 16), (None, {}, 16),
-                                      (None, dict(KIMI3_KDA_LAUNCH="intra_fwd=16:4:1", KIMI3_KDA_SAVE_FWD="0"), 16),
-                                      (None, dict(KIMI3_KDA_DIAG_INV="0"), 16),
-                                      (None, dict(KIMI3_KDA_DIAG_INV="2"), 16),
-                                      (-5.0, dict(KIMI3_KDA_DIAG_INV="2"), 16),
-                                      (-5.0, dict(KIMI3_KDA_SAVE_FWD="0"), 16),
-                                      (None, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="1"), 64),
-                                      (None, {}, 64),
-                                      (-5.0, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="4"), 64),
+@pytest.mark.parametrize("lb,env,K,V", [(-5.0, {}, 16, 32), (None, {}, 16, 32),
+                                      (None, dict(KIMI3_KDA_LAUNCH="intra_fwd=16:4:1", KIMI3_KDA_SAVE_FWD="0"), 16, 32),
+                                      (None, dict(KIMI3_KDA_DIAG_INV="0"), 16, 32),
+                                      (None, dict(KIMI3_KDA_DIAG_INV="2"), 16, 32),
+                                      (-5.0, dict(KIMI3_KDA_DIAG_INV="2"), 16, 32),
+                                      (-5.0, dict(KIMI3_KDA_SAVE_FWD="0"), 16, 32),
+                                      (None, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="1"), 64, 32),
+                                      (None, {}, 64, 32),
+                                      (-5.0, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="4"), 64, 32),
                                       (-5.0, dict(KIMI3_KDA_LAUNCH="main_bwd=16:4:2,intra_bwd=16:2:2,"
-                                                  "state_bwd=16:4:1,prep_bwd=:2:1"), 64),
-                                      (None, dict(KIMI3_KDA_LAUNCH="intra_bwd_loop=16:2:2"), 16),
+                                                  "state_bwd=16:4:1,prep_bwd=:2:1"), 64, 32),
+                                      (None, dict(KIMI3_KDA_LAUNCH="intra_bwd_loop=16:2:2"), 16, 32),
                                       # the backward scan's 64-wide value tiles (taken on large grids)
-                                      (-5.0, dict(KIMI3_KDA_LAUNCH="state_bwd=64:8:2", KIMI3_TEST_V="64"), 16)])
-def test_chunk_gradients(lb, env, K, monkeypatch):
+                                      (-5.0, dict(KIMI3_KDA_LAUNCH="state_bwd=64:8:2"), 16, 64)])
+def test_chunk_gradients(lb, env, K, V, monkeypatch):
     # the backward reuses the per-chunk quantities the forward kept (default) or, with KIMI3_KDA_SAVE_FWD=0,
     # recomputes them; KIMI3_KDA_MAIN_BWD_KSPLIT runs the main backward kernel's K columns in slices (default 2;
     # 1 = all at once), KIMI3_KDA_DIAG_INV=0 keeps the diagonal blocks' inverses inside the pairwise kernel and 2 forms
@@ -341,7 +341,6 @@ def test_chunk_gradients(lb, env, K, monkeypatch):
     intra_calls = []
     intra = chunk_fwd.intra_fwd
     monkeypatch.setattr(chunk_fwd, "intra_fwd", lambda *a, **kw: intra_calls.append(1) or intra(*a, **kw))
-    V = int(env.get("KIMI3_TEST_V", 32))
     q, k, v, f, beta, A_log, dtb, h0 = make(1, 80, 2, K, V, seed=2)
     gen = torch.Generator().manual_seed(5)
     do = torch.randn(1, 80, 2, V, generator=gen)

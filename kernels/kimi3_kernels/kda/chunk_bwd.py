@@ -246,8 +246,8 @@ if TRITON_AVAILABLE:
                           BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr, STEEP: tl.constexpr):
         """One program per 16-row sub-tile i of a chunk and K slice: the rows of sub-tile i against the earlier
         sub-tiles (row side, relative to its first row), its columns against the later ones (column side, relative to
-        its last row), and its diagonal tile, added to sub-tile i's rows of dqn / dkn / dG. A program for the whole chunk
-        kept its 20 blocks of dA and dP live (sm_90: 255 registers, spilling, two 4-warp programs per SM).
+        its last row), and its diagonal tile, added to sub-tile i's rows of dqn / dkn / dG. A program for the whole
+        chunk kept its 20 blocks of dA and dP live (sm_90: 255 registers, spilling, two 4-warp programs per SM).
         SAFE: the diagonal tile by one matmul. Otherwise by one matmul when its gate span is at most max_span, else by
         the per-column loop. STEEP 1 / 2: only the chunks that steep [NC, H] (from the forward's diagonal kernel) marks
         0 / 1; unbounded gates run the unmarked chunks with SAFE (no per-column loop in their code) and the marked ones
