@@ -55,7 +55,9 @@ if TRITON_AVAILABLE:
             t0 = bos + c * BT
             rows = t0 + o_t
             mr = rows < eos
-            tl.store(dhs + ((c0 + c) * H * K + i_h * K + o_k[:, None]) * V + o_v[None, :], dS, mask=m_s)
+            dSd = dS.to(DT)
+            tl.store(dhs + ((c0 + c) * H * K + i_h * K + o_k[:, None]) * V + o_v[None, :],
+                     dSd.to(dhs.dtype.element_ty), mask=m_s)
             mrk = mr[:, None] & mk[None, :]
             mrv = mr[:, None] & mv[None, :]
             offk = (rows[:, None] * H + i_h) * K + o_k[None, :]
@@ -64,9 +66,8 @@ if TRITON_AVAILABLE:
             a = tl.load(Aqk + (rows[:, None] * H + i_h) * BT + o_t[None, :],
                         mask=mr[:, None] & (o_t[None, :] <= o_t[:, None]), other=0.).to(DT)
             kd = tl.load(Kd + offk, mask=mrk, other=0.)
-            dSd = dS.to(DT)
             bdv = tl.dot(tl.trans(a), bdo, input_precision=PREC) + tl.dot(kd, dSd, input_precision=PREC)
-            tl.store(dvn + offv, bdv, mask=mrv)
+            tl.store(dvn + offv, bdv.to(dvn.dtype.element_ty), mask=mrv)
             qg = tl.load(Qg + offk, mask=mrk, other=0.)
             w = tl.load(W + offk, mask=mrk, other=0.)
             last = tl.minimum(eos, t0 + BT) - 1
@@ -116,6 +117,7 @@ if TRITON_AVAILABLE:
         o_t = tl.arange(0, BT)
         o_k = i_s * BKS + tl.arange(0, BKS)
         mk = o_k < K
+        DT = qn.dtype.element_ty
         dQg = tl.zeros([BT, BKS], dtype=tl.float32)
         dW = tl.zeros([BT, BKS], dtype=tl.float32)
         dKd = tl.zeros([BT, BKS], dtype=tl.float32)
@@ -124,17 +126,17 @@ if TRITON_AVAILABLE:
             o_v = i_v * BV + tl.arange(0, BV)
             mv = o_v < V
             m_s = mk[:, None] & mv[None, :]
-            s0 = tl.load(hs + (s_base + o_k[:, None]) * V + o_v[None, :], mask=m_s, other=0.)
-            ds1 = tl.load(dhs + (s_base + o_k[:, None]) * V + o_v[None, :], mask=m_s, other=0.)
+            s0 = tl.load(hs + (s_base + o_k[:, None]) * V + o_v[None, :], mask=m_s, other=0.).to(DT)
+            ds1 = tl.load(dhs + (s_base + o_k[:, None]) * V + o_v[None, :], mask=m_s, other=0.).to(DT)
             mrv = mr[:, None] & mv[None, :]
             offv = (rows[:, None] * H + i_h) * V + o_v[None, :]
-            bvn = tl.load(vn + offv, mask=mrv, other=0.).to(tl.float32)
-            bdvn = tl.load(dvn + offv, mask=mrv, other=0.)
-            bdo = tl.load(do + offv, mask=mrv, other=0.).to(tl.float32)
+            bvn = tl.load(vn + offv, mask=mrv, other=0.).to(DT)
+            bdvn = tl.load(dvn + offv, mask=mrv, other=0.).to(DT)
+            bdo = tl.load(do + offv, mask=mrv, other=0.).to(DT)
             dQg += tl.dot(bdo, tl.trans(s0), input_precision=PREC)
             dW -= tl.dot(bdvn, tl.trans(s0), input_precision=PREC)
             dKd += tl.dot(bvn, tl.trans(ds1), input_precision=PREC)
-            dgl += tl.sum(s0 * ds1, 1)
+            dgl += tl.sum(s0.to(tl.float32) * ds1.to(tl.float32), 1)
         Tm = tl.load(Mo + offA, mask=mtt & (o_t[None, :] <= o_t[:, None]), other=0.) * b[None, :]
         dKg = tl.dot(tl.trans(Tm), dW, input_precision=PREC)
         mrk = mr[:, None] & mk[None, :]
@@ -165,24 +167,27 @@ if TRITON_AVAILABLE:
         mk = o_k < K
         mrk = mr[:, None] & mk[None, :]
         offk = (rows[:, None] * H + i_h) * K + o_k[None, :]
-        kg = tl.load(kn + offk, mask=mrk, other=0.).to(tl.float32) * tl.exp2(tl.load(gc + offk, mask=mrk, other=0.))
-        Tm = tl.load(Mo + offA, mask=mtt & (o_t[None, :] <= o_t[:, None]), other=0.) * b[None, :]
-        DT = dv.dtype.element_ty
+        DT = kn.dtype.element_ty
+        kg = (tl.load(kn + offk, mask=mrk, other=0.).to(tl.float32)
+              * tl.exp2(tl.load(gc + offk, mask=mrk, other=0.))).to(DT)
+        Tm = (tl.load(Mo + offA, mask=mtt & (o_t[None, :] <= o_t[:, None]), other=0.) * b[None, :]).to(DT)
         dA = tl.zeros([BT, BT], dtype=tl.float32)
         dT = tl.zeros([BT, BT], dtype=tl.float32)
         for i_v in range(0, tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             mv = o_v < V
-            s0 = tl.load(hs + (s_base + o_k[:, None]) * V + o_v[None, :], mask=mk[:, None] & mv[None, :], other=0.)
+            s0 = tl.load(hs + (s_base + o_k[:, None]) * V + o_v[None, :], mask=mk[:, None] & mv[None, :],
+                         other=0.).to(DT)
             mrv = mr[:, None] & mv[None, :]
             offv = (rows[:, None] * H + i_h) * V + o_v[None, :]
             x = tl.load(v + offv, mask=mrv, other=0.).to(tl.float32) - tl.dot(kg, s0, input_precision=PREC)
-            bvn = tl.load(vn + offv, mask=mrv, other=0.).to(tl.float32)
-            bdvn = tl.load(dvn + offv, mask=mrv, other=0.)
-            bdo = tl.load(do + offv, mask=mrv, other=0.).to(tl.float32)
+            bvn = tl.load(vn + offv, mask=mrv, other=0.).to(DT)
+            bdvn = tl.load(dvn + offv, mask=mrv, other=0.).to(DT)
+            bdo = tl.load(do + offv, mask=mrv, other=0.).to(DT)
             dA += tl.dot(bdo, tl.trans(bvn), input_precision=PREC)
-            dT += tl.dot(bdvn, tl.trans(x), input_precision=PREC)
-            tl.store(dv + offv, tl.dot(tl.trans(Tm), bdvn, input_precision=PREC).to(DT), mask=mrv)
+            dT += tl.dot(bdvn, tl.trans(x.to(DT)), input_precision=PREC)
+            tl.store(dv + offv, tl.dot(tl.trans(Tm), bdvn, input_precision=PREC).to(dv.dtype.element_ty), mask=mrv)
+        tl.store(dAs + offA, tl.where(o_t[:, None] >= o_t[None, :], dA, 0.) * scale, mask=mtt)  # dA dies here
         M = tl.load(Mo + offA, mask=mtt & (o_t[None, :] <= o_t[:, None]), other=0.)
         dbeta = tl.sum(dT * M, 0)
         dM = dT * b[None, :]
@@ -194,7 +199,6 @@ if TRITON_AVAILABLE:
         dbeta += tl.sum(dL * P, 1)
         tl.store(db + rows * H + i_h, dbeta, mask=mr)
         tl.store(dPs + offA, dL * b[:, None], mask=mtt)
-        tl.store(dAs + offA, tl.where(o_t[:, None] >= o_t[None, :], dA, 0.) * scale, mask=mtt)
 
     @triton.jit
     def _ld_blk(ptr, rows, eos, H, i_h, col0, BT: tl.constexpr, BC: tl.constexpr):
@@ -341,9 +345,10 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
         I, hs, vn = saved
     else:
         I = intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=True)
-        _, _, hs, vn = state_fwd(I, gc, h0, info, V, qn.dtype, False, True, True, False)
-    dvn = torch.empty(TT, H, V, device=dev, dtype=torch.float32)
-    dhs = torch.empty(max(info.NC, 1), H, K, V, device=dev, dtype=torch.float32)
+        _, _, hs, vn = state_fwd(I, gc, h0, info, V, qn.dtype, False, qn.dtype, True, False)
+    # dv_new and the chunk states' gradients in the matmul dtype, as their readers' matmuls take them (fla does the same)
+    dvn = torch.empty(TT, H, V, device=dev, dtype=qn.dtype)
+    dhs = torch.empty(max(info.NC, 1), H, K, V, device=dev, dtype=qn.dtype)
     dh0 = torch.empty(info.N, H, K, V, device=dev, dtype=torch.float32) if h0 is not None else None
     BK = next_pow2(K)
     prec = _prec(qn.dtype)

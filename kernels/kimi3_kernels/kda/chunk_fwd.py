@@ -450,10 +450,10 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
     dev = qn.device
     DT = qn.dtype
     BT = CHUNK_SIZE
-    # the output kernel rounds Aqk to the matmul dtype as it loads it: stored in that dtype unless the backward
-    # reads it too (half the bytes written and read back, the same output; H200, in the same process: the output
-    # kernel 0.216 -> 0.203 ms at H=32 T=16K, 0.637 -> 0.605 ms at H=96, bench/results/kda_h200.md)
-    Aqk = torch.empty(TT, H, BT, device=dev, dtype=torch.float32 if store_bwd else DT)
+    # the output kernel and the backward scan round Aqk to the matmul dtype as they load it: stored in that dtype
+    # (half the bytes written and read back, the same results; H200, in the same process: the output kernel 0.216 ->
+    # 0.203 ms at H=32 T=16K, 0.637 -> 0.605 ms at H=96, bench/results/kda_h200.md)
+    Aqk = torch.empty(TT, H, BT, device=dev, dtype=DT)
     W = torch.empty(TT, H, K, device=dev, dtype=DT)
     Qg = torch.empty_like(W)
     Kd = torch.empty_like(W)
@@ -499,10 +499,11 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
     return out
 
 
-def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, store_states, store_vn, compute_o, o=None):
+def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, states_dtype, store_vn, compute_o, o=None):
     """The sequential scan over chunks (state entering each chunk, v_new), then, with compute_o, the output by
     `_output_fwd_kernel`, parallel over chunks: the scan stays short. Computing the output inside the scan was
-    slower on the H200 (bench/results/kda_h200.md)."""
+    slower on the H200 (bench/results/kda_h200.md). states_dtype: keep the states entering each chunk in that dtype
+    and return them (None: not returned)."""
     W = I["W"]
     TT, H, K = W.shape
     dev = W.device
@@ -511,9 +512,9 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, store_states, s
         o = torch.empty(TT, H, V, device=dev, dtype=out_dtype)
     ht = torch.empty(N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     store_vn = store_vn or compute_o
-    # the output kernel reads the entry states in the matmul dtype unless fp32 ones are asked for
-    hs = (torch.empty(max(info.NC, 1), H, K, V, device=dev, dtype=torch.float32 if store_states else W.dtype)
-          if store_states or compute_o else None)
+    # the output kernel reads the entry states in the matmul dtype unless another one is asked for
+    hs = (torch.empty(max(info.NC, 1), H, K, V, device=dev, dtype=states_dtype or W.dtype)
+          if states_dtype is not None or compute_o else None)
     vn = torch.empty(TT, H, V, device=dev, dtype=W.dtype) if store_vn else None
     if N > 0:
         BK = next_pow2(K)
@@ -534,5 +535,5 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, store_states, s
             _output_fwd_kernel[(info.NC, triton.cdiv(V, BVo), H)](
                 I["Qg"], I["Aqk"], vn, hs, o, info.chunk_tab, info.cu, H=H, K=K, V=V, BK=min(64, next_pow2(K)),
                 BV=BVo, BT=CHUNK_SIZE, PREC=_prec(W.dtype), num_warps=warps, num_stages=stages)
-    hs = hs[:info.NC] if store_states else None
+    hs = hs[:info.NC] if states_dtype is not None else None
     return o, ht, hs, vn
