@@ -145,23 +145,34 @@ def check():
             rec(**row)
             del ro, rs
             torch.cuda.empty_cache()
-    # 2) gradients vs PyTorch reference autograd (fp32 reference on the same inputs)
+    # 2) gradients vs PyTorch reference autograd (fp32 reference on the same inputs), fla's beside ours; bf16 also at
+    #    a longer sequence, where rounding in the carried states (h, dh in bf16, as fla keeps them) accumulates
+    def fla_fn(q, k, v, f, beta, A_log, dt_bias, lower_bound, initial_state, output_final_state):
+        return fla_chunk(q, k, v, f, beta, initial_state=initial_state, output_final_state=output_final_state,
+                         **fla_kw(lower_bound, A_log, dt_bias))
+
     for lb in (-5.0, None):
-        for dtype in (torch.bfloat16, torch.float32):
-            B, T, H, K = 1, 1000, 4, 128
+        for dtype, T in ((torch.bfloat16, 1000), (torch.float32, 1000), (torch.bfloat16, 8192)):
+            B, H, K = 1, 4, 128
             ins = list(inputs(B, T, H, K, K, dtype, seed=2)) + [torch.randn(B, H, K, K, device="cuda")]
             do = torch.randn(B, T, H, K, device="cuda").to(dtype)
             dS = torch.randn(B, H, K, K, device="cuda")
+            fns = [(chunk_kda, False), (naive_chunk_kda, True)] + ([(fla_fn, False)] if HAVE_FLA else [])
             grads = []
-            for fn, cast in ((chunk_kda, False), (naive_chunk_kda, True)):
+            for fn, cast in fns:
                 xs = [(x.float() if cast else x).detach().clone().requires_grad_() for x in ins]
                 o, s = fn(*xs[:5], A_log=xs[5], dt_bias=xs[6], lower_bound=lb, initial_state=xs[7],
                           output_final_state=True)
                 ((o.float() * do.float()).sum() + (s * dS).sum()).backward()
                 grads.append([x.grad for x in xs])
             names = ["dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"]
-            rec(test="grad_vs_fp32_ref", lb=lb, dtype=str(dtype), T=T, H=H,
-                **{n: rel(a, b) for n, a, b in zip(names, grads[0], grads[1])})
+            row = {n: rel(a, b) for n, a, b in zip(names, grads[0], grads[1])}
+            if HAVE_FLA:
+                row.update({"fla_" + n: rel(a, b) for n, a, b in zip(names, grads[2], grads[1])
+                            if a is not None})
+            rec(test="grad_vs_fp32_ref", lb=lb, dtype=str(dtype), T=T, H=H, **row)
+            del grads, xs, o, s
+            torch.cuda.empty_cache()
     # 3) varlen (empty and length-1 sequences) vs per-sequence calls, and the recurrent kernel
     H, K = 32, 128
     lens = [0, 1, 63, 64, 65, 1000, 0, 3000, 7]
