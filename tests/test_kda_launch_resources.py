@@ -22,7 +22,7 @@ def record_launches():
     import torch
     from triton.runtime.jit import JITFunction
 
-    from kimi3_kernels.kda import chunk_fwd, chunk_bwd, chunk_kda, fused_fwd, gate
+    from kimi3_kernels.kda import chunk_fwd, chunk_bwd, chunk_kda, gate
 
     launches = []
 
@@ -33,7 +33,7 @@ def record_launches():
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.fn, args, kwargs))
 
-    swapped = [(m, name, obj) for m in (chunk_fwd, chunk_bwd, fused_fwd, gate) for name, obj in list(vars(m).items())
+    swapped = [(m, name, obj) for m in (chunk_fwd, chunk_bwd, gate) for name, obj in list(vars(m).items())
                if isinstance(obj, JITFunction)]
     try:
         for m, name, obj in swapped:

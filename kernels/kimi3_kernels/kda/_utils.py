@@ -142,7 +142,6 @@ class SeqInfo:
 # (bench/results/kda_h200.md, 4f6ee34).
 LAUNCH_DEFAULTS = {
     "prep_fwd": (64, 8, 3),
-    "fused_fwd": (32, 4, 1),
     "diag_fwd": (32, 1, 1),
     "diag_fwd_loop": (32, 2, 1),
     "diag_inv": (None, 1, 1),

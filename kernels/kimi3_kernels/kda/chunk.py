@@ -43,7 +43,6 @@ class ChunkKDAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound, output_final_state,
                 cu_seqlens, use_l2, return_chunk_states):
         from .chunk_fwd import intra_fwd, state_fwd
-        from .fused_fwd import fused_enabled, fused_intra_fwd
         from .gate import prep_fwd
         B, T, H, K = q.shape
         V = v.shape[-1]
@@ -55,34 +54,24 @@ class ChunkKDAFunction(torch.autograd.Function):
         # intermediates (normalised q/k, W, U, ...) are kept in the input dtype; the Triton CPU interpreter
         # cannot multiply bf16 matrices, so it keeps them in fp32
         inter = torch.float32 if (interpret_mode() or q.dtype == torch.float32) else q.dtype
-        o = torch.zeros(B * T, H, V, device=q.device, dtype=q.dtype) if info.tokens < B * T else None
-        grad = any(ctx.needs_input_grad)
-        if not grad and fused_enabled(lower_bound):
-            # inference with a bounded gate: the per-chunk stages in one kernel, nothing kept for a backward
-            I, gc = fused_intra_fwd(qf, kf, vf, gf, bf, A_log_c, dt_c, scale, lower_bound, use_l2, info, inter)
-            o, ht, hs, _ = state_fwd(I, gc, h0, info, V, q.dtype, output_final_state,
-                                     torch.float32 if return_chunk_states else None, False, True, o=o)
-            ctx.saved_fwd = None
-            return ChunkKDAFunction._outputs(ctx, o, ht, hs, B, T, H, V, return_chunk_states)
         qn, kn, gc, bs, rq, rk = prep_fwd(qf, kf, gf, bf, A_log_c, dt_c, lower_bound, use_l2, info, inter)
         # KIMI3_KDA_SAVE_FWD=1 (default) keeps what the backward needs (per-chunk M, P, W, U, ..., the chunk states and
         # v_new) instead of recomputing it: less time, ~(2 * 64 * 4 + 8 K) bytes per token and head more memory.
         # The chunk states are kept in the matmul dtype, as the output kernel reads them (fp32 when asked for).
-        save = _save_fwd() and grad
+        save = _save_fwd() and any(ctx.needs_input_grad)
         I = intra_fwd(qn, kn, vf, gc, bs, scale, lower_bound, info, store_bwd=save)
         states = torch.float32 if return_chunk_states else (qn.dtype if save else None)
-        o, ht, hs, vn = state_fwd(I, gc, h0, info, V, q.dtype, output_final_state, states, save, True, o=o)
+        o, ht, hs, vn = state_fwd(I, gc, h0, info, V, q.dtype, output_final_state, states, save,
+                                  True, o=torch.zeros(B * T, H, V, device=q.device, dtype=q.dtype)
+                                  if info.tokens < B * T else None)
         ctx.saved_fwd = (I, hs, vn) if save else None
+        hs = hs if return_chunk_states else None
         ctx.save_for_backward(qf, kf, vf, gf, bf, A_log_c, dt_c, h0, qn, kn, gc, bs, rq, rk)
         ctx.info = info
         ctx.meta = (B, T, H, K, V, scale, lower_bound, use_l2, initial_state is not None)
-        return ChunkKDAFunction._outputs(ctx, o, ht, hs, B, T, H, V, return_chunk_states)
-
-    @staticmethod
-    def _outputs(ctx, o, ht, hs, B, T, H, V, return_chunk_states):
+        ctx.mark_non_differentiable(*([hs] if hs is not None else []))
         o = o.view(B, T, H, V)
         if return_chunk_states:
-            ctx.mark_non_differentiable(hs)
             return o, ht, hs
         return o, ht
 
