@@ -76,8 +76,11 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _prep_bwd_kernel(q, k, f, A_log, dt_bias, beta_s, rq, rk, dgc, dqn, dkn, dbeta_s,
                          dq, dk, df, dbeta, dA_part, ddt_part, tab, cu,
-                         lower_bound, H, K: tl.constexpr, BK: tl.constexpr,
-                         BT: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr):
+                         lower_bound, H, K: tl.constexpr, BK: tl.constexpr, BKG: tl.constexpr,
+                         BT: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr, GATE: tl.constexpr,
+                         NORM: tl.constexpr):
+        """One chunk and head: the gate's backward (GATE; columns in slices of BKG along grid axis 2, each slice its own
+        dA_log partial) and/or the norms' and beta's (NORM)."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
         n = tl.load(tab + 2 * i_c)
@@ -85,7 +88,16 @@ if TRITON_AVAILABLE:
         eos = tl.load(cu + n + 1)
         rows = (t0 + tl.arange(0, BT)).to(tl.int64)
         mr = rows < eos
-        cols = tl.arange(0, BK)
+        if GATE:
+            i_s = tl.program_id(2)
+            _prep_bwd_gate(f, A_log, dt_bias, dgc, df, dA_part + (i_c * H + i_h) * tl.num_programs(2) + i_s,
+                           ddt_part, rows, mr, i_c, i_h, i_s * BKG + tl.arange(0, BKG), lower_bound, H, K, USE_LB)
+        if NORM:
+            _prep_bwd_norm(q, k, beta_s, rq, rk, dqn, dkn, dbeta_s, dq, dk, dbeta, rows, mr, i_h, H, K, BK, L2)
+
+    @triton.jit
+    def _prep_bwd_gate(f, A_log, dt_bias, dgc, df, dA_out, ddt_part, rows, mr, i_c, i_h, cols, lower_bound, H,
+                       K: tl.constexpr, USE_LB: tl.constexpr):
         mc = cols < K
         m = mr[:, None] & mc[None, :]
         off = (rows[:, None] * H + i_h) * K + cols[None, :]
@@ -107,7 +119,15 @@ if TRITON_AVAILABLE:
         dx = tl.where(m, dx, 0.)
         tl.store(df + off, dx.to(df.dtype.element_ty), mask=m)
         tl.store(ddt_part + (i_c * H + i_h) * K + cols, tl.sum(dx, 0), mask=mc)
-        tl.store(dA_part + i_c * H + i_h, da)
+        tl.store(dA_out, da)
+
+    @triton.jit
+    def _prep_bwd_norm(q, k, beta_s, rq, rk, dqn, dkn, dbeta_s, dq, dk, dbeta, rows, mr, i_h, H, K: tl.constexpr,
+                       BK: tl.constexpr, L2: tl.constexpr):
+        cols = tl.arange(0, BK)
+        mc = cols < K
+        m = mr[:, None] & mc[None, :]
+        off = (rows[:, None] * H + i_h) * K + cols[None, :]
         # l2norm: y = x r, dx = r (dy - y (y . dy))
         bdq = tl.load(dqn + off, mask=m, other=0.)
         bdk = tl.load(dkn + off, mask=m, other=0.)
@@ -161,15 +181,21 @@ def prep_bwd(q, k, g, A_log, dt_bias, beta_s, rq, rk, dgc, dqn, dkn, dbeta_s, lo
     df = torch.empty_like(g)
     dbeta = torch.empty(TT, H, device=dev, dtype=beta_raw_dtype)
     NC = max(info.NC, 1)
-    dA_part = torch.zeros(NC, H, device=dev, dtype=torch.float32)
+    # as prep_fwd: a tile narrower than the head runs the gate's backward in column slices of that width (each slice
+    # its own dA_log partial) and the norms' in a second launch; else one program per chunk and head does both
+    tile, warps, stages = launch_config("prep_bwd")
+    BK = next_pow2(K)
+    parts = [(True, True, BK)] if tile is None or tile >= K else [(True, False, tile), (False, True, BK)]
+    slices = triton.cdiv(K, parts[0][2]) if info.NC > 0 else 1
+    dA_part = torch.zeros(NC, H, slices, device=dev, dtype=torch.float32)
     ddt_part = torch.zeros(NC, H, K, device=dev, dtype=torch.float32)
     if info.NC > 0:
-        _, warps, stages = launch_config("prep_bwd")
-        _prep_bwd_kernel[(info.NC, H)](
-            q, k, g, A_log, dt_bias, beta_s, rq if use_l2 else beta_s, rk if use_l2 else beta_s,
-            dgc, dqn, dkn, dbeta_s, dq, dk, df, dbeta, dA_part, ddt_part, info.chunk_tab, info.cu,
-            float(lower_bound) if lower_bound is not None else 0.0,
-            H=H, K=K, BK=next_pow2(K), BT=CHUNK_SIZE, USE_LB=lower_bound is not None, L2=use_l2,
-            num_warps=warps, num_stages=stages)
+        for gate, norm, bkg in parts:
+            _prep_bwd_kernel[(info.NC, H, slices if gate and not norm else 1)](
+                q, k, g, A_log, dt_bias, beta_s, rq if use_l2 else beta_s, rk if use_l2 else beta_s,
+                dgc, dqn, dkn, dbeta_s, dq, dk, df, dbeta, dA_part, ddt_part, info.chunk_tab, info.cu,
+                float(lower_bound) if lower_bound is not None else 0.0,
+                H=H, K=K, BK=BK, BKG=bkg, BT=CHUNK_SIZE, USE_LB=lower_bound is not None, L2=use_l2, GATE=gate,
+                NORM=norm, num_warps=warps, num_stages=stages)
     # tokens outside every sequence (T beyond cu_seqlens[-1]) get zero gradients
-    return dq, dk, df, dbeta, dA_part.sum(0), ddt_part.sum(0).reshape(H * K)
+    return dq, dk, df, dbeta, dA_part.sum((0, 2)), ddt_part.sum(0).reshape(H * K)
