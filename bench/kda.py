@@ -455,9 +455,11 @@ TUNE_BWD = {
     "main_bwd": ["32:4:2", "16:4:3", "32:4:4", "64:4:2"],
     "state_bwd": ["32:8:2", "64:8:2", "64:4:2"],
     "prep_bwd": [":4:2", ":8:3"],
+    "prep_bwd_softplus": ["64::", "16::", "32:8:3", ":4:3"],
 }
 # kernels that only run for one kind of gate: timed on that shape only
-GATE_ONLY = {"diag_fwd": "k3", "intra_bwd": "k3", "diag_fwd_loop": "softplus", "intra_bwd_loop": "softplus"}
+GATE_ONLY = {"diag_fwd": "k3", "intra_bwd": "k3", "prep_bwd": "k3", "diag_fwd_loop": "softplus",
+             "intra_bwd_loop": "softplus", "prep_bwd_softplus": "softplus"}
 
 
 def tune():

@@ -25,10 +25,11 @@ def main():
     import matplotlib.pyplot as plt
 
     res = json.load(open(args.json))
-    session = res["session_bedee9b"]
-    rows = [dict(r, commit=session[key]["meta"]["git_commit"]) for key in ("time_h32", "time_h96")
-            for r in session[key]["rows"]]
-    commits = "/".join(sorted({r["commit"] for r in rows}))
+    # H=32 from the fourth session (bedee9b), H=96 from the fifth (fe825ec): each against fla in its own process
+    h32 = res["session_bedee9b"]["time_h32"]
+    h96 = res["session_fe825ec"]["time_h96_fe825ec"]
+    rows = ([dict(r, commit=h32["meta"]["git_commit"]) for r in h32["rows"]]
+            + [dict(r, commit=h96["git_commit"]) for r in h96["timings"]])
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for ax, key, title in ((axes[0], "fwd", "forward"), (axes[1], "fwdbwd", "forward + backward")):
@@ -36,7 +37,7 @@ def main():
             rs = sorted((r for r in rows if r["H"] == H), key=lambda r: r["T"])
             gate = "K3 gate" if rs[0]["gate"].startswith("k3") else "softplus gate"
             ax.plot([r["T"] for r in rs], [r[f"ours_{key}_ms"] for r in rs], "o-", color=color,
-                    label=f"ours H={H} ({gate}), {commits}")
+                    label=f"ours H={H} ({gate}), {rs[0]['commit']}")
             fla = [r for r in rs if f"fla_{key}_ms" in r]
             ax.plot([r["T"] for r in fla], [r[f"fla_{key}_ms"] for r in fla], "s--", color=color, alpha=0.7,
                     label=f"fla 0.6.0 H={H}, same process")

@@ -333,7 +333,7 @@ def check_vs_fp64(ins, lb, do, dS=None):
                                       # the gate's backward in column slices apart from the norms' (three slices of
                                       # 16 for a 48-wide head: the last one partly masked)
                                       (-5.0, dict(KIMI3_KDA_LAUNCH="prep_bwd=16::"), 48, 32),
-                                      (None, dict(KIMI3_KDA_LAUNCH="prep_bwd=32:2:1"), 64, 32)])
+                                      (None, dict(KIMI3_KDA_LAUNCH="prep_bwd_softplus=16:2:1"), 64, 32)])
 def test_chunk_gradients(lb, env, K, V, monkeypatch):
     # the backward reuses the per-chunk quantities the forward kept (default) or, with KIMI3_KDA_SAVE_FWD=0,
     # recomputes them; KIMI3_KDA_MAIN_BWD_KSPLIT runs the main backward kernel's K columns in slices (default 2;

@@ -139,7 +139,9 @@ class SeqInfo:
 # The main backward kernel, since its K slices and V side run as separate programs (1d870a5), on 4 warps and 3 stages
 # (two programs per SM): at H=96 / H=32 T=16K 6.83 / 2.24 ms per call against 8.96 / 2.99 for the single-program kernel
 # on 32:8:1 (its best: 32:4:2 took it to 13.9 ms); 32:4:2 7.29, 32:8:1 9.67, 16:4:3 7.39, 32:8:4 8.43 at H=96
-# (bench/results/kda_h200.md, 4f6ee34).
+# (bench/results/kda_h200.md, 4f6ee34). The prep backward of the Kimi Linear (softplus) gate runs the gate's part in
+# 32-wide column slices apart from the norms' (fe825ec, in one process: H=32 T=16K kernel 0.711 -> 0.565 ms, forward+
+# backward 7.89 -> 7.74 ms); K3's gate keeps one program per chunk and head (H=96: 1.597 against 1.622-1.906 ms sliced).
 LAUNCH_DEFAULTS = {
     "prep_fwd": (64, 8, 3),
     "diag_fwd": (32, 1, 1),
@@ -154,6 +156,7 @@ LAUNCH_DEFAULTS = {
     "intra_bwd": (32, 1, 2),
     "intra_bwd_loop": (32, 1, 2),
     "prep_bwd": (None, 4, 3),
+    "prep_bwd_softplus": (32, 4, 3),
 }
 
 

@@ -183,7 +183,7 @@ def prep_bwd(q, k, g, A_log, dt_bias, beta_s, rq, rk, dgc, dqn, dkn, dbeta_s, lo
     NC = max(info.NC, 1)
     # as prep_fwd: a tile narrower than the head runs the gate's backward in column slices of that width (each slice
     # its own dA_log partial) and the norms' in a second launch; else one program per chunk and head does both
-    tile, warps, stages = launch_config("prep_bwd")
+    tile, warps, stages = launch_config("prep_bwd" if lower_bound is not None else "prep_bwd_softplus")
     BK = next_pow2(K)
     parts = [(True, True, BK)] if tile is None or tile >= K else [(True, False, tile), (False, True, BK)]
     slices = triton.cdiv(K, parts[0][2]) if info.NC > 0 else 1
