@@ -120,12 +120,15 @@ class Kimi3PreTrainedModel(PreTrainedModel):
                 init.normal_(w, 0.0, std)
         elif isinstance(module, Kimi3DeltaAttention):
             # fla conventions: A_log = 0 with the bounded (safe) gate, else log U(1, 16);
-            # dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1]
+            # dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1]. The draws stay fp32 (the seeded stream), the
+            # exp / log run in fp64: fp32 ones round differently on different CPUs' vector paths, and the bundled
+            # checkpoint must rebuild bit for bit anywhere
             if module.lower_bound is not None:
                 init.zeros_(module.A_log)
             else:
-                init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1, 16).log())
-            dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+                init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1, 16).double().log())
+            u = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).double()
+            dt = u.exp().clamp_min(1e-4)
             init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
 
     # ---- one on-disk format: the official layout, whatever the layout in memory
