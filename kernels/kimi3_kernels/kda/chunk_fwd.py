@@ -196,6 +196,8 @@ if TRITON_AVAILABLE:
         p11 = _ld(Pd, r1, eos, H, i_h, BC, o_c, o_c < BC)
         p22 = _ld(Pd, r2, eos, H, i_h, BC, o_c, o_c < BC)
         p33 = _ld(Pd, r3, eos, H, i_h, BC, o_c, o_c < BC)
+        if STORE_BWD:  # before the solve, so the P tiles need not stay live through it
+            _st_lower(Po, p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, r0, eos, H, i_h, BT, BC)
 
         b0 = tl.load(bs + r0 * H + i_h, mask=r0 < eos, other=0.)
         b1 = tl.load(bs + r1 * H + i_h, mask=r1 < eos, other=0.)
@@ -226,7 +228,6 @@ if TRITON_AVAILABLE:
         m30 = -_mm(m33, _mm(l30, m00) + _mm(l31, m10) + _mm(l32, m20))
         if STORE_BWD:
             _st_lower(Mo, m00, m10, m11, m20, m21, m22, m30, m31, m32, m33, r0, eos, H, i_h, BT, BC)
-            _st_lower(Po, p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, r0, eos, H, i_h, BT, BC)
         # T = M Diag(beta) for _wu_fwd_kernel, block rows of [BT, BT] (zeros above the diagonal)
         z = tl.zeros([BC, BC], dtype=tl.float32)
         _st_blk(Tm, (m00 * b0[None, :]).to(DT), r0, eos, H, i_h, BT, 0, BC)
