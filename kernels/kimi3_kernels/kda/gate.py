@@ -147,6 +147,14 @@ if TRITON_AVAILABLE:
         tl.store(dbeta + rows * H + i_h, (db * b * (1.0 - b)).to(dbeta.dtype.element_ty), mask=mr)
 
 
+def _launches(tile, K):
+    """(gate, norm, gate column width) of each launch of a prep kernel: a tile narrower than the head runs the gate's
+    part in column slices of that width and the norms' in a second launch (more programs, fewer registers each); else
+    one program per chunk and head does both."""
+    BK = next_pow2(K)
+    return [(True, True, BK)] if tile is None or tile >= K else [(True, False, tile), (False, True, BK)]
+
+
 def prep_fwd(q, k, g, beta, A_log, dt_bias, lower_bound, use_l2, info, inter_dtype):
     """q, k, g: [TT, H, K] (flattened tokens); beta: [TT, H]. Returns qn, kn, gc, beta_s, rq, rk."""
     TT, H, K = q.shape
@@ -158,12 +166,9 @@ def prep_fwd(q, k, g, beta, A_log, dt_bias, lower_bound, use_l2, info, inter_dty
     rq = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
     rk = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
     if info.NC > 0:
-        # a tile narrower than the head: the gate in column slices of that width, then the norms, in two launches
-        # (more programs, fewer registers each); else one program per chunk and head does everything
         tile, warps, stages = launch_config("prep_fwd")
         BK = next_pow2(K)
-        parts = [(True, True, BK)] if tile is None or tile >= K else [(True, False, tile), (False, True, BK)]
-        for gate, norm, bkg in parts:
+        for gate, norm, bkg in _launches(tile, K):
             _prep_fwd_kernel[(info.NC, H, triton.cdiv(K, bkg) if gate and not norm else 1)](
                 q, k, g, beta, A_log, dt_bias, qn, kn, gc, bs, rq, rk, info.chunk_tab, info.cu,
                 float(lower_bound) if lower_bound is not None else 0.0,
@@ -181,12 +186,10 @@ def prep_bwd(q, k, g, A_log, dt_bias, beta_s, rq, rk, dgc, dqn, dkn, dbeta_s, lo
     df = torch.empty_like(g)
     dbeta = torch.empty(TT, H, device=dev, dtype=beta_raw_dtype)
     NC = max(info.NC, 1)
-    # as prep_fwd: a tile narrower than the head runs the gate's backward in column slices of that width (each slice
-    # its own dA_log partial) and the norms' in a second launch; else one program per chunk and head does both
     tile, warps, stages = launch_config("prep_bwd" if lower_bound is not None else "prep_bwd_softplus")
     BK = next_pow2(K)
-    parts = [(True, True, BK)] if tile is None or tile >= K else [(True, False, tile), (False, True, BK)]
-    slices = triton.cdiv(K, parts[0][2]) if info.NC > 0 else 1
+    parts = _launches(tile, K)
+    slices = triton.cdiv(K, parts[0][2])  # each gate slice writes its own dA_log partial
     dA_part = torch.zeros(NC, H, slices, device=dev, dtype=torch.float32)
     ddt_part = torch.zeros(NC, H, K, device=dev, dtype=torch.float32)
     if info.NC > 0:
