@@ -11,6 +11,7 @@ where each expert's packed weights are read once and reused by ~18 rows)."""
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -44,6 +45,8 @@ def main():
     ap.add_argument("--bf16", action="store_true", help="also time the whole routed MLP (gate+up, GLU, down) with "
                     "the default tiles against bf16 torch._grouped_mm on the exact dequantised weights (moe.py's "
                     "kernel scope; 59 GB of bf16 weights at K3 shapes)")
+    ap.add_argument("--tails", type=int, nargs="+", default=None, help="time the default tiles at each of these "
+                    "KIMI3_MXFP4_TAIL values (0: one launch), outputs compared with the first's")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (needs TRITON_INTERPRET=1)")
     args = ap.parse_args()
     if args.smoke:
@@ -111,6 +114,8 @@ def probe(G, M, mod, n, args, configs, w13=None, w2=None):
                               default_cfg_down=G.default_config(rows, E, D, INTER))), flush=True)
     if moe.DEV == "cuda":
         torch.cuda.synchronize()
+    if args.tails:
+        tail_ab(G, n, args.tails, (("gate_up", up, bytes_up), ("down", down, bytes_dn)), rows, E, INTER, D)
     cands = []
     if args.sweep:
         cands += [dict(BM=c[0], BN=c[1], BK=c[2], num_warps=c[3], num_stages=c[4], DEQ=0, SPLIT=split)
@@ -129,6 +134,33 @@ def probe(G, M, mod, n, args, configs, w13=None, w2=None):
                 continue
             print(json.dumps(dict(kernel=name, tokens=n, cfg=cfg or "default", ms=round(ms, 4),
                                   weight_TBps=round(nbytes / ms / 1e9, 3), rel_diff_vs_default=diff)), flush=True)
+
+
+def tail_ab(G, n, tails, kernels, rows, E, INTER, D):
+    """The default (K-permuted) tiles with their short last blocks in a second launch of smaller tiles or not,
+    interleaved: each tail setting once per round, three rounds, the median of each setting's rounds."""
+    saved = os.environ.get("KIMI3_MXFP4_TAIL")
+    try:
+        for name, fn, nbytes in kernels:
+            ref, times = None, {t: [] for t in tails}
+            for _ in range(3):
+                for t in tails:
+                    os.environ["KIMI3_MXFP4_TAIL"] = str(t)
+                    times[t].append(moe.bench(lambda: fn("kperm"), warm=2, rep=10))
+            for t in tails:
+                os.environ["KIMI3_MXFP4_TAIL"] = str(t)
+                y = fn("kperm").float()
+                ref = y if ref is None else ref
+                ms = sorted(times[t])[1]
+                print(json.dumps(dict(kernel=name, tokens=n, tail=t, ms=round(ms, 4), rounds=[round(v, 4) for v in
+                                      times[t]], weight_TBps=round(nbytes / ms / 1e9, 3),
+                                      rel_diff_vs_first=((y - ref).norm() / ref.norm()).item(),
+                                      cfg_gate_up=G.default_config(rows, E, INTER, D, "out"))), flush=True)
+    finally:
+        if saved is None:
+            os.environ.pop("KIMI3_MXFP4_TAIL", None)
+        else:
+            os.environ["KIMI3_MXFP4_TAIL"] = saved
 
 
 if __name__ == "__main__":

@@ -148,6 +148,34 @@ def _kernel_checks(G, R, torch):
     out["fwd_scale_edges"] = _rel(c, R(xm, wp, ws_edge, offs2))
     c = G.mxfp4_grouped_gemm(xm, wp, ws_edge, offs2, config=dict(BM=16, BN=32, BK=32, SPLIT=1))
     out["fwd_scale_edges_split"] = _rel(c, R(xm, wp, ws_edge, offs2))
+    # tail launches: full BM-row blocks, then each expert's short last block in TAIL-row tiles. Segment lengths
+    # around the block edges (0, 1, TAIL +- 1, BM +- 1, ...), gate+up with the GLU fused and down scattered, in
+    # stored and pre-permuted K order; then the default tiles where they split (BM=128, TAIL=64)
+    counts3 = torch.tensor([0, 1, 16, 17, 31, 32, 33, 47, 48, 49, 64, 65])
+    E3, K3, N3 = counts3.numel(), 64, 64
+    offs3 = torch.cat([torch.zeros(1, dtype=torch.int64), counts3.cumsum(0)]).to(torch.int32)
+    M3 = int(counts3.sum())
+    x3 = torch.randn(M3, K3, generator=gen).bfloat16()
+    perm3 = torch.randperm(M3, generator=gen).to(torch.int32)
+    u1p, u1s = weights(E3, N3, K3)
+    u3p, u3s = weights(E3, N3, K3)
+    up3 = dict(b_packed=u3p, b_scale=u3s, dual="out", act="situ", act_params=(4.0, 25.0))
+    h3 = R(x3, u1p, u1s, offs3, **up3)
+    y3 = R(x3, u1p, u1s, offs3, c_rows=perm3, num_c_rows=M3)
+    for name, cfg, bk in (("bm32_tail16", dict(BM=32, BN=32, BK=32, TAIL=16), 0),
+                          ("bm32_tail16_kperm", dict(BM=32, BN=32, BK=32, TAIL=16), 32),
+                          ("bm64_tail32", dict(BM=64, BN=64, BK=64, TAIL=32), 0)):
+        a3 = G.permute_k(x3, bk) if bk else x3
+        out[f"tail_{name}_gate_up"] = _rel(G.mxfp4_grouped_gemm(a3, u1p, u1s, offs3, config=cfg, a_kperm=bk, **up3),
+                                           h3)
+        out[f"tail_{name}_down"] = _rel(G.mxfp4_grouped_gemm(a3, u1p, u1s, offs3, c_rows=perm3, num_c_rows=M3,
+                                                             config=cfg, a_kperm=bk), y3)
+    offs4 = torch.tensor([0, 270, 300], dtype=torch.int32)  # 2 x 128 + 14 rows, 30 rows: both tails
+    x4 = torch.randn(300, K3, generator=gen).bfloat16()
+    assert G.default_config(300, 2, N3, K3, "out")["TAIL"] == 64
+    w4, up4 = (u1p[:2], u1s[:2]), dict(up3, b_packed=u3p[:2], b_scale=u3s[:2])
+    out["tail_default_gate_up"] = _rel(G.mxfp4_grouped_gemm(x4, *w4, offs4, **up4), R(x4, *w4, offs4, **up4))
+    out["tail_default_down"] = _rel(G.mxfp4_grouped_gemm(x4, *w4, offs4), R(x4, *w4, offs4))
     return out
 
 
@@ -330,8 +358,8 @@ def test_interpreter_active(results):
 
 def test_kernel_matches_reference(results):
     # same bf16 operands, fp32 accumulation in another order; fused GLU outputs are fp32 here: 1e-5
-    kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_", "kperm"))}
-    assert len(kernel) == 54, sorted(kernel)
+    kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_", "kperm", "tail_"))}
+    assert len(kernel) == 62, sorted(kernel)
     bad = {k: v for k, v in kernel.items() if not v < 1e-5}
     assert not bad, bad
 

@@ -359,7 +359,7 @@ if HAS_TRITON:
     def _mxfp4_grouped_gemm_kernel(
         a_ptr, a2_ptr, a_rows_ptr, stride_am,
         w_ptr, ws_ptr, b_ptr, bs_ptr, stride_we, stride_wr, stride_se, stride_sr,
-        offs_ptr, bcum_ptr, eid_ptr, c_ptr, c_rows_ptr, stride_cm,
+        lo_ptr, hi_ptr, bcum_ptr, eid_ptr, c_ptr, c_rows_ptr, stride_cm,
         N, K, E, beta1, beta2,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         E_CHUNK: tl.constexpr, NUM_E_CHUNKS: tl.constexpr,
@@ -390,8 +390,8 @@ if HAS_TRITON:
                 ends = tl.load(bcum_ptr + idx, mask=idx <= E, other=2147483647)
                 e += tl.sum((ends <= pid_m).to(tl.int32), axis=0)
             blk0 = tl.load(bcum_ptr + e)
-            seg_end = tl.load(offs_ptr + e + 1)
-            m_start = tl.load(offs_ptr + e) + (pid_m - blk0) * BM
+            seg_end = tl.load(hi_ptr + e)
+            m_start = tl.load(lo_ptr + e) + (pid_m - blk0) * BM
             offs_m = m_start + tl.arange(0, BM)
             m_mask = offs_m < seg_end
         if GATHER_A:
@@ -557,15 +557,26 @@ def dequantize_bf16(packed, scale):
 
 def default_config(M, E, N, K, dual=None, trans_w=False):
     """Tile shape from the mean number of rows per active expert: BM (tokens per tile) covers a typical expert's
-    rows in one block, so each expert's weights are dequantised about once per output tile."""
+    rows in one block, so each expert's weights are dequantised about once per output tile. Forward BM=128 tiles
+    take TAIL: an expert's last block of at most TAIL rows runs in a second launch of TAIL-row tiles
+    (`tail_split`; KIMI3_MXFP4_TAIL, read at each call: the tail height, 0 = one launch)."""
     avg = M / max(1, min(E, M))
     BM = min(128, max(16, _next_pow2(int(avg + 8))))  # 1 row/expert: 16; ~18 (1k tokens of K3): 32
-    if not trans_w and dual != "in" and (BM, dual) in _PERM_TILES:
+    fwd = not trans_w and dual != "in"
+    tail = _env_tail() if fwd and BM == 128 else 0
+    if fwd and (BM, dual) in _PERM_TILES:
         BN, BK, warps, stages, ak = _PERM_TILES[BM, dual]
         if not (ak and K % BK):  # pre-permuted activations need whole K tiles; else the plain tile
-            return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=0, PERM=1, AK=ak)
+            return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=0, PERM=1, AK=ak, TAIL=tail)
     BN, BK, warps, stages = _TILES[BM]
-    return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=0)
+    return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=0, TAIL=tail)
+
+
+def _env_tail():
+    v = os.environ.get("KIMI3_MXFP4_TAIL", "64").strip() or "0"
+    if v not in ("0", "16", "32", "64"):
+        raise ValueError(f"KIMI3_MXFP4_TAIL must be 0, 16, 32 or 64, not {v!r}")
+    return int(v)
 
 
 _KPERM_INDEX = {}  # (K, BK, device) -> index: one host-to-device copy per shape, none inside a CUDA graph capture
@@ -610,12 +621,22 @@ def route_expert_ids(topk_idx, num_experts):
     return ids, ok
 
 
-def block_prefix(expert_offsets, BM):
-    """[E+1] int32: cumulative number of BM-row blocks per expert (what the kernel searches)."""
-    counts = (expert_offsets[1:] - expert_offsets[:-1]).to(torch.int32)
-    bcum = torch.zeros(expert_offsets.numel(), dtype=torch.int32, device=expert_offsets.device)
+def block_prefix(lo, hi, BM):
+    """[E+1] int32: cumulative number of BM-row blocks over the segments lo[e] <= m < hi[e] (what the kernel
+    searches)."""
+    counts = (hi - lo).to(torch.int32)
+    bcum = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
     torch.cumsum((counts + BM - 1) // BM, 0, out=bcum[1:])
     return bcum
+
+
+def tail_split(expert_offsets, BM, tail):
+    """End of each expert's rows for the BM-row tiles when a last block of at most `tail` rows goes to a second
+    launch with `tail`-row tiles instead (int32 [E]; the tail launch covers [that, expert_offsets[e + 1])). At 16K
+    tokens of K3 an expert has ~293 rows: three 128-row tiles compute 384 rows, two and a 64-row tile 320."""
+    lo, hi = expert_offsets[:-1], expert_offsets[1:]
+    r = (hi - lo) % BM
+    return hi - torch.where(r <= tail, r, torch.zeros_like(r))
 
 
 def _shapes(a, w_packed, w_scale, trans_w):
@@ -669,8 +690,8 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     # one row per program with expert_ids: the tiles of one row per expert (BM=16)
     cfg = dict(default_config(M, M if expert_ids is not None else E, N, K, dual, trans_w))
     if config:
-        if {"BM", "BN", "BK"} & set(config):  # a tile of the caller's own: plain K order unless it asks for PERM
-            cfg["PERM"] = 0
+        if {"BM", "BN", "BK"} & set(config):  # a tile of the caller's own: plain K order, one launch unless asked
+            cfg.update(PERM=0, TAIL=0)
         cfg.update(config)
     if cfg.get("DEQ", 0) == 1 and (trans_w or dual == "in"):
         cfg["DEQ"] = 0
@@ -684,13 +705,6 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
             BN, _, warps, stages = _PERM_TILES.get((cfg["BM"], dual), _TILES[cfg["BM"]])[:4]
             cfg.update(BN=BN, BK=a_kperm, num_warps=warps, num_stages=stages)
         cfg.update(PERM=1, DEQ=0, SPLIT=0)  # the other K paths read the columns in stored order
-    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
-    if expert_ids is not None:
-        bcum = expert_offsets = expert_ids  # not read
-        grid = (M * triton.cdiv(N, BN),)
-    else:
-        bcum = block_prefix(expert_offsets, BM)
-        grid = ((min(E, M) + triton.cdiv(M, BM)) * triton.cdiv(N, BN),)
     a = a.contiguous()
     if a2 is not None:
         a2 = a2.contiguous()
@@ -701,35 +715,66 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     if dual is not None and (b_packed.shape != w_packed.shape or b_packed.stride() != w_packed.stride()
                              or b_scale.stride() != w_scale.stride()):
         raise ValueError("the two weights of a dual GEMM must have the same shape and strides")
-    e_chunk = min(1024, _next_pow2(E))
     beta1, beta2 = act_params if act == "situ" else (1.0, 1.0)
-    args = (
-        a, a2 if a2 is not None else a, a_rows if a_rows is not None else expert_offsets, a.stride(0),
-        w_packed, w_scale, b_packed, b_scale, w_packed.stride(0), w_packed.stride(1), w_scale.stride(0),
-        w_scale.stride(1),
-        expert_offsets, bcum, expert_ids if expert_ids is not None else bcum, c,
-        c_rows if c_rows is not None else expert_offsets, c.stride(0),
-        N, K, E, float(beta1), float(beta2 if beta2 is not None else 1.0))
+    ids = expert_ids if expert_ids is not None else a  # a placeholder where not read
+    head = (a, a2 if a2 is not None else a, a_rows if a_rows is not None else ids, a.stride(0),
+            w_packed, w_scale, b_packed, b_scale, w_packed.stride(0), w_packed.stride(1), w_scale.stride(0),
+            w_scale.stride(1))
+    tail = (c, c_rows if c_rows is not None else ids, c.stride(0),
+            N, K, E, float(beta1), float(beta2 if beta2 is not None else 1.0))
+    e_chunk = min(1024, _next_pow2(E))
     meta = dict(
-        BM=BM, BN=BN, BK=BK, E_CHUNK=e_chunk, NUM_E_CHUNKS=triton.cdiv(E, e_chunk),
+        E_CHUNK=e_chunk, NUM_E_CHUNKS=triton.cdiv(E, e_chunk),
         TRANS_W=bool(trans_w), DUAL=DUALS[dual], ACT=ACTS[act], LINEAR_UP=(act == "situ" and beta2 is None),
         GATHER_A=a_rows is not None, A_DIV=int(a_row_div), SCATTER_C=c_rows is not None,
         OP_F32=interpreter_enabled(), ROW_EXPERT=expert_ids is not None,
-        PTX=decode_mode(a.device) == "ptx", SPLIT=bool(int(cfg.get("SPLIT", _env_split()))),
-        PERM=bool(int(cfg.get("PERM", 0))) and not trans_w and BK >= 32, A_KPERM=bool(a_kperm),
+        PTX=decode_mode(a.device) == "ptx", A_KPERM=bool(a_kperm))
+    if expert_ids is not None:
+        _run(cfg, head + (ids, ids, ids, ids) + tail, M, N, K, meta, config)
+        return c
+    lo, hi = expert_offsets[:-1], expert_offsets[1:]
+    BM, tail_bm = cfg["BM"], int(cfg.get("TAIL", 0))
+    nblocks = min(E, M) + triton.cdiv(M, BM)
+    if 0 < tail_bm < BM:
+        # full BM-row blocks (and last blocks of more than tail_bm rows) first, then the short last blocks
+        mid = tail_split(expert_offsets, BM, tail_bm)
+        _run(cfg, head + (lo, mid, block_prefix(lo, mid, BM), ids) + tail, nblocks, N, K, meta, config)
+        lo, cfg, nblocks = mid, _tail_config(cfg, tail_bm, dual, trans_w, config), min(E, M)
+    _run(cfg, head + (lo, hi, block_prefix(lo, hi, cfg["BM"]), ids) + tail, nblocks, N, K, meta, config)
+    return c
+
+
+def _tail_config(cfg, BM, dual, trans_w, config):
+    """The tile of a tail launch: the caller's tile at this BM, or the default tile of that height with the main
+    tile's BK and K order (the activations were permuted for that BK)."""
+    if config and {"BM", "BN", "BK"} & set(config):
+        return dict(cfg, BM=BM, TAIL=0)
+    table = _PERM_TILES if cfg.get("PERM") and not trans_w else {}
+    BN, _, warps, stages = table.get((BM, dual), _TILES[BM])[:4]
+    return dict(cfg, BM=BM, BN=BN, num_warps=warps, num_stages=stages, TAIL=0)
+
+
+def _run(cfg, args, nblocks, N, K, meta, config):
+    """One launch of tile cfg over nblocks row blocks (an upper bound: programs past the real count return at
+    once) times the n-tiles."""
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    trans_w = meta["TRANS_W"]
+    grid = (nblocks * triton.cdiv(N, BN),)
+    meta = dict(
+        meta, BM=BM, BN=BN, BK=BK, SPLIT=bool(int(cfg.get("SPLIT", _env_split()))),
+        PERM=bool(int(cfg.get("PERM", 0))) and not trans_w and BK >= 32,
         # whole tiles in the forward layout: loads without masks (the other layouts keep theirs)
         EVEN=not trans_w and K % BK == 0 and N % BN == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if int(cfg.get("DEQ", 0)) == 1:
         try:
             _launch(grid, args, meta, DEQ=1)
-            return c
+            return
         except Exception:  # tl.dot_scaled not supported by this Triton/GPU: in-register dequantisation instead
             if config and config.get("DEQ") == 1:
                 raise
             _DOT_SCALED["ok"] = False
     _launch(grid, args, meta, DEQ=0)
-    return c
 
 
 _STAGES_THAT_FIT = {}  # (specialisation) -> num_stages that compiled within the GPU's shared memory
