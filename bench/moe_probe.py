@@ -45,8 +45,8 @@ def main():
     ap.add_argument("--bf16", action="store_true", help="also time the whole routed MLP (gate+up, GLU, down) with "
                     "the default tiles against bf16 torch._grouped_mm on the exact dequantised weights (moe.py's "
                     "kernel scope; 59 GB of bf16 weights at K3 shapes)")
-    ap.add_argument("--tails", type=int, nargs="+", default=None, help="time the default tiles at each of these "
-                    "KIMI3_MXFP4_TAIL values (0: one launch), outputs compared with the first's")
+    ap.add_argument("--tails", nargs="+", default=None, help="time the default tiles at each of these "
+                    "KIMI3_MXFP4_TAIL values ('64,32'; 0: one launch), outputs compared with the first's")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (needs TRITON_INTERPRET=1)")
     args = ap.parse_args()
     if args.smoke:

@@ -164,18 +164,21 @@ def _kernel_checks(G, R, torch):
     y3 = R(x3, u1p, u1s, offs3, c_rows=perm3, num_c_rows=M3)
     for name, cfg, bk in (("bm32_tail16", dict(BM=32, BN=32, BK=32, TAIL=16), 0),
                           ("bm32_tail16_kperm", dict(BM=32, BN=32, BK=32, TAIL=16), 32),
-                          ("bm64_tail32", dict(BM=64, BN=64, BK=64, TAIL=32), 0)):
+                          ("bm64_tail32", dict(BM=64, BN=64, BK=64, TAIL=32), 0),
+                          ("bm64_tails32_16", dict(BM=64, BN=64, BK=64, TAIL=(32, 16)), 0)):
         a3 = G.permute_k(x3, bk) if bk else x3
         out[f"tail_{name}_gate_up"] = _rel(G.mxfp4_grouped_gemm(a3, u1p, u1s, offs3, config=cfg, a_kperm=bk, **up3),
                                            h3)
         out[f"tail_{name}_down"] = _rel(G.mxfp4_grouped_gemm(a3, u1p, u1s, offs3, c_rows=perm3, num_c_rows=M3,
                                                              config=cfg, a_kperm=bk), y3)
-    offs4 = torch.tensor([0, 270, 300], dtype=torch.int32)  # 2 x 128 + 14 rows, 30 rows: both tails
-    x4 = torch.randn(300, K3, generator=gen).bfloat16()
-    assert G.default_config(300, 2, N3, K3, "out")["TAIL"] == 64
+    offs4 = torch.tensor([0, 270, 340], dtype=torch.int32)  # 2 x 128 + 14 rows (a 32-row tail), 70 (one 128 tile)
+    x4 = torch.randn(340, K3, generator=gen).bfloat16()
+    offs5 = torch.tensor([0, 300, 340], dtype=torch.int32)  # 2 x 128 + 44 rows (a 64-row tail), 40 (a 64-row tail)
+    assert G.default_config(340, 2, N3, K3, "out")["TAIL"] == (64, 32)
     w4, up4 = (u1p[:2], u1s[:2]), dict(up3, b_packed=u3p[:2], b_scale=u3s[:2])
     out["tail_default_gate_up"] = _rel(G.mxfp4_grouped_gemm(x4, *w4, offs4, **up4), R(x4, *w4, offs4, **up4))
     out["tail_default_down"] = _rel(G.mxfp4_grouped_gemm(x4, *w4, offs4), R(x4, *w4, offs4))
+    out["tail_default_down_64"] = _rel(G.mxfp4_grouped_gemm(x4, *w4, offs5), R(x4, *w4, offs5))
     return out
 
 
@@ -359,7 +362,7 @@ def test_interpreter_active(results):
 def test_kernel_matches_reference(results):
     # same bf16 operands, fp32 accumulation in another order; fused GLU outputs are fp32 here: 1e-5
     kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_", "kperm", "tail_"))}
-    assert len(kernel) == 62, sorted(kernel)
+    assert len(kernel) == 65, sorted(kernel)
     bad = {k: v for k, v in kernel.items() if not v < 1e-5}
     assert not bad, bad
 

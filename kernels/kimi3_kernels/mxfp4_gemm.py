@@ -558,12 +558,12 @@ def dequantize_bf16(packed, scale):
 def default_config(M, E, N, K, dual=None, trans_w=False):
     """Tile shape from the mean number of rows per active expert: BM (tokens per tile) covers a typical expert's
     rows in one block, so each expert's weights are dequantised about once per output tile. Forward BM=128 tiles
-    take TAIL: an expert's last block of at most TAIL rows runs in a second launch of TAIL-row tiles
-    (`tail_split`; KIMI3_MXFP4_TAIL, read at each call: the tail height, 0 = one launch)."""
+    take TAIL: an expert's last block of at most 64 (32) rows runs in a launch of 64- (32-) row tiles
+    (`tail_split`; KIMI3_MXFP4_TAIL, read at each call: the tail heights, '64,32'; 0 = one launch)."""
     avg = M / max(1, min(E, M))
     BM = min(128, max(16, _next_pow2(int(avg + 8))))  # 1 row/expert: 16; ~18 (1k tokens of K3): 32
     fwd = not trans_w and dual != "in"
-    tail = _env_tail() if fwd and BM == 128 else 0
+    tail = _env_tail() if fwd and BM == 128 else ()
     if fwd and (BM, dual) in _PERM_TILES:
         BN, BK, warps, stages, ak = _PERM_TILES[BM, dual]
         if not (ak and K % BK):  # pre-permuted activations need whole K tiles; else the plain tile
@@ -573,10 +573,14 @@ def default_config(M, E, N, K, dual=None, trans_w=False):
 
 
 def _env_tail():
-    v = os.environ.get("KIMI3_MXFP4_TAIL", "64").strip() or "0"
-    if v not in ("0", "16", "32", "64"):
-        raise ValueError(f"KIMI3_MXFP4_TAIL must be 0, 16, 32 or 64, not {v!r}")
-    return int(v)
+    v = os.environ.get("KIMI3_MXFP4_TAIL", "64,32")
+    try:
+        tails = _tails(v)
+    except ValueError:
+        tails = None
+    if tails is None or not set(tails) <= {16, 32, 64}:
+        raise ValueError(f"KIMI3_MXFP4_TAIL must list tail heights from 16, 32, 64 ('64,32'; 0: none), not {v!r}")
+    return tails
 
 
 _KPERM_INDEX = {}  # (K, BK, device) -> index: one host-to-device copy per shape, none inside a CUDA graph capture
@@ -630,11 +634,10 @@ def block_prefix(lo, hi, BM):
     return bcum
 
 
-def tail_split(expert_offsets, BM, tail):
-    """End of each expert's rows for the BM-row tiles when a last block of at most `tail` rows goes to a second
-    launch with `tail`-row tiles instead (int32 [E]; the tail launch covers [that, expert_offsets[e + 1])). At 16K
-    tokens of K3 an expert has ~293 rows: three 128-row tiles compute 384 rows, two and a 64-row tile 320."""
-    lo, hi = expert_offsets[:-1], expert_offsets[1:]
+def tail_split(lo, hi, BM, tail):
+    """Where each segment lo[e] <= m < hi[e] ends for the BM-row tiles when a last block of at most `tail` rows
+    goes to a launch of `tail`-row tiles instead (int32 [E]; that launch covers [the result, hi[e])). At 16K tokens
+    of K3 an expert has ~293 rows: three 128-row tiles compute 384 rows, two and a 64-row tile 320."""
     r = (hi - lo) % BM
     return hi - torch.where(r <= tail, r, torch.zeros_like(r))
 
@@ -691,7 +694,7 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     cfg = dict(default_config(M, M if expert_ids is not None else E, N, K, dual, trans_w))
     if config:
         if {"BM", "BN", "BK"} & set(config):  # a tile of the caller's own: plain K order, one launch unless asked
-            cfg.update(PERM=0, TAIL=0)
+            cfg.update(PERM=0, TAIL=())
         cfg.update(config)
     if cfg.get("DEQ", 0) == 1 and (trans_w or dual == "in"):
         cfg["DEQ"] = 0
@@ -733,25 +736,36 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         _run(cfg, head + (ids, ids, ids, ids) + tail, M, N, K, meta, config)
         return c
     lo, hi = expert_offsets[:-1], expert_offsets[1:]
-    BM, tail_bm = cfg["BM"], int(cfg.get("TAIL", 0))
-    nblocks = min(E, M) + triton.cdiv(M, BM)
-    if 0 < tail_bm < BM:
-        # full BM-row blocks (and last blocks of more than tail_bm rows) first, then the short last blocks
-        mid = tail_split(expert_offsets, BM, tail_bm)
-        _run(cfg, head + (lo, mid, block_prefix(lo, mid, BM), ids) + tail, nblocks, N, K, meta, config)
-        lo, cfg, nblocks = mid, _tail_config(cfg, tail_bm, dual, trans_w, config), min(E, M)
+    nblocks = min(E, M) + triton.cdiv(M, cfg["BM"])
+    # full BM-row blocks (and last blocks longer than the first tail height) first, then each expert's short last
+    # block in the tiles of the largest tail height it fits (one block per expert in each tail launch)
+    for t in sorted(_tails(cfg.get("TAIL", ())), reverse=True):
+        if not 0 < t < cfg["BM"]:
+            continue
+        mid = tail_split(lo, hi, cfg["BM"], t)
+        _run(cfg, head + (lo, mid, block_prefix(lo, mid, cfg["BM"]), ids) + tail, nblocks, N, K, meta, config)
+        lo, cfg, nblocks = mid, _tail_config(cfg, t, dual, trans_w, config), min(E, M)
     _run(cfg, head + (lo, hi, block_prefix(lo, hi, cfg["BM"]), ids) + tail, nblocks, N, K, meta, config)
     return c
+
+
+def _tails(v):
+    """TAIL of a config: an int, a sequence of ints, or '64,32' -> tuple of tail heights (0 / empty: none)."""
+    if isinstance(v, str):
+        v = [int(x) for x in v.replace(" ", "").split(",") if x]
+    elif isinstance(v, int):
+        v = [v]
+    return tuple(int(x) for x in v if int(x))
 
 
 def _tail_config(cfg, BM, dual, trans_w, config):
     """The tile of a tail launch: the caller's tile at this BM, or the default tile of that height with the main
     tile's BK and K order (the activations were permuted for that BK)."""
     if config and {"BM", "BN", "BK"} & set(config):
-        return dict(cfg, BM=BM, TAIL=0)
+        return dict(cfg, BM=BM)
     table = _PERM_TILES if cfg.get("PERM") and not trans_w else {}
     BN, _, warps, stages = table.get((BM, dual), _TILES[BM])[:4]
-    return dict(cfg, BM=BM, BN=BN, num_warps=warps, num_stages=stages, TAIL=0)
+    return dict(cfg, BM=BM, BN=BN, num_warps=warps, num_stages=stages)
 
 
 def _run(cfg, args, nblocks, N, K, meta, config):
