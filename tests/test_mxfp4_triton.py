@@ -175,6 +175,7 @@ def _kernel_checks(G, R, torch):
     x4 = torch.randn(340, K3, generator=gen).bfloat16()
     offs5 = torch.tensor([0, 300, 340], dtype=torch.int32)  # 2 x 128 + 44 rows (a 64-row tail), 40 (a 64-row tail)
     assert G.default_config(340, 2, N3, K3, "out")["TAIL"] == (64, 32)
+    assert G.default_config(340, 2, N3, K3)["TAIL"] == (64,)
     w4, up4 = (u1p[:2], u1s[:2]), dict(up3, b_packed=u3p[:2], b_scale=u3s[:2])
     out["tail_default_gate_up"] = _rel(G.mxfp4_grouped_gemm(x4, *w4, offs4, **up4), R(x4, *w4, offs4, **up4))
     out["tail_default_down"] = _rel(G.mxfp4_grouped_gemm(x4, *w4, offs4), R(x4, *w4, offs4))

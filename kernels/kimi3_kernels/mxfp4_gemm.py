@@ -559,11 +559,11 @@ def default_config(M, E, N, K, dual=None, trans_w=False):
     """Tile shape from the mean number of rows per active expert: BM (tokens per tile) covers a typical expert's
     rows in one block, so each expert's weights are dequantised about once per output tile. Forward BM=128 tiles
     take TAIL: an expert's last block of at most 64 (32) rows runs in a launch of 64- (32-) row tiles
-    (`tail_split`; KIMI3_MXFP4_TAIL, read at each call: the tail heights, '64,32'; 0 = one launch)."""
+    (`tail_split`, `_TAILS`; KIMI3_MXFP4_TAIL, read at each call, sets them for both GEMMs: '64,32'; 0 = none)."""
     avg = M / max(1, min(E, M))
     BM = min(128, max(16, _next_pow2(int(avg + 8))))  # 1 row/expert: 16; ~18 (1k tokens of K3): 32
     fwd = not trans_w and dual != "in"
-    tail = _env_tail() if fwd and BM == 128 else ()
+    tail = _env_tail(dual) if fwd and BM == 128 else ()
     if fwd and (BM, dual) in _PERM_TILES:
         BN, BK, warps, stages, ak = _PERM_TILES[BM, dual]
         if not (ak and K % BK):  # pre-permuted activations need whole K tiles; else the plain tile
@@ -572,8 +572,18 @@ def default_config(M, E, N, K, dual=None, trans_w=False):
     return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=0, TAIL=tail)
 
 
-def _env_tail():
-    v = os.environ.get("KIMI3_MXFP4_TAIL", "64,32")
+# Tail heights of the BM=128 forward tiles by GEMM (dual "out": gate+up; None: down), from bench/moe_probe.py --tails
+# on an H200 (e0dc27f, ms, one launch / 64 / 32 / 64 then 32; medians of three interleaved rounds):
+#   16,384 tokens: gate+up 31.65 / 29.96 / 30.80 / 29.56, down 20.99 / 19.91 / 22.00 / 20.61
+#    8,192 tokens: gate+up 19.84 / 18.82 / 18.50 / 18.46, down 13.26 / 12.43 / 11.93 / 12.02
+#    4,096 tokens: gate+up 11.45 / 10.92 / 11.44 / 10.83, down  7.04 /  6.92 /  7.10 /  7.06
+_TAILS = {"out": (64, 32), None: (64,)}
+
+
+def _env_tail(dual):
+    v = os.environ.get("KIMI3_MXFP4_TAIL")
+    if v is None:
+        return _TAILS.get(dual, ())
     try:
         tails = _tails(v)
     except ValueError:
