@@ -2,8 +2,8 @@
 
     python bench/plot_kda.py [--json bench/results/kda_h200.json] [--out bench/results/kda_h200.png]
 
-The newest timings with fla 0.6.0 in the same process ("session_bedee9b": one process per head count, so every
-point pairs ours with fla measured beside it); H=32 with the softplus gate, H=96 with K3's, T = 4K / 16K / 64K.
+The newest timings with fla 0.6.0 in the same process (H=32: "session_38d30ed", H=96: "session_fe825ec"; one process
+per head count, so every point pairs ours with fla measured beside it); H=32 with the softplus gate, H=96 with K3's, T = 4K / 16K / 64K.
 Needs matplotlib (not a project requirement).
 """
 from __future__ import annotations
@@ -25,11 +25,10 @@ def main():
     import matplotlib.pyplot as plt
 
     res = json.load(open(args.json))
-    # H=32 from the fourth session (bedee9b), H=96 from the fifth (fe825ec): each against fla in its own process
-    h32 = res["session_bedee9b"]["time_h32"]
+    # H=32 from the sixth session (38d30ed), H=96 from the fifth (fe825ec): each against fla in its own process
+    h32 = res["session_38d30ed"]["time_h32_38d30ed"]
     h96 = res["session_fe825ec"]["time_h96_fe825ec"]
-    rows = ([dict(r, commit=h32["meta"]["git_commit"]) for r in h32["rows"]]
-            + [dict(r, commit=h96["git_commit"]) for r in h96["timings"]])
+    rows = [dict(r, commit=run["git_commit"]) for run in (h32, h96) for r in run["timings"] if "fla_fwd_ms" in r]
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for ax, key, title in ((axes[0], "fwd", "forward"), (axes[1], "fwdbwd", "forward + backward")):
