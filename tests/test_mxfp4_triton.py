@@ -171,6 +171,15 @@ def _kernel_checks(G, R, torch):
                                            h3)
         out[f"tail_{name}_down"] = _rel(G.mxfp4_grouped_gemm(a3, u1p, u1s, offs3, c_rows=perm3, num_c_rows=M3,
                                                              config=cfg, a_kperm=bk), y3)
+    # the backward layouts with tails: weights [E, K, N/2] used untransposed, two weights summed (dual="in")
+    t1p, t1s = weights(E3, K3, N3)
+    t3p, t3s = weights(E3, K3, N3)
+    a3 = torch.randn(M3, K3, generator=gen).bfloat16().float()
+    a32 = torch.randn(M3, K3, generator=gen).bfloat16().float()
+    bw = dict(trans_w=True, dual="in", a2=a32, b_packed=t3p, b_scale=t3s, c_rows=perm3, num_c_rows=M3)
+    out["tail_bwd_dual_in"] = _rel(G.mxfp4_grouped_gemm(a3, t1p, t1s, offs3, config=dict(BM=32, BN=32, BK=32,
+                                                                                          TAIL=(16,)), **bw),
+                                   R(a3, t1p, t1s, offs3, **bw))
     offs4 = torch.tensor([0, 270, 340], dtype=torch.int32)  # 2 x 128 + 14 rows (a 32-row tail), 70 (one 128 tile)
     x4 = torch.randn(340, K3, generator=gen).bfloat16()
     offs5 = torch.tensor([0, 300, 340], dtype=torch.int32)  # 2 x 128 + 44 rows (a 64-row tail), 40 (a 64-row tail)
@@ -363,7 +372,7 @@ def test_interpreter_active(results):
 def test_kernel_matches_reference(results):
     # same bf16 operands, fp32 accumulation in another order; fused GLU outputs are fp32 here: 1e-5
     kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_", "kperm", "tail_"))}
-    assert len(kernel) == 65, sorted(kernel)
+    assert len(kernel) == 66, sorted(kernel)
     bad = {k: v for k, v in kernel.items() if not v < 1e-5}
     assert not bad, bad
 

@@ -563,7 +563,7 @@ def default_config(M, E, N, K, dual=None, trans_w=False):
     avg = M / max(1, min(E, M))
     BM = min(128, max(16, _next_pow2(int(avg + 8))))  # 1 row/expert: 16; ~18 (1k tokens of K3): 32
     fwd = not trans_w and dual != "in"
-    tail = _env_tail(dual) if fwd and BM == 128 else ()
+    tail = (_env_tail(dual) if fwd else _env_tails("KIMI3_MXFP4_TAIL_BWD", "0")) if BM == 128 else ()
     if fwd and (BM, dual) in _PERM_TILES:
         BN, BK, warps, stages, ak = _PERM_TILES[BM, dual]
         if not (ak and K % BK):  # pre-permuted activations need whole K tiles; else the plain tile
@@ -581,15 +581,20 @@ _TAILS = {"out": (64, 32), None: (64,)}
 
 
 def _env_tail(dual):
-    v = os.environ.get("KIMI3_MXFP4_TAIL")
-    if v is None:
+    if os.environ.get("KIMI3_MXFP4_TAIL") is None:
         return _TAILS.get(dual, ())
+    return _env_tails("KIMI3_MXFP4_TAIL", "")
+
+
+def _env_tails(name, default):
+    # the backward layouts (KIMI3_MXFP4_TAIL_BWD) take one launch by default: their tails are untimed
+    v = os.environ.get(name, default)
     try:
         tails = _tails(v)
     except ValueError:
         tails = None
     if tails is None or not set(tails) <= {16, 32, 64}:
-        raise ValueError(f"KIMI3_MXFP4_TAIL must list tail heights from 16, 32, 64 ('64,32'; 0: none), not {v!r}")
+        raise ValueError(f"{name} must list tail heights from 16, 32, 64 ('64,32'; 0: none), not {v!r}")
     return tails
 
 
