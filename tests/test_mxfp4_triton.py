@@ -185,6 +185,12 @@ def _kernel_checks(G, R, torch):
     offs5 = torch.tensor([0, 300, 340], dtype=torch.int32)  # 2 x 128 + 44 rows (a 64-row tail), 40 (a 64-row tail)
     assert G.default_config(340, 2, N3, K3, "out")["TAIL"] == (64, 32)
     assert G.default_config(340, 2, N3, K3)["TAIL"] == (64,)
+    assert G.default_config(340, 2, N3, K3, "in", trans_w=True)["TAIL"] == (64, 32)
+    bw4 = dict(bw, a2=torch.randn(340, K3, generator=gen).bfloat16().float(), b_packed=t3p[:2], b_scale=t3s[:2],
+               c_rows=None, num_c_rows=None)
+    a4 = torch.randn(340, K3, generator=gen).bfloat16().float()
+    out["tail_default_bwd_dual_in"] = _rel(G.mxfp4_grouped_gemm(a4, t1p[:2], t1s[:2], offs4, **bw4),
+                                           R(a4, t1p[:2], t1s[:2], offs4, **bw4))
     w4, up4 = (u1p[:2], u1s[:2]), dict(up3, b_packed=u3p[:2], b_scale=u3s[:2])
     out["tail_default_gate_up"] = _rel(G.mxfp4_grouped_gemm(x4, *w4, offs4, **up4), R(x4, *w4, offs4, **up4))
     out["tail_default_down"] = _rel(G.mxfp4_grouped_gemm(x4, *w4, offs4), R(x4, *w4, offs4))
@@ -222,6 +228,19 @@ def _module_checks(mxfp4, torch):
         out[f"module_{name}_y"] = _rel(y, ref)
         out[f"module_{name}_dx"] = _rel(x.grad, xr.grad)
         out[f"module_{name}_dw"] = _rel(w.grad, wr.grad)
+        if name == "situ":  # forward and the backward's recompute of gate+up with x in K-permuted order
+            Gm = mxfp4._gemm_module()
+            saved = dict(Gm._PERM_TILES)
+            Gm._PERM_TILES.update({(16, "out"): (32, 64, 4, 1, 1)})
+            try:
+                assert Gm.kperm_bk(T * k, E, I, D, "out") == 64
+                x, w = x0.clone().requires_grad_(), tw.clone().requires_grad_()
+                mod(x, idx, w).backward(dy)
+            finally:
+                Gm._PERM_TILES.clear()
+                Gm._PERM_TILES.update(saved)
+            out["module_situ_kperm_dx"] = _rel(x.grad, xr.grad)
+            out["module_situ_kperm_dw"] = _rel(w.grad, wr.grad)
     # without autograd at decode sizes the packed GEMM reads the routes' experts from topk_idx, one route per
     # program (no sort; KIMI3_MXFP4_UNSORTED_MAX_ROUTES): two launches (SiTU fused into gate+up), the same result
     # as the reference
@@ -372,7 +391,7 @@ def test_interpreter_active(results):
 def test_kernel_matches_reference(results):
     # same bf16 operands, fp32 accumulation in another order; fused GLU outputs are fp32 here: 1e-5
     kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_", "kperm", "tail_"))}
-    assert len(kernel) == 66, sorted(kernel)
+    assert len(kernel) == 67, sorted(kernel)
     bad = {k: v for k, v in kernel.items() if not v < 1e-5}
     assert not bad, bad
 
@@ -395,6 +414,8 @@ def test_module_triton_path_matches_dequantise_then_matmul(results):
         # backward: the kernel also rounds dgate/dup (fp32) to bf16 operands (measured ~4e-3): bound 2e-2
         assert results[f"module_{name}_dx"] < 2e-2, results
         assert results[f"module_{name}_dw"] < 2e-2, results
+    # with K-permuted gate+up tiles (x copied into their K order in the forward and in the backward's recompute)
+    assert results["module_situ_kperm_dx"] < 2e-2 and results["module_situ_kperm_dw"] < 2e-2, results
     # no autograd, decode size: two launches straight from topk_idx (GEMMs one route per program), nothing
     # sorted; same bound as above (measured 6.5e-3: the weighted sum is stored to bf16 by a kernel too, which the
     # interpreter truncates)

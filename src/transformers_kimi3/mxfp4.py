@@ -535,9 +535,12 @@ class PackedMXFP4Experts(nn.Module):
         tok = (order // k).to(torch.int32)
         # d out_pair / d h (unweighted): dy_tok @ W2_e, W2 stored [D, I] and used untransposed
         dh_unw = G.mxfp4_grouped_gemm(dy, self.w2_packed, self.w2_scale, offsets, trans_w=True, a_rows=tok)
-        # recompute the pre-activations instead of keeping [M, 2I] fp32 alive between forward and backward
-        gu = G.mxfp4_grouped_gemm(x.contiguous(), self.w1_packed, self.w1_scale, offsets, a_rows=tok, dual="out",
-                                  b_packed=self.w3_packed, b_scale=self.w3_scale)
+        # recompute the pre-activations instead of keeping [M, 2I] fp32 alive between forward and backward, with x
+        # in the K order of the forward's tiles where they take it (as _expert_mlp does)
+        bk_up = G.kperm_bk(order.numel(), self.num_experts, I, self.hidden_size, "out")
+        xk = G.permute_k(x, bk_up) if bk_up else x.contiguous()
+        gu = G.mxfp4_grouped_gemm(xk, self.w1_packed, self.w1_scale, offsets, a_rows=tok, dual="out",
+                                  b_packed=self.w3_packed, b_scale=self.w3_scale, a_kperm=bk_up)
         with torch.enable_grad():
             g = gu[:, :I].detach().requires_grad_()
             u = gu[:, I:].detach().requires_grad_()
