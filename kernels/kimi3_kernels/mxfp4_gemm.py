@@ -564,7 +564,7 @@ def default_config(M, E, N, K, dual=None, trans_w=False):
     avg = M / max(1, min(E, M))
     BM = min(128, max(16, _next_pow2(int(avg + 8))))  # 1 row/expert: 16; ~18 (1k tokens of K3): 32
     fwd = not trans_w and dual != "in"
-    tail = (_env_tail(dual) if fwd else _env_tails("KIMI3_MXFP4_TAIL_BWD", "64,32")) if BM == 128 else ()
+    tail = (_env_tail(dual) if fwd else _env_tails("KIMI3_MXFP4_TAIL_BWD", _TAILS_BWD)) if BM == 128 else ()
     if fwd and (BM, dual) in _PERM_TILES:
         BN, BK, warps, stages, ak = _PERM_TILES[BM, dual]
         if not (ak and K % BK):  # pre-permuted activations need whole K tiles; else the plain tile
@@ -579,6 +579,10 @@ def default_config(M, E, N, K, dual=None, trans_w=False):
 #    8,192 tokens: gate+up 19.84 / 18.82 / 18.50 / 18.46, down 13.26 / 12.43 / 11.93 / 12.02
 #    4,096 tokens: gate+up 11.45 / 10.92 / 11.44 / 10.83, down  7.04 /  6.92 /  7.10 /  7.06
 _TAILS = {"out": (64, 32), None: (64,)}
+# The backward layouts (trans_w, dual="in"): the module's forward+backward at K3 shapes on an H200 (fc59233,
+# bench/moe_backward_profile.py; one launch / 64 / 64 then 32): 4,096 tokens 115.7 / 109.6 / 109.7 ms, 16,384 tokens
+# 347.3 / 315.9 / 313.7 ms, dx bit-identical.
+_TAILS_BWD = "64,32"
 
 
 def _env_tail(dual):
@@ -588,9 +592,6 @@ def _env_tail(dual):
 
 
 def _env_tails(name, default):
-    # the backward layouts (trans_w, dual="in"; KIMI3_MXFP4_TAIL_BWD) take 64 then 32 by default: the module's
-    # forward+backward at K3 shapes, H200 (fc59233, bench/moe_backward_profile.py; one launch / 64 / 64,32):
-    # 4,096 tokens 115.7 / 109.6 / 109.7 ms, 16,384 tokens 347.3 / 315.9 / 313.7 ms, dx bit-identical
     v = os.environ.get(name, default)
     try:
         tails = _tails(v)
@@ -741,7 +742,7 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     head = (a, a2 if a2 is not None else a, a_rows if a_rows is not None else ids, a.stride(0),
             w_packed, w_scale, b_packed, b_scale, w_packed.stride(0), w_packed.stride(1), w_scale.stride(0),
             w_scale.stride(1))
-    tail = (c, c_rows if c_rows is not None else ids, c.stride(0),
+    rest = (c, c_rows if c_rows is not None else ids, c.stride(0),
             N, K, E, float(beta1), float(beta2 if beta2 is not None else 1.0))
     e_chunk = min(1024, _next_pow2(E))
     meta = dict(
@@ -751,7 +752,7 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         OP_F32=interpreter_enabled(), ROW_EXPERT=expert_ids is not None,
         PTX=decode_mode(a.device) == "ptx", A_KPERM=bool(a_kperm))
     if expert_ids is not None:
-        _run(cfg, head + (ids, ids, ids, ids) + tail, M, N, K, meta, config)
+        _run(cfg, head + (ids, ids, ids, ids) + rest, M, N, K, meta, config)
         return c
     lo, hi = expert_offsets[:-1], expert_offsets[1:]
     nblocks = min(E, M) + triton.cdiv(M, cfg["BM"])
@@ -761,9 +762,9 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         if not 0 < t < cfg["BM"]:
             continue
         mid = tail_split(lo, hi, cfg["BM"], t)
-        _run(cfg, head + (lo, mid, block_prefix(lo, mid, cfg["BM"]), ids) + tail, nblocks, N, K, meta, config)
+        _run(cfg, head + (lo, mid, block_prefix(lo, mid, cfg["BM"]), ids) + rest, nblocks, N, K, meta, config)
         lo, cfg, nblocks = mid, _tail_config(cfg, t, dual, trans_w, config), min(E, M)
-    _run(cfg, head + (lo, hi, block_prefix(lo, hi, cfg["BM"]), ids) + tail, nblocks, N, K, meta, config)
+    _run(cfg, head + (lo, hi, block_prefix(lo, hi, cfg["BM"]), ids) + rest, nblocks, N, K, meta, config)
     return c
 
 
