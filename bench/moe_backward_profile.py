@@ -35,7 +35,7 @@ def kernels_of(fn):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--tails", nargs="+", default=["0", "64"], help="KIMI3_MXFP4_TAIL_BWD settings to compare")
+    ap.add_argument("--tails", nargs="+", default=["0", "64,32"], help="KIMI3_MXFP4_TAIL_BWD settings to compare")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     G, M, _ = moe.load_modules()

@@ -564,7 +564,8 @@ def default_config(M, E, N, K, dual=None, trans_w=False):
     avg = M / max(1, min(E, M))
     BM = min(128, max(16, _next_pow2(int(avg + 8))))  # 1 row/expert: 16; ~18 (1k tokens of K3): 32
     fwd = not trans_w and dual != "in"
-    tail = (_env_tail(dual) if fwd else _env_tails("KIMI3_MXFP4_TAIL_BWD", _TAILS_BWD)) if BM == 128 else ()
+    env, key = ("KIMI3_MXFP4_TAIL", dual) if fwd else ("KIMI3_MXFP4_TAIL_BWD", "bwd")
+    tail = _env_tails(env, _TAILS[key]) if BM == 128 else ()
     if fwd and (BM, dual) in _PERM_TILES:
         BN, BK, warps, stages, ak = _PERM_TILES[BM, dual]
         if not (ak and K % BK):  # pre-permuted activations need whole K tiles; else the plain tile
@@ -578,21 +579,17 @@ def default_config(M, E, N, K, dual=None, trans_w=False):
 #   16,384 tokens: gate+up 31.65 / 29.96 / 30.80 / 29.56, down 20.99 / 19.91 / 22.00 / 20.61
 #    8,192 tokens: gate+up 19.84 / 18.82 / 18.50 / 18.46, down 13.26 / 12.43 / 11.93 / 12.02
 #    4,096 tokens: gate+up 11.45 / 10.92 / 11.44 / 10.83, down  7.04 /  6.92 /  7.10 /  7.06
-_TAILS = {"out": (64, 32), None: (64,)}
-# The backward layouts (trans_w, dual="in"): the module's forward+backward at K3 shapes on an H200 (fc59233,
+# "bwd", the backward layouts (trans_w, dual="in"): the module's forward+backward at K3 shapes on an H200 (fc59233,
 # bench/moe_backward_profile.py; one launch / 64 / 64 then 32): 4,096 tokens 115.7 / 109.6 / 109.7 ms, 16,384 tokens
 # 347.3 / 315.9 / 313.7 ms, dx bit-identical.
-_TAILS_BWD = "64,32"
-
-
-def _env_tail(dual):
-    if os.environ.get("KIMI3_MXFP4_TAIL") is None:
-        return _TAILS.get(dual, ())
-    return _env_tails("KIMI3_MXFP4_TAIL", "")
+_TAILS = {"out": (64, 32), None: (64,), "bwd": (64, 32)}
 
 
 def _env_tails(name, default):
-    v = os.environ.get(name, default)
+    """The tail heights the environment variable `name` sets ('64,32'; 0: none), else `default`."""
+    v = os.environ.get(name)
+    if v is None:
+        return default
     try:
         tails = _tails(v)
     except ValueError:

@@ -512,9 +512,8 @@ class PackedMXFP4Experts(nn.Module):
         # where the default tiles take K-permuted operands, the activations (x, then h) are copied into that order
         # once, so the tiles load them contiguously instead of gathering pairs of columns in every n-tile
         I, D = self.intermediate_size, self.hidden_size
-        bk_up, bk_dn = G.kperm_bk(M, E, I, D, "out"), G.kperm_bk(M, E, D, I)
-        if bk_up:
-            x = G.permute_k(x, bk_up)
+        x, bk_up = self._up_input(G, x, M, E)
+        bk_dn = G.kperm_bk(M, E, D, I)
         # the GLU runs in the gate+up epilogue whenever the kernel knows it: K3's SiTU too, at every tile height
         # since the K-permuted BM=128 tiles (H200, 19b363b: 16,384 tokens 63.2 ms fused vs 83.2 ms unfused)
         up = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, dual="out", a_kperm=bk_up, **up_rows)
@@ -528,6 +527,12 @@ class PackedMXFP4Experts(nn.Module):
             h = G.permute_k(h, bk_dn)
         return G.mxfp4_grouped_gemm(h, self.w2_packed, self.w2_scale, offsets, a_kperm=bk_dn, **down_rows)
 
+    def _up_input(self, G, x, M, E):
+        """(x, a_kperm) for the gate+up GEMM of M rows: x copied into the K order of the default tile where it takes
+        pre-permuted activations (a_kperm = its BK), else x as given (a_kperm = 0)."""
+        bk = G.kperm_bk(M, E, self.intermediate_size, self.hidden_size, "out")
+        return (G.permute_k(x, bk) if bk else x), bk
+
     def _backward_triton(self, x, topk_w, dy, order, offsets, k, need_dx=True):
         G = _gemm_module()
         I = self.intermediate_size
@@ -537,8 +542,7 @@ class PackedMXFP4Experts(nn.Module):
         dh_unw = G.mxfp4_grouped_gemm(dy, self.w2_packed, self.w2_scale, offsets, trans_w=True, a_rows=tok)
         # recompute the pre-activations instead of keeping [M, 2I] fp32 alive between forward and backward, with x
         # in the K order of the forward's tiles where they take it (as _expert_mlp does)
-        bk_up = G.kperm_bk(order.numel(), self.num_experts, I, self.hidden_size, "out")
-        xk = G.permute_k(x, bk_up) if bk_up else x.contiguous()
+        xk, bk_up = self._up_input(G, x.contiguous(), order.numel(), self.num_experts)
         gu = G.mxfp4_grouped_gemm(xk, self.w1_packed, self.w1_scale, offsets, a_rows=tok, dual="out",
                                   b_packed=self.w3_packed, b_scale=self.w3_scale, a_kperm=bk_up)
         with torch.enable_grad():
