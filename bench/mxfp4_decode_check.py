@@ -240,19 +240,32 @@ def count(G):
 
     kern = G._mxfp4_grouped_gemm_kernel
     cu = triton.knobs.nvidia.cuobjdump.path
-    cases = {  # name: (BM, BN, BK, warps, stages, DUAL, ACT, TRANS_W, weights per loop step = BN*BK*(1 or 2))
-        "fwd_64tok_gate_up": (16, 64, 128, 4, 4, 1, 1, False),
-        "fwd_64tok_down": (16, 64, 128, 4, 4, 0, 0, False),
-        "fwd_16ktok_gate_up": (128, 64, 64, 8, 4, 1, 1, False),
-        "fwd_16ktok_down": (128, 64, 64, 8, 4, 0, 0, False),
-        "bwd_dual_in": (32, 64, 64, 4, 4, 2, 0, True),
+    E, D, I = moe.E, moe.D, moe.INTER
+    cases = {  # name: (tokens, N, K, dual, act, trans_w): the module's default tile of each GEMM at that size
+        "fwd_64tok_gate_up": (64, I, D, "out", 2, False),
+        "fwd_64tok_down": (64, D, I, None, 0, False),
+        "fwd_1ktok_gate_up": (1024, I, D, "out", 2, False),
+        "fwd_1ktok_down": (1024, D, I, None, 0, False),
+        "fwd_16ktok_gate_up": (16384, I, D, "out", 2, False),
+        "fwd_16ktok_down": (16384, D, I, None, 0, False),
+        "bwd_dual_in_16ktok": (16384, D, I, "in", 0, True),
     }
-    for name, (BM, BN, BK, warps, stages, dual, act, trans) in cases.items():
-        for ptx, split in ((False, False), (True, False), (True, True)):
-            consts = dict(BM=BM, BN=BN, BK=BK, E_CHUNK=1024, NUM_E_CHUNKS=1, TRANS_W=trans, DUAL=dual, ACT=act,
-                          LINEAR_UP=False, GATHER_A=not trans, SCATTER_C=dual == 0 and not trans, DEQ=0,
-                          OP_F32=False, PTX=ptx, SPLIT=split)
-            ptrs = {"a_ptr": "*bf16", "a2_ptr": "*bf16", "c_ptr": "*bf16" if dual == 1 else "*fp32"}
+    only = os.environ.get("COUNT_CASES")
+    for name, (tokens, N, K, dual, act, trans) in cases.items():
+        if only and name not in only.split(","):
+            continue
+        cfg = G.default_config(tokens * moe.TOPK, E, N, K, dual, trans)
+        BM, BN, BK, warps, stages = (cfg[x] for x in ("BM", "BN", "BK", "num_warps", "num_stages"))
+        perm = bool(cfg.get("PERM")) and not trans
+        variants = ((False, False), (True, False)) if os.environ.get("COUNT_PORTABLE") else ((True, False),)
+        for ptx, split in variants:
+            dual_id = G.DUALS[dual]
+            consts = dict(BM=BM, BN=BN, BK=BK, E_CHUNK=1024, NUM_E_CHUNKS=1, TRANS_W=trans, DUAL=dual_id, ACT=act,
+                          LINEAR_UP=False, GATHER_A=not trans, A_DIV=1,
+                          SCATTER_C=dual_id == 0 and not trans, DEQ=0, OP_F32=False, PTX=ptx, SPLIT=split,
+                          PERM=perm, A_KPERM=bool(cfg.get("AK")) and perm,
+                          EVEN=not trans and K % BK == 0 and N % BN == 0, ROW_EXPERT=False)
+            ptrs = {"a_ptr": "*bf16", "a2_ptr": "*bf16", "c_ptr": "*bf16" if dual_id == 1 else "*fp32"}
             sig, attrs = {}, {}
             for i, a in enumerate(kern.arg_names):
                 if a in consts:
@@ -282,7 +295,11 @@ def count(G):
             for _, t in body:
                 op = t.split()[1] if t.startswith("@") else t.split()[0]
                 ops[op.split(".")[0]] = ops.get(op.split(".")[0], 0) + 1
-            print(json.dumps({"case": name, "decode": "ptx" if ptx else "portable", "split": split,
+            if os.environ.get("COUNT_SASS_DIR"):
+                Path(os.environ["COUNT_SASS_DIR"], name + ".sass").write_text("\n".join(t for _, t in body))
+                Path(os.environ["COUNT_SASS_DIR"], name + ".ttgir").write_text(ck.asm["ttgir"])
+            print(json.dumps({"case": name, "tile": [BM, BN, BK, warps, stages], "perm": perm,
+                              "decode": "ptx" if ptx else "portable", "split": split,
                               "regs": int(re.search(r"REG:(\d+)", res).group(1)),
                               "stack_bytes": int(re.search(r"STACK:(\d+)", res).group(1)),
                               "loop_sass": len(body),

@@ -442,8 +442,10 @@ def _load_gemm_module():
     return mod
 
 
-def _run_ptx(asm, x, scales):
-    """Execute the decode's inline PTX (its few opcodes) on one 32-bit word x and 4 scale words: returns $0..$3."""
+def _run_ptx(asm, x, scales, G=None, n_out=4):
+    """Execute the decode's inline PTX (its few opcodes) on one 32-bit word x and 4 scale words: returns $0..$3.
+    With G (the module), the table operands $9..$16 are made as `_lut_words` makes them, from the first scale word
+    through G.ZERO_PTX (executed here too). n_out=1: run a one-output asm (ZERO_PTX: x = $1)."""
     import struct
 
     import torch
@@ -454,7 +456,11 @@ def _run_ptx(asm, x, scales):
     def to_bf16(v):
         return torch.tensor(v, dtype=torch.float64).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
 
-    regs = {"$4": x, **{f"${5 + i}": sc for i, sc in enumerate(scales)}}
+    regs = {"$1": x} if n_out == 1 else {"$4": x, **{f"${5 + i}": sc for i, sc in enumerate(scales)}}
+    if G is not None:
+        for i, sc in enumerate(scales):  # each element's own table words, from its own scale word
+            z = _run_ptx(G.ZERO_PTX, sc, [], n_out=1)[0]
+            regs[f"${9 + i}"], regs[f"${13 + i}"] = z | G.LUT_WORDS[0], z | G.LUT_WORDS[1]
     val = (lambda o: regs[o] if o in regs else int(o, 0) & 0xFFFFFFFF)
     for ln in asm.strip("{}").split(";"):
         ln = ln.strip()
@@ -467,6 +473,8 @@ def _run_ptx(asm, x, scales):
             r = v[0]
         elif op == "and.b32":
             r = v[0] & v[1]
+        elif op == "xor.b32":
+            r = v[0] ^ v[1]
         elif op == "shr.u32":
             r = v[0] >> v[1]
         elif op == "shl.b32":
@@ -491,7 +499,7 @@ def _run_ptx(asm, x, scales):
         else:
             raise AssertionError(f"unexpected PTX opcode {op}")
         regs[d] = r
-    return [regs[f"${i}"] for i in range(4)]
+    return [regs[f"${i}"] for i in range(n_out)]
 
 
 def test_ptx_decode_emulated():
@@ -513,6 +521,9 @@ def test_ptx_decode_emulated():
         return b | (b << 16)
 
     pairs, split = G._e2m1_ptx(True), G._e2m1_ptx(False)
+    # the table operands are exact only because a scale word's halves are equal: ZERO_PTX gives 0 for every one
+    assert {_run_ptx(G.ZERO_PTX, scale_word(s), [], n_out=1)[0] for s in range(255)} == {0}
+    assert _run_ptx(G.ZERO_PTX, 0x3F803F00, [], n_out=1)[0] != 0
     perm = torch.randperm(256, generator=torch.Generator().manual_seed(0)).tolist()
     for s0 in (0, 1, 2, 100, 127, 200, 252, 253, 254):
         sc = [s0, (s0 + 1) % 255, (s0 + 77) % 255, 254 - s0 % 3]  # distinct scales per byte: checks the routing
@@ -521,9 +532,9 @@ def test_ptx_decode_emulated():
             x = sum(v << (8 * i) for i, v in enumerate(byts))
             lo = [want(v & 15, s) for v, s in zip(byts, sc)]
             hi = [want(v >> 4, s) for v, s in zip(byts, sc)]
-            out = _run_ptx(pairs, x, [scale_word(s) for s in sc])
+            out = _run_ptx(pairs, x, [scale_word(s) for s in sc], G)
             assert out == [lo[i] | (hi[i] << 16) for i in range(4)], (s0, byts)
-            out = _run_ptx(split, x, [scale_word(s) for s in sc])
+            out = _run_ptx(split, x, [scale_word(s) for s in sc], G)
             assert out == [lo[0] | lo[1] << 16, lo[2] | lo[3] << 16, hi[0] | hi[1] << 16, hi[2] | hi[3] << 16], \
                 (s0, byts)
 

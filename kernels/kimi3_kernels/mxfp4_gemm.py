@@ -114,8 +114,12 @@ if HAS_TRITON:
     # s == 0 (2^-127, the bf16 subnormal 0x0040) and subnormal products are exact, as every product is (2
     # significant bits), and overflow (6 * 2^127) is inf, as in the fp32 route. Each element carries its own scale
     # word, so any assignment of elements to the 4-element packs (which Triton leaves unspecified) stays exact.
+    # SASS PRMT takes one table word as an immediate and the other from a register: the first words (a) come in
+    # as operands ($9, $13: `_lut_words`), because as literals ptxas keeps them in uniform registers and copies
+    # one into an ordinary register before every lookup (~10% of the main loop).
     def _e2m1_ptx(pairs):
-        """The inline PTX: $4 = 4 packed bytes, $5..$8 = their scales (bf16x2 words). pairs: $0..$3 = bytes 0..3 as
+        """The inline PTX: $4 = 4 packed bytes, $5..$8 = their scales (bf16x2 words), $9 / $13 = the high / low
+        bytes' first table words (`_lut_words`; $10..$12, $14..$16 are copies). pairs: $0..$3 = bytes 0..3 as
         bf16x2 (even, odd column); else $0, $1 = even columns of bytes 0,1 / 2,3 and $2, $3 = odd columns."""
         lut = """
         .reg .b32 m, m2, x4, sg0, sg1, h0, h1, l0, l1, s01, s23, t0, t1, t2, t3, nz;
@@ -123,10 +127,10 @@ if HAS_TRITON:
         and.b32 m, $4, 0x77777777;
         shr.u32 m2, m, 16;
         shl.b32 x4, $4, 4;
-        prmt.b32 h0, 0x3F3F3F00, 0x40404040, m;
-        prmt.b32 h1, 0x3F3F3F00, 0x40404040, m2;
-        prmt.b32 l0, 0xC0800000, 0xC0804000, m;
-        prmt.b32 l1, 0xC0800000, 0xC0804000, m2;
+        prmt.b32 h0, $9, 0x40404040, m;
+        prmt.b32 h1, $9, 0x40404040, m2;
+        prmt.b32 l0, $13, 0xC0804000, m;
+        prmt.b32 l1, $13, 0xC0804000, m2;
         prmt.b32 sg0, $4, x4, 0x9D8C;
         prmt.b32 sg1, $4, x4, 0xBFAE;
         lop3.b32 h0, h0, sg0, 0x80808080, 0xF8;
@@ -160,6 +164,22 @@ if HAS_TRITON:
 
     _E2M1_PAIRS_PTX = tl.constexpr(_e2m1_ptx(True))
     _E2M1_SPLIT_PTX = tl.constexpr(_e2m1_ptx(False))
+    _E2M1_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r" + ",r" * 13)
+    LUT_WORDS = (0x3F3F3F00, 0xC0800000)  # $9, $13 of the decode
+    ZERO_PTX = "{.reg .b32 t;\nprmt.b32 t, $1, 0, 0x1032;\nxor.b32 $0, t, $1;}"  # $1 ^ ($1 with halves swapped)
+    _LUT_A = tl.constexpr(LUT_WORDS[0])
+    _LUT_B = tl.constexpr(LUT_WORDS[1] - (1 << 32))  # as int32
+    _ZERO_PTX = tl.constexpr(ZERO_PTX)
+
+    @triton.jit
+    def _lut_words(sb):
+        """The table words a of the decode's lookups (0x3F3F3F00, 0xC0800000) as values neither LLVM nor ptxas can
+        fold to constants: z = sb ^ (sb with its halves swapped) is 0 because both halves of a scale word are the
+        same, which neither compiler knows. (Made from a scalar or a loaded value instead, they changed Triton 3.6's
+        layouts of the decoded tile and cost more than they saved; computed in Triton, LLVM folded z.) ptxas
+        computes z once per distinct scale word: ~7 instructions per K step in place of ~64 register copies."""
+        z = tl.inline_asm_elementwise(_ZERO_PTX, "=r,r", [sb], dtype=tl.int32, is_pure=True, pack=1)
+        return z | _LUT_A, z | _LUT_B
 
     @triton.jit
     def _e8m0_to_bf16x2(s):
@@ -198,7 +218,8 @@ if HAS_TRITON:
             if PERM:
                 p = _perm_k(p, R, C)
                 sb = _perm_k(sb, R, C)
-            w = tl.inline_asm_elementwise(_E2M1_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r,r", [p, sb], dtype=tl.int32,
+            ta, tb = _lut_words(sb)
+            w = tl.inline_asm_elementwise(_E2M1_PAIRS_PTX, _E2M1_CONSTRAINTS, [p, sb, ta, tb], dtype=tl.int32,
                                           is_pure=True, pack=4)
             lo = w.to(tl.int16).to(tl.bfloat16, bitcast=True)
             hi = (w >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
@@ -230,7 +251,8 @@ if HAS_TRITON:
         with the even / odd rows of the other operand (a dot product does not depend on the order of k)."""
         if PTX:
             sb = _bcast_scale(_e8m0_to_bf16x2(s), R, C)
-            lo, hi = tl.inline_asm_elementwise(_E2M1_SPLIT_PTX, "=r,=r,=r,=r,r,r,r,r,r", [p, sb],
+            ta, tb = _lut_words(sb)
+            lo, hi = tl.inline_asm_elementwise(_E2M1_SPLIT_PTX, _E2M1_CONSTRAINTS, [p, sb, ta, tb],
                                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         else:
             sf = _bcast_scale(_e8m0_to_f32(s), R, C)
