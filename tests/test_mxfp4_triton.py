@@ -186,6 +186,10 @@ def _kernel_checks(G, R, torch):
     assert G.default_config(340, 2, N3, K3, "out")["TAIL"] == (64, 32)
     assert G.default_config(340, 2, N3, K3)["TAIL"] == (64,)
     assert G.default_config(340, 2, N3, K3, "in", trans_w=True)["TAIL"] == (64, 32)
+    # one row per expert: down in K-permuted 128-wide tiles, but not one row per program (expert_ids), whose
+    # 16-route layers need the programs of the plain 64-wide tile
+    assert G.default_config(1024, 896, 3584, 3072)["PERM"] == 1
+    assert "PERM" not in G.default_config(16, 16, 3584, 3072, row_expert=True)
     bw4 = dict(bw, a2=torch.randn(340, K3, generator=gen).bfloat16().float(), b_packed=t3p[:2], b_scale=t3s[:2],
                c_rows=None, num_c_rows=None)
     a4 = torch.randn(340, K3, generator=gen).bfloat16().float()

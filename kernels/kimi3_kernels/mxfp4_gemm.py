@@ -546,8 +546,12 @@ _TILES = {  # BM: (BN, BK, num_warps, num_stages)
 #     down with BN=128, BK=64, 8 warps: 21.69 -> 20.83 ms (91aea39, same process)
 #   BM=64 (~40-70 rows per expert): the BM=32 tiles; at 16,384 tokens they beat the old BM=128 tile (39.8 / 22.9 ms)
 # The backward layouts (trans_w, dual="in") use _TILES.
+#   64 tokens, down (BM=16), with the table words of `_lut_words` (4cd4a80): plain 2.58 ms -> 1.97 with pairs gathered
+#     at BN=128, 8 warps (2.07 at BN=64 with 5 stages); not for one row per program (expert_ids, 1-2 tokens), where
+#     BN=128 halves the programs of a 16-route layer
 _PERM_TILES = {  # (BM, dual): (BN, BK, num_warps, num_stages, AK)
     (16, "out"): (64, 128, 4, 4, 0),
+    (16, None): (128, 128, 8, 4, 0),
     (32, "out"): (64, 128, 4, 2, 1),
     (32, None): (128, 128, 8, 3, 1),
     (64, "out"): (64, 128, 4, 3, 1),
@@ -577,18 +581,19 @@ def dequantize_bf16(packed, scale):
     return out
 
 
-def default_config(M, E, N, K, dual=None, trans_w=False):
+def default_config(M, E, N, K, dual=None, trans_w=False, row_expert=False):
     """Tile shape from the mean number of rows per active expert: BM (tokens per tile) covers a typical expert's
     rows in one block, so each expert's weights are dequantised about once per output tile. Forward BM=128 tiles
     take TAIL: an expert's last block of at most 64 (32) rows runs in a launch of 64- (32-) row tiles
     (`tail_split`, `_TAILS`; KIMI3_MXFP4_TAIL, read at each call, sets them for both GEMMs: '64,32'; 0 = none);
-    the backward layouts' BM=128 tiles too (KIMI3_MXFP4_TAIL_BWD, default '64,32')."""
+    the backward layouts' BM=128 tiles too (KIMI3_MXFP4_TAIL_BWD, default '64,32'). row_expert: the tile of the
+    one-row-per-program launch (`expert_ids`), where down keeps the plain tile."""
     avg = M / max(1, min(E, M))
     BM = min(128, max(16, _next_pow2(int(avg + 8))))  # 1 row/expert: 16; ~18 (1k tokens of K3): 32
     fwd = not trans_w and dual != "in"
     env, key = ("KIMI3_MXFP4_TAIL", dual) if fwd else ("KIMI3_MXFP4_TAIL_BWD", "bwd")
     tail = _env_tails(env, _TAILS[key]) if BM == 128 else ()
-    if fwd and (BM, dual) in _PERM_TILES:
+    if fwd and (BM, dual) in _PERM_TILES and not (row_expert and dual is None):
         BN, BK, warps, stages, ak = _PERM_TILES[BM, dual]
         if not (ak and K % BK):  # pre-permuted activations need whole K tiles; else the plain tile
             return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=0, PERM=1, AK=ak, TAIL=tail)
@@ -729,7 +734,8 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     if M == 0:
         return c
     # one row per program with expert_ids: the tiles of one row per expert (BM=16)
-    cfg = dict(default_config(M, M if expert_ids is not None else E, N, K, dual, trans_w))
+    cfg = dict(default_config(M, M if expert_ids is not None else E, N, K, dual, trans_w,
+                              row_expert=expert_ids is not None))
     if config:
         if {"BM", "BN", "BK"} & set(config):  # a tile of the caller's own: plain K order, one launch unless asked
             cfg.update(PERM=0, TAIL=())
