@@ -157,7 +157,8 @@ def check():
             ins = list(inputs(B, T, H, K, K, dtype, seed=2)) + [torch.randn(B, H, K, K, device="cuda")]
             do = torch.randn(B, T, H, K, device="cuda").to(dtype)
             dS = torch.randn(B, H, K, K, device="cuda")
-            fns = [(chunk_kda, False), (naive_chunk_kda, True)] + ([(fla_fn, False)] if HAVE_FLA else [])
+            with_fla = HAVE_FLA and not ARGS.no_fla_grads
+            fns = [(chunk_kda, False), (naive_chunk_kda, True)] + ([(fla_fn, False)] if with_fla else [])
             grads = []
             for fn, cast in fns:
                 xs = [(x.float() if cast else x).detach().clone().requires_grad_() for x in ins]
@@ -167,7 +168,7 @@ def check():
                 grads.append([x.grad for x in xs])
             names = ["dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"]
             row = {n: rel(a, b) for n, a, b in zip(names, grads[0], grads[1])}
-            if HAVE_FLA:
+            if with_fla:
                 row.update({"fla_" + n: rel(a, b) for n, a, b in zip(names, grads[2], grads[1])
                             if a is not None})
             rec(test="grad_vs_fp32_ref", lb=lb, dtype=str(dtype), T=T, H=H, **row)
@@ -617,6 +618,8 @@ if __name__ == "__main__":
     ap.add_argument("--warmup", default=None, help="compile-only run for one gate: 'k3' or 'softplus'")
     ap.add_argument("--no-fla", action="store_true", help="time ours only (fla autotunes for minutes per shape)")
     ap.add_argument("--no-varlen", action="store_true", help="time: skip the varlen batch (H=96)")
+    ap.add_argument("--no-fla-grads", action="store_true", help="check: fla in the forward rows only (its backward "
+                    "autotunes ~9 minutes per gradient shape)")
     ap.add_argument("--tune", default=None, help="tune only these: 'kernel=opt/opt,...' (else TUNE_FWD / TUNE_BWD)")
     ap.add_argument("--calls", default=None, help="'H:T:gate:N': N plain forward calls and nothing else (for ncu)")
     ARGS = ap.parse_args()
