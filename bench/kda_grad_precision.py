@@ -38,21 +38,20 @@ def grads(fn, ins, lb, do, dS, cast=False):
     return [x.grad for x in xs]
 
 
+DEFAULT_PREC = chunk_fwd._prec  # tf32x3 for fp32 inputs, one-pass tf32 otherwise
+
+
+def x3(dtype):
+    return "tf32x3"
+
+
 def set_variant(name):
     chunk_bwd.BWD_PREC.clear()
     chunk_bwd.INTRA_BWD_TF32_RN = name != "trunc"  # trunc: the intra backward's TF32 operands as the MMA truncates
-    if name == "trunc":
-        name = "default"
     if name.startswith("x3_"):  # 3xTF32 in one backward kernel only: x3_state / x3_main / x3_intra
         chunk_bwd.BWD_PREC[name[3:] + "_bwd"] = "tf32x3"
-        name = "default"
-    default = chunk_fwd._prec.__wrapped__ if hasattr(chunk_fwd._prec, "__wrapped__") else chunk_fwd._prec
-
-    def x3(dtype):
-        return "tf32x3"
-    x3.__wrapped__ = default
-    chunk_fwd._prec = x3 if name == "all_tf32x3" else default
-    chunk_bwd._prec = x3 if name in ("bwd_tf32x3", "all_tf32x3") else default
+    chunk_fwd._prec = x3 if name == "all_tf32x3" else DEFAULT_PREC
+    chunk_bwd._prec = x3 if name in ("bwd_tf32x3", "all_tf32x3") else DEFAULT_PREC
 
 
 def main():

@@ -400,12 +400,13 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
         # per-column loop's code and registers, then the steep ones (sm_90, Triton 3.6: 240 against 744 bytes of
         # spill stack per thread)
         passes = [("intra_bwd", True, 0)] if safe else [("intra_bwd", True, 1), ("intra_bwd_loop", False, 2)]
+        intra_prec = BWD_PREC.get("intra_bwd", prec)
         for name, dense, sel in passes:
             bk, warps, stages = launch_config(name)
             bk = min(bk, BK)
             _intra_bwd_kernel[(info.NC * (BT // 16) * triton.cdiv(K, bk), H)](
                 qn, kn, gc, dAs, dPs, dqn, dkn, dG, I["steep"] if sel else dAs, info.chunk_tab, info.cu, DENSE_MAX_SPAN,
-                H=H, K=K, BK=bk, BT=BT, BC=16, SAFE=dense, PREC=BWD_PREC.get("intra_bwd", prec), STEEP=sel,
-                RN=BWD_PREC.get("intra_bwd", prec) == "tf32" and INTRA_BWD_TF32_RN, num_warps=warps,
+                H=H, K=K, BK=bk, BT=BT, BC=16, SAFE=dense, PREC=intra_prec, STEEP=sel,
+                RN=intra_prec == "tf32" and INTRA_BWD_TF32_RN, num_warps=warps,
                 num_stages=stages)
     return dqn, dkn, dv, dG, db, dh0
