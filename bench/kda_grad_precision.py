@@ -2,10 +2,10 @@
 whose operands are fp32 (`input_precision`; bf16 inputs use one-pass TF32 there by default). The gate parameters'
 gradients (dA_log, ddt_bias) are sums over every token: a bias shared by the tokens' gate gradients adds up in them.
 
-    python bench/kda_grad_precision.py --out DIR [--T 1000 8192] [--variants default,trunc,x3_intra] [--time 96:16384]
+    python bench/kda_grad_precision.py --out DIR [--T 1000 8192] [--variants default,tf32_diag,x3_intra] [--time 96:16384]
 
-Variants: default (one-pass TF32 for bf16 inputs, the intra backward's operands rounded to TF32 first), trunc (the
-same without that rounding: the MMA truncates), x3_state / x3_main / x3_intra (3xTF32 in that backward kernel only),
+Variants: default (one-pass TF32 for bf16 inputs, 3xTF32 in the intra backward's diagonal tiles), tf32_diag (one pass
+there too), x3_state / x3_main / x3_intra (3xTF32 in that whole backward kernel only),
 bwd_tf32x3 (3xTF32 in every backward kernel), all_tf32x3 (forward too). `--time H:T` also times forward+backward. One JSON line per (gate, T, variant) with the relative errors ||x - ref|| / ||ref||, as bench/kda.py's check.
 """
 
@@ -47,8 +47,9 @@ def x3(dtype):
 
 def set_variant(name):
     chunk_bwd.BWD_PREC.clear()
-    chunk_bwd.INTRA_BWD_TF32_RN = name != "trunc"  # trunc: the intra backward's TF32 operands as the MMA truncates
-    if name.startswith("x3_"):  # 3xTF32 in one backward kernel only: x3_state / x3_main / x3_intra
+    if name == "tf32_diag":  # one-pass TF32 in the intra backward's diagonal tiles too (the default before 3xTF32 there)
+        chunk_bwd.BWD_PREC["intra_bwd_diag"] = "tf32"
+    elif name.startswith("x3_"):  # 3xTF32 in one backward kernel only: x3_state / x3_main / x3_intra
         chunk_bwd.BWD_PREC[name[3:] + "_bwd"] = "tf32x3"
     chunk_fwd._prec = x3 if name == "all_tf32x3" else DEFAULT_PREC
     chunk_bwd._prec = x3 if name in ("bwd_tf32x3", "all_tf32x3") else DEFAULT_PREC

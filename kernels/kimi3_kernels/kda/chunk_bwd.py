@@ -234,33 +234,21 @@ if TRITON_AVAILABLE:
         return dq + rq, dr + rk, dc + ck
 
     @triton.jit
-    def _rn(x, RN: tl.constexpr):
-        """x (fp32) rounded to the nearest TF32 value (ties away from zero) when RN. A one-pass TF32 MMA ignores the
-        low 13 mantissa bits, i.e. truncates toward zero: a bias that the gate parameters' gradients, sums over
-        every token, add up (H200, bf16, T=8192, K3 gate: ddt_bias 4.2e-2 from the fp32 reference, against 3.4e-3
-        with 3xTF32; bench/kda_grad_precision.py). Rounded operands make the one pass exact on them."""
-        if RN:
-            return ((x.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)
-        return x
-
-    @triton.jit
-    def _diag_bwd_dense(dq, dr, dc, a, p, q, k, g, n, e, PREC: tl.constexpr, RN: tl.constexpr):
+    def _diag_bwd_dense(dq, dr, dc, a, p, q, k, g, n, e, PREC: tl.constexpr):
         """Diagonal tile, gate span within fp32 range, added to (dq, dr, dc): relative to the tile's first row n,
         e = exp(G_i - G_n)."""
-        kt = _rn(k * tl.exp2(n[None, :] - g), RN)
-        a = _rn(a, RN)
-        p = _rn(p, RN)
+        kt = k * tl.exp2(n[None, :] - g)
         x = tl.dot(a, kt, input_precision=PREC) * e
         y = tl.dot(p, kt, input_precision=PREC) * e
-        z = (tl.dot(tl.trans(a), _rn(q * e, RN), input_precision=PREC)
-             + tl.dot(tl.trans(p), _rn(k * e, RN), input_precision=PREC)) * tl.exp2(n[None, :] - g)
+        z = (tl.dot(tl.trans(a), q * e, input_precision=PREC)
+             + tl.dot(tl.trans(p), k * e, input_precision=PREC)) * tl.exp2(n[None, :] - g)
         return dq + x, dr + y, dc + z
 
     @triton.jit
     def _intra_bwd_kernel(qn, kn, gc, dAs, dPs, dqn, dkn, dG, steep, tab, cu, max_span,
                           H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
                           BC: tl.constexpr, SAFE: tl.constexpr, PREC: tl.constexpr, STEEP: tl.constexpr,
-                          RN: tl.constexpr):
+                          DPREC: tl.constexpr):
         """One program per 16-row sub-tile i of a chunk and K slice: the rows of sub-tile i against the earlier
         sub-tiles (row side, relative to its first row), its columns against the later ones (column side, relative to
         its last row), and its diagonal tile, added to sub-tile i's rows of dqn / dkn / dG. A program for the whole
@@ -298,9 +286,8 @@ if TRITON_AVAILABLE:
         for j in range(0, i_i):
             rj = t0 + j * BC + o_c
             kt = _ld(kn, rj, eos, H, i_h, K, cols, mc) * tl.exp2(n[None, :] - _ld(gc, rj, eos, H, i_h, K, cols, mc))
-            kt = _rn(kt, RN)
-            dq += tl.dot(_rn(_ld_blk(dAs, rows, eos, H, i_h, j * BC, BT, BC), RN), kt, input_precision=PREC)
-            dr += tl.dot(_rn(_ld_blk(dPs, rows, eos, H, i_h, j * BC, BT, BC), RN), kt, input_precision=PREC)
+            dq += tl.dot(_ld_blk(dAs, rows, eos, H, i_h, j * BC, BT, BC), kt, input_precision=PREC)
+            dr += tl.dot(_ld_blk(dPs, rows, eos, H, i_h, j * BC, BT, BC), kt, input_precision=PREC)
         e = tl.exp2(tl.where(vi, g - n[None, :], 0.))
         dq *= e
         dr *= e
@@ -309,10 +296,10 @@ if TRITON_AVAILABLE:
         for j in range(i_i + 1, NS):
             rj = t0 + j * BC + o_c
             x = tl.exp2(tl.where((rj < eos)[:, None], _ld(gc, rj, eos, H, i_h, K, cols, mc) - m[None, :], 0.))
-            dc += tl.dot(_rn(tl.trans(_ld_blk(dAs, rj, eos, H, i_h, i_i * BC, BT, BC)), RN),
-                         _rn(_ld(qn, rj, eos, H, i_h, K, cols, mc) * x, RN), input_precision=PREC)
-            dc += tl.dot(_rn(tl.trans(_ld_blk(dPs, rj, eos, H, i_h, i_i * BC, BT, BC)), RN),
-                         _rn(_ld(kn, rj, eos, H, i_h, K, cols, mc) * x, RN), input_precision=PREC)
+            dc += tl.dot(tl.trans(_ld_blk(dAs, rj, eos, H, i_h, i_i * BC, BT, BC)),
+                         _ld(qn, rj, eos, H, i_h, K, cols, mc) * x, input_precision=PREC)
+            dc += tl.dot(tl.trans(_ld_blk(dPs, rj, eos, H, i_h, i_i * BC, BT, BC)),
+                         _ld(kn, rj, eos, H, i_h, K, cols, mc) * x, input_precision=PREC)
         dc *= tl.exp2(tl.where(vi, m[None, :] - g, 0.))
         # ---- diagonal tile (as in _diag_fwd_kernel)
         a = _ld_blk(dAs, rows, eos, H, i_h, i_i * BC, BT, BC)
@@ -321,7 +308,7 @@ if TRITON_AVAILABLE:
         if not SAFE:
             dense = _tile_span(g, n, vi & mc[None, :]) <= max_span
         if dense:
-            dq, dr, dc = _diag_bwd_dense(dq, dr, dc, a, p, q, k, g, n, e, PREC, RN)
+            dq, dr, dc = _diag_bwd_dense(dq, dr, dc, a, p, q, k, g, n, e, DPREC)
         else:
             dq, dr, dc = _diag_bwd_loop(dq, dr, dc, a, p, q, k, g, qn, kn, gc, r0, eos, H, i_h, K, cols, mc, BC)
         _acc(dqn, dkn, dG, rows, eos, H, i_h, K, cols, mc, q, k, dq, dr, dc)
@@ -347,7 +334,16 @@ def _main_bwd_ksplit(BK):
 
 
 BWD_PREC = {}  # kernel name -> input_precision override (experiments: bench/kda_grad_precision.py)
-INTRA_BWD_TF32_RN = True  # _intra_bwd_kernel rounds its one-pass TF32 operands (`_rn`); False: as the MMA truncates
+
+
+def _intra_diag_prec(prec):
+    """The intra backward's diagonal 16x16 tiles take 3xTF32 even for bf16 inputs. Their row and column sides are
+    one-pass TF32 matmuls whose errors do not cancel the way the exact terms do in the gate's gradient (q dq + k (dr -
+    dc)), and the gate parameters' gradients sum that over every token. H200, bf16, K3 gate, T=8192
+    (bench/kda_grad_precision.py, kda_h200.md): ddt_bias 4.2e-2 -> 4.1e-3 from the fp32 reference, dg 8.1e-3 -> 4.2e-3,
+    for 2.3-2.7% more forward+backward time; 3xTF32 in the off-diagonal tiles changes nothing and costs 7%. Rounding
+    the one-pass operands to nearest instead of truncating did not help either (4.2e-2)."""
+    return BWD_PREC.get("intra_bwd_diag", "tf32x3" if prec in ("tf32", "tf32x3") else prec)
 
 
 def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, saved=None):
@@ -407,6 +403,6 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
             _intra_bwd_kernel[(info.NC * (BT // 16) * triton.cdiv(K, bk), H)](
                 qn, kn, gc, dAs, dPs, dqn, dkn, dG, I["steep"] if sel else dAs, info.chunk_tab, info.cu, DENSE_MAX_SPAN,
                 H=H, K=K, BK=bk, BT=BT, BC=16, SAFE=dense, PREC=intra_prec, STEEP=sel,
-                RN=intra_prec == "tf32" and INTRA_BWD_TF32_RN, num_warps=warps,
+                DPREC=_intra_diag_prec(intra_prec), num_warps=warps,
                 num_stages=stages)
     return dqn, dkn, dv, dG, db, dh0
