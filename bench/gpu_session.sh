@@ -13,9 +13,10 @@
 #   OUT=/some/dir bash bench/gpu_session.sh prefill  # ~6 min: moe.py at 1-64 tokens (the unsorted decode paths in a
 #                                                    # CUDA graph), MXFP4 tiles at 2K / 4K tokens, the 4.3B and
 #                                                    # K3-shaped prefills and the K3-shaped decode
-#   OUT=/some/dir bash bench/gpu_session.sh rn     # ~6 min: the intra backward's TF32 operand rounding (186b6ad):
-#                                                  # gradient errors and forward+backward time against the old
-#                                                  # truncating kernel and 3xTF32; the full check, fla's forward rows
+#   OUT=/some/dir bash bench/gpu_session.sh precision  # ~5 min: the gradients' errors by the backward's matmul
+#                                                  # precision (default, one-pass diagonal tiles, 3xTF32 in the
+#                                                  # whole intra backward) and their forward+backward cost; the
+#                                                  # full check without fla
 set -u
 OUT=${OUT:?set OUT to an output folder}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -93,13 +94,13 @@ prefill)
   cut -c1-200 "$W/probe.log"
   grep -h '"stage"' "$W"/e2e_*.log | cut -c1-300
   ;;
-rn)
+precision)
   (
     CUDA_VISIBLE_DEVICES=0 timeout 300 python3 bench/kda_grad_precision.py --T 1000 8192 \
-      --variants default,trunc,x3_intra --time 96:16384,32:16384,96:65536 --out "$W/gp" > "$W/gp.log" 2>&1
+      --variants default,tf32_diag,x3_intra --time 96:16384,32:16384,96:65536 --out "$W/gp" > "$W/gp.log" 2>&1
   ) &
   (
-    CUDA_VISIBLE_DEVICES=1 timeout 500 python3 bench/kda.py --out "$W/kda_check" --sections check --no-fla-grads \
+    CUDA_VISIBLE_DEVICES=1 timeout 500 python3 bench/kda.py --out "$W/kda_check" --sections check --no-fla \
       > "$W/kda_check.log" 2>&1
   ) &
   wait
@@ -108,7 +109,7 @@ rn)
   grep -h "grad_vs" "$W/kda_check.log" | cut -c1-300
   ;;
 *)
-  echo "usage: OUT=dir bash bench/gpu_session.sh tune|e2e|fla|prefill|rn" >&2
+  echo "usage: OUT=dir bash bench/gpu_session.sh tune|e2e|fla|prefill|precision" >&2
   exit 2
   ;;
 esac
