@@ -1,6 +1,6 @@
 """Gradient errors of the chunked KDA kernels against the fp32 PyTorch reference, by the precision of the matmuls
 whose operands are fp32 (`input_precision`; bf16 inputs use one-pass TF32 there by default). The gate parameters'
-gradients (dA_log, ddt_bias) are sums over every token: a bias shared by the tokens' gate gradients adds up in them.
+gradients (dA_log, ddt_bias) are sums over every token: errors that do not cancel in the tokens' gate gradients add up.
 
     python bench/kda_grad_precision.py --out DIR [--T 1000 8192] [--variants default,tf32_diag,x3_intra] [--time 96:16384]
 

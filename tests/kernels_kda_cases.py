@@ -372,7 +372,7 @@ def test_intra_backward_diagonal_tiles_take_3xtf32(monkeypatch):
                 return self.fn[grid](*args, **kwargs)
             return launch
 
-    q, k, v, f, beta, A_log, dtb, h0 = make(1, 40, 1, 16, 16, seed=3)
+    q, k, v, f, beta, A_log, dtb, _ = make(1, 40, 1, 16, 16, seed=3)
 
     def launched(dtype, override=None):
         rec = Recorder(chunk_bwd._intra_bwd_kernel)

@@ -343,7 +343,7 @@ def _intra_diag_prec(prec):
     (bench/kda_grad_precision.py, kda_h200.md): ddt_bias 4.2e-2 -> 4.1e-3 from the fp32 reference, dg 8.1e-3 -> 4.2e-3,
     for 2.3-2.7% more forward+backward time; 3xTF32 in the off-diagonal tiles changes nothing and costs 7%. Rounding
     the one-pass operands to nearest instead of truncating did not help either (4.2e-2)."""
-    return BWD_PREC.get("intra_bwd_diag", "tf32x3" if prec in ("tf32", "tf32x3") else prec)
+    return BWD_PREC.get("intra_bwd_diag", "tf32x3" if prec == "tf32" else prec)
 
 
 def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, saved=None):
