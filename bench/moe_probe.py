@@ -26,12 +26,13 @@ SWEEP = [(32, 64, 64, 4, 4), (32, 64, 128, 4, 3), (32, 128, 64, 4, 4), (32, 128,
 
 
 def parse_configs(spec):
-    """'BM:BN:BK:warps:stages:PERM[:AK],...' -> list of config dicts; AK=1: the activations stored in the tile's
-    K order beforehand (`permute_k`, a_kperm=BK; implies PERM)"""
+    """'BM:BN:BK:warps:stages:PERM[:AK[:WG[:PAIR]]],...' -> list of config dicts; AK=1: the activations stored in the
+    tile's K order beforehand (`permute_k`, a_kperm=BK; implies PERM); WG=1: the Gluon kernel with asynchronous
+    wgmma (`kimi3_kernels.mxfp4_wgmma`; needs AK); PAIR=1: its programs take two BN-row tiles (single GEMMs)"""
     out = []
     for c in spec.split(","):
-        bm, bn, bk, w, st, perm, ak = ([int(v) for v in c.split(":")] + [0])[:7]
-        out.append(dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st, DEQ=0, PERM=perm, AK=ak))
+        bm, bn, bk, w, st, perm, ak, wg, pair = ([int(v) for v in c.split(":")] + [0, 0, 0])[:9]
+        out.append(dict(BM=bm, BN=bn, BK=bk, num_warps=w, num_stages=st, DEQ=0, PERM=perm, AK=ak, WG=wg, PAIR=pair))
     return out
 
 

@@ -69,6 +69,22 @@ def decode_mode(device):
     return mode
 
 
+def wgmma_enabled(device=None):
+    """Whether the forward tiles of one and two rows per expert (BM 16 / 32: up to ~1,000 tokens of K3) run the Gluon
+    kernel with asynchronous wgmma (`mxfp4_wgmma`): an sm_90 GPU (the current one unless `device` is given), a
+    Triton with Gluon, not the interpreter, and KIMI3_MXFP4_WGMMA not 0 (read at every call, for A/B timing)."""
+    if os.environ.get("KIMI3_MXFP4_WGMMA", "1").strip() in ("0", "") or interpreter_enabled() or not HAS_TRITON:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    device = torch.device(device if device is not None else "cuda")
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    from . import mxfp4_wgmma
+
+    return mxfp4_wgmma.HAS_GLUON
+
+
 def _env_split():
     # KIMI3_MXFP4_SPLIT=1: multiply the even / odd weight columns as two half-width operands against strided
     # activation halves instead of interleaving them (for A/B timing; config={"SPLIT": 1} does the same per call).
@@ -559,6 +575,19 @@ _PERM_TILES = {  # (BM, dual): (BN, BK, num_warps, num_stages, AK)
     (128, "out"): (64, 128, 4, 3, 1),
     (128, None): (128, 64, 8, 3, 1),
 }
+# Forward tiles of the Gluon kernel with asynchronous wgmma (`mxfp4_wgmma`, Hopper), by (BM, dual): (BN, BK,
+# num_warps, num_stages, PAIR). Always K-permuted with pre-permuted activations. PAIR: a down program takes two
+# adjacent 64-row tiles. From bench/moe_probe.py on an H200 (bench/results/moe_h200.md, same process as the Triton
+# tiles above; ms, Triton -> Gluon): 64 tokens gate+up 3.59-3.81 -> 3.05-3.25, down 1.89-2.16 -> 1.71-2.0 (PAIR);
+# 1,024 tokens gate+up 5.69-5.95 -> 4.75-5.19 (4 stages), down 2.70-2.81 -> 2.50-2.82 (PAIR, 4 stages). 3 stages
+# timed the same, but there ptxas serialises the MMAs (C7515: accumulators defined inside the pipeline stage), and
+# 5-6 stages were no faster. BM=64 and above keep the Triton tiles (not measured with this kernel).
+_WGMMA_TILES = {
+    (16, "out"): (64, 128, 4, 4, 0),
+    (16, None): (64, 128, 4, 4, 1),
+    (32, "out"): (64, 128, 4, 4, 0),
+    (32, None): (64, 128, 4, 4, 1),
+}
 _DOT_SCALED = {"ok": True}  # set to False if tl.dot_scaled fails to build on this Triton
 
 
@@ -593,6 +622,10 @@ def default_config(M, E, N, K, dual=None, trans_w=False, row_expert=False):
     fwd = not trans_w and dual != "in"
     env, key = ("KIMI3_MXFP4_TAIL", dual) if fwd else ("KIMI3_MXFP4_TAIL_BWD", "bwd")
     tail = _env_tails(env, _TAILS[key]) if BM == 128 else ()
+    if fwd and not row_expert and (BM, dual) in _WGMMA_TILES and not K % 128 and wgmma_enabled():
+        BN, BK, warps, stages, pair = _WGMMA_TILES[BM, dual]
+        return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=0, PERM=1, AK=1, TAIL=tail,
+                    WG=1, PAIR=pair)
     if fwd and (BM, dual) in _PERM_TILES and not (row_expert and dual is None):
         BN, BK, warps, stages, ak = _PERM_TILES[BM, dual]
         if not (ak and K % BK):  # pre-permuted activations need whole K tiles; else the plain tile
@@ -824,6 +857,14 @@ def _run(cfg, args, nblocks, N, K, meta, config):
         # whole tiles in the forward layout: loads without masks (the other layouts keep theirs)
         EVEN=not trans_w and K % BK == 0 and N % BN == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if int(cfg.get("WG", 0)):
+        from . import mxfp4_wgmma
+
+        if mxfp4_wgmma.supported(meta, cfg, N, K):
+            mxfp4_wgmma.launch(grid, args, meta, cfg)
+            return
+        if config and config.get("WG"):
+            raise ValueError(f"the wgmma kernel does not compute this launch (tile {cfg})")
     if int(cfg.get("DEQ", 0)) == 1:
         try:
             _launch(grid, args, meta, DEQ=1)

@@ -240,6 +240,9 @@ def kernel_status(device="cuda" if torch.cuda.is_available() else "cpu"):
         "triton": bool(g is not None and g.HAS_TRITON),
         "device": str(torch.device(device)),
         "weight_decode": g.decode_mode(device) if path == "triton" and hasattr(g, "decode_mode") else None,
+        # up to ~1,000 tokens (one or two rows per expert): the Gluon kernel with asynchronous wgmma (Hopper)
+        "async_wgmma_small_batches": bool(path == "triton" and hasattr(g, "wgmma_enabled")
+                                          and g.wgmma_enabled(device)),
         "unsorted_max_routes": unsorted_max_routes() if path == "triton" else None,
         # prefill above this many routed rows per expert: experts decoded to bf16 in chunks + torch._grouped_mm
         "dequantized_grouped_mm_min_rows_per_expert": PackedMXFP4Experts.DEQUANT_MIN_ROWS_PER_EXPERT

@@ -1,0 +1,172 @@
+"""The Gluon MXFP4 grouped GEMM with asynchronous wgmma (`kimi3_kernels.mxfp4_wgmma`).
+
+Gluon has no interpreter, so on the CPU the kernel is compiled for sm_90 (no GPU needed) and its SASS checked for
+what makes it fast and correct: every MMA asynchronous with one left in flight, no spills, no shared-memory round
+trip of the decoded tile. On an H200 the outputs are compared with the Triton kernel's (same decode, same K order:
+bit-identical) and with the PyTorch reference; `bench/moe_probe.py` does the same at K3 shapes.
+"""
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT / "src", ROOT / "kernels"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+triton = pytest.importorskip("triton")
+from kimi3_kernels import mxfp4_gemm as G  # noqa: E402
+from kimi3_kernels import mxfp4_gemm_ref as R  # noqa: E402
+from kimi3_kernels import mxfp4_wgmma as W  # noqa: E402
+
+needs_gluon = pytest.mark.skipif(not W.HAS_GLUON, reason="this Triton has no Gluon")
+on_h100_class = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm_90 GPU")
+
+
+def _compile(BM, BK, STAGES, DUAL, PAIR, act=2):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kern = W.mxfp4_wgmma_kernel
+    consts = dict(BM=BM, BN=64, BK=BK, STAGES=STAGES, E_CHUNK=1024, NUM_E_CHUNKS=1, DUAL=DUAL, PAIR=PAIR,
+                  TWO=int(bool(DUAL or PAIR)), ACT=act if DUAL else 0, LINEAR_UP=False, GATHER_A=bool(DUAL),
+                  A_DIV=1, SCATTER_C=not DUAL, P_LAYOUT=W.byte_layout(64, BK, 4), num_warps=4)
+    sig, attrs = {}, {}
+    for i, a in enumerate(kern.arg_names):
+        if a in consts:
+            sig[a] = "constexpr"
+            continue
+        if a.startswith("beta"):
+            sig[a] = "fp32"
+            continue
+        sig[a] = ("*bf16" if a == "a_ptr" else ("*bf16" if DUAL else "*fp32") if a == "c_ptr"
+                  else "*u8" if a[:2] in ("w_", "ws", "b_", "bs") else "*i32" if a.endswith("_ptr") else "i32")
+        attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn=kern, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+def _main_loop(sass):
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    body = []
+    for a, t in ins:  # the longest backward branch
+        m = re.search(r"BRA[^0-9]*0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a:
+            cand = [t2 for a2, t2 in ins if int(m.group(1), 16) <= a2 <= a]
+            body = cand if len(cand) > len(body) else body
+    return body
+
+
+@needs_gluon
+@pytest.mark.parametrize("BM,STAGES,DUAL,PAIR", [(16, 4, 1, 0), (32, 4, 1, 0), (16, 4, 0, 1), (32, 4, 0, 1),
+                                                 (16, 4, 0, 0)])
+def test_compiles_for_sm90_with_asynchronous_register_operand_wgmma(BM, STAGES, DUAL, PAIR):
+    """The default tiles (gate+up with SiTU fused; down with two row tiles per program) and the single-tile GEMM
+    stepping two K tiles at a time: the MMAs read the decoded tile from registers, each wait leaves one MMA in
+    flight (a synchronous MMA would wait for 0), and nothing spills."""
+    try:
+        cuobjdump = triton.knobs.nvidia.cuobjdump.path
+        ck = _compile(BM, 128, STAGES, DUAL, PAIR)
+    except (AttributeError, FileNotFoundError, RuntimeError) as ex:  # no CUDA backend tools in this install
+        pytest.skip(f"cannot compile for sm_90 here: {ex!r}")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        res = subprocess.check_output([cuobjdump, "-res-usage", f.name]).decode()
+        sass = subprocess.check_output([cuobjdump, "-sass", f.name]).decode()
+    assert int(re.search(r"STACK:(\d+)", res).group(1)) == 0, res
+    loop = _main_loop(sass)
+    mmas = [t for t in loop if t.startswith("HGMMA")]
+    waits = [t for t in loop if "WARPGROUP.DEPBAR" in t]
+    assert len(mmas) == 16, loop  # two weight tiles of K 128 per loop (gate and up, two row or K tiles): 8 MMAs each
+    assert all(re.match(r"HGMMA\.64x%dx16\.F32\.BF16 R\d+, R\d+, gdesc" % BM, t) for t in mmas), mmas
+    assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] * 2, waits
+    # the decoded tile goes from the decode to the MMA in registers: no shared-memory stores in the loop
+    assert not [t for t in loop if t.startswith("STS")], loop
+
+
+def test_default_tiles_and_dispatch(monkeypatch):
+    """Where the kernel runs: the forward tiles of one and two rows per expert on an sm_90 GPU; not BM >= 64,
+    the backward layouts, or one row per program; KIMI3_MXFP4_WGMMA=0 turns it off."""
+    monkeypatch.setattr(G, "wgmma_enabled", lambda device=None: True)
+    E, D, I = 896, 3584, 3072
+    up = G.default_config(64 * 16, E, I, D, "out")
+    assert (up["WG"], up["PERM"], up["AK"], up["BM"], up["BN"], up["BK"], up["PAIR"]) == (1, 1, 1, 16, 64, 128, 0)
+    down = G.default_config(1024 * 16, E, D, I)
+    assert (down["WG"], down["BM"], down["PAIR"], down["num_stages"]) == (1, 32, 1, 4)
+    assert G.kperm_bk(64 * 16, E, I, D, "out") == 128  # the module then permutes x for it
+    assert "WG" not in G.default_config(16384 * 16, E, I, D, "out")
+    assert "WG" not in G.default_config(1024 * 16, E, D, I, trans_w=True)
+    assert "WG" not in G.default_config(16, 16, D, I, row_expert=True)
+    monkeypatch.undo()
+    monkeypatch.setenv("KIMI3_MXFP4_WGMMA", "0")
+    assert not G.wgmma_enabled()
+    monkeypatch.setenv("KIMI3_MXFP4_WGMMA", "1")
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        assert not G.wgmma_enabled()
+
+
+def test_explicit_tile_refused_where_the_kernel_cannot_run():
+    """A caller asking for the wgmma kernel where it cannot run (here: CPU tensors) gets an error, not the Triton
+    kernel silently."""
+    E, N, K = 2, 128, 256
+    a = torch.randn(4, K).bfloat16()
+    wp = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8)
+    ws = torch.full((E, N, K // 32), 127, dtype=torch.uint8)
+    offs = torch.tensor([0, 2, 4], dtype=torch.int32)
+    cfg = dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4, PERM=1, WG=1)
+    if not G.available(a.device):
+        pytest.skip("no Triton kernel for CPU tensors here (needs TRITON_INTERPRET=1)")
+    with pytest.raises(ValueError, match="wgmma kernel does not compute this launch"):
+        G.mxfp4_grouped_gemm(G.permute_k(a, 128), wp, ws, offs, config=cfg, a_kperm=128)
+
+
+def _case(E, N, K, counts, seed):
+    gen = torch.Generator().manual_seed(seed)
+    wp = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
+    ws = torch.randint(112, 132, (E, N, K // 32), dtype=torch.uint8, generator=gen)
+    offs = torch.zeros(E + 1, dtype=torch.int32)
+    offs[1:] = torch.cumsum(torch.tensor(counts), 0)
+    return wp.cuda(), ws.cuda(), offs.cuda()
+
+
+@on_h100_class
+@needs_gluon
+@pytest.mark.parametrize("rows", [[0, 1, 17, 3, 40, 0, 9], [2, 2, 2, 2, 2, 2, 2]])
+def test_matches_triton_kernel_and_reference_on_gpu(rows, monkeypatch):
+    """gate+up (GLU fused and not) and down (scattered rows; two tiles per program, and one stepping K two tiles
+    at a time) against the Triton kernel (bit-identical expected) and dequantise-then-matmul (fp32)."""
+    E, D, I = len(rows), 256, 384
+    M = sum(rows)
+    wp, ws, offs = _case(E, I, D, rows, 0)
+    bp, bs, _ = _case(E, I, D, rows, 1)
+    w2p, w2s, _ = _case(E, D, I, rows, 2)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(11, D, generator=gen).bfloat16().cuda()
+    a_rows = torch.randint(0, 11, (M,), generator=gen, dtype=torch.int32).cuda()
+    h = torch.randn(M, I, generator=gen).bfloat16().cuda()
+    c_rows = torch.randperm(M, generator=gen).to(torch.int32).cuda()
+    for BM in (16, 32):
+        for stages, pair in ((4, 1), (3, 0), (5, 1)):
+            wg = dict(BM=BM, BN=64, BK=128, num_warps=4, num_stages=stages, PERM=1, WG=1, PAIR=pair)
+            tri = dict(BM=BM, BN=64, BK=128, num_warps=4, num_stages=3, PERM=1)
+            for act in (None, "situ", "silu"):
+                kw = dict(a_rows=a_rows, dual="out", b_packed=bp, b_scale=bs, act=act, out_dtype=torch.bfloat16,
+                          a_kperm=128)
+                got = G.mxfp4_grouped_gemm(G.permute_k(x, 128), wp, ws, offs, config=wg, **kw)
+                want = G.mxfp4_grouped_gemm(G.permute_k(x, 128), wp, ws, offs, config=tri, **kw)
+                assert torch.equal(got, want), (BM, stages, act)
+            kw = dict(c_rows=c_rows, num_c_rows=M, a_kperm=128)
+            got = G.mxfp4_grouped_gemm(G.permute_k(h, 128), w2p, w2s, offs, config=wg, **kw)
+            want = G.mxfp4_grouped_gemm(G.permute_k(h, 128), w2p, w2s, offs, config=tri, **kw)
+            assert torch.equal(got, want), (BM, stages, pair)
+            ref = R.mxfp4_grouped_gemm_ref(h, w2p, w2s, offs, c_rows=c_rows, num_c_rows=M)
+            err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+            assert err < 1e-5, err  # bf16 operands, fp32 accumulation in another order
