@@ -1,15 +1,20 @@
 """Forward MXFP4 grouped GEMM for Hopper in Gluon: the decoded weight tile is the register A operand of an
-asynchronous wgmma, so decoding K step k+1 overlaps the tensor cores' work on step k.
+asynchronous wgmma, so the next tile decodes while the tensor cores work on this one.
 
-Same semantics as `mxfp4_gemm._mxfp4_grouped_gemm_kernel` for the forward layouts it covers (trans_w=False,
-dual None / "out" with the fused GLU, sorted expert segments, activations in the K order of PERM tiles
-(`mxfp4_gemm.permute_k`), whole tiles: N % BN == 0, K % BK == 0). Triton 3.6's pipeliner makes a wgmma with a
-register operand synchronous (each K step waits for its MMA, bench/results/moe_h200.md); here the pipeline is
-written out: packed bytes and activations arrive by cp.async in a ring of STAGES slots, the decoded tiles of one
-step stay live until the next step's wait, and at most one step's MMAs are in flight.
+Same semantics as `mxfp4_gemm._mxfp4_grouped_gemm_kernel` for the layouts it covers: forward (trans_w=False),
+dual None / "out" (GLU fused or not), sorted expert segments, activations in the K order of PERM tiles
+(`mxfp4_gemm.permute_k`), whole tiles (N % BN == 0, K % BK == 0). Triton 3.6's pipeliner makes a wgmma with a
+register operand synchronous (each K step waited for its MMA; bench/results/moe_h200.md). Here the pipeline is
+written out: packed bytes and activations arrive by cp.async in a ring of STAGES slots, each weight tile is decoded
+straight into the wgmma A-fragment layout, and one MMA stays in flight while the next tile decodes. An MMA in
+flight reads its decoded words from registers until the next wait, so those words are that wait's dependencies,
+and consecutive MMAs need distinct values: gate and up alternate, a down program takes two adjacent row tiles
+(PAIR), or a single tile steps through K two tiles at a time. The decode is the Triton kernel's inline PTX and
+the K order its PERM order: the outputs are bit-identical.
 
-GPU only (Gluon has no interpreter); `mxfp4_gemm.mxfp4_grouped_gemm` keeps the Triton kernel as the reference
-path and for every other layout.
+GPU only (Gluon has no interpreter: tests/test_mxfp4_wgmma.py compiles it for sm_90 on the CPU and checks the
+SASS, and compares outputs on an H200); `mxfp4_gemm.mxfp4_grouped_gemm` picks it (`default_config`, `_run`) and
+keeps the Triton kernel for every other layout.
 """
 
 try:
@@ -22,14 +27,11 @@ try:
     # Triton 3.6 (the H200's) names the cp.async copy async_copy_global_to_shared, 3.9 async_load
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after 3.6
+    from .mxfp4_gemm import LUT_WORDS, ZERO_PTX, _e2m1_ptx  # the Triton kernel's decode, same bits
+
     HAS_GLUON = True
-except ImportError:  # pragma: no cover - Triton without Gluon
+except ImportError:  # pragma: no cover - no Triton, or a Triton without Gluon
     HAS_GLUON = False
-
-from .mxfp4_gemm import LUT_WORDS, ZERO_PTX, _e2m1_ptx
-
-_E2M1_PTX = _e2m1_ptx(True)
-_CONSTRAINTS = "=r,=r,=r,=r" + ",r" * 13
 
 
 def _log2(n):
@@ -54,8 +56,8 @@ def byte_layout(BN, BK, num_warps):
 
 
 if HAS_GLUON:
-    _E2M1 = gl.constexpr(_E2M1_PTX)
-    _CONS = gl.constexpr(_CONSTRAINTS)
+    _E2M1 = gl.constexpr(_e2m1_ptx(True))
+    _CONS = gl.constexpr("=r,=r,=r,=r" + ",r" * 13)
     _ZERO = gl.constexpr(ZERO_PTX)
     _LUT_A = gl.constexpr(LUT_WORDS[0])
     _LUT_B = gl.constexpr(LUT_WORDS[1] - (1 << 32))
@@ -105,8 +107,7 @@ if HAS_GLUON:
             if TWO:
                 _cp_async(q_smem.index(slot), b_ptr + (w_off + k0 // 2))
             kk = gl.arange(0, BK, layout=gl.SliceLayout(0, X_LOAD))
-            _cp_async(x_smem.index(slot), a_ptr + (rows_off + k0 + kk[None, :]),
-                                                   mask=m_mask_x)
+            _cp_async(x_smem.index(slot), a_ptr + (rows_off + k0 + kk[None, :]), mask=m_mask_x)
         async_copy.commit_group()
 
     @gluon.jit
