@@ -27,6 +27,9 @@ MMA operand needs are then contiguous, and the activations are gathered in the s
 were stored in that order beforehand (`permute_k`) and load contiguously. The sum over K does not change, only its
 rounding order. Which tiles use it, and which read pre-permuted activations: `_PERM_TILES`, from timings on an H200.
 
+On sm_90 the forward tiles of one and two rows per expert run `mxfp4_wgmma.py` instead (Gluon: the same decode
+into an asynchronous wgmma, bit-identical outputs; `wgmma_enabled`, `_WGMMA_TILES`).
+
 `mxfp4_grouped_gemm_ref` in `mxfp4_gemm_ref.py` has the same signature and semantics in PyTorch (one expert
 dequantised at a time). Runs under TRITON_INTERPRET=1 on CPU tensors (small shapes, for CI).
 """
