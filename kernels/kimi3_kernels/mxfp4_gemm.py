@@ -34,6 +34,7 @@ into an asynchronous wgmma, bit-identical outputs; `wgmma_enabled`, `_WGMMA_TILE
 dequantised at a time). Runs under TRITON_INTERPRET=1 on CPU tensors (small shapes, for CI).
 """
 
+import functools
 import os
 
 import torch
@@ -81,7 +82,14 @@ def wgmma_enabled(device=None):
     if not torch.cuda.is_available():
         return False
     device = torch.device(device if device is not None else "cuda")
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+    return device.type == "cuda" and _wgmma_hardware(torch.cuda.current_device() if device.index is None
+                                                     else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _wgmma_hardware(index):
+    # asked at every GEMM's tile choice: the device query and the import once per GPU
+    if torch.cuda.get_device_capability(index) != (9, 0):
         return False
     from . import mxfp4_wgmma
 
@@ -864,7 +872,7 @@ def _run(cfg, args, nblocks, N, K, meta, config):
         from . import mxfp4_wgmma
 
         if mxfp4_wgmma.supported(meta, cfg, N, K):
-            mxfp4_wgmma.launch(grid, args, meta, cfg)
+            mxfp4_wgmma.launch(nblocks, args, meta, cfg)
             return
         if config and config.get("WG"):
             raise ValueError(f"the wgmma kernel does not compute this launch (tile {cfg})")
