@@ -97,28 +97,30 @@ if HAS_GLUON:
         return beta1 * _tanh(g / beta1) * sig * u
 
     @gluon.jit
-    def _issue(step, n_k, slot, p_ptrs, q_ptrs, x_ptrs, x_mask, p_smem, q_smem, x_smem, BK: gl.constexpr,
-               TWO: gl.constexpr):
+    def _issue(step, n_k, slot, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
+               BK: gl.constexpr, TWO: gl.constexpr, P_LOAD: gl.constexpr, X_LOAD: gl.constexpr):
         """cp.async of K step `step` (packed weights, activations) into ring slot `slot`; one commit group even
         past the last step, so the group count stays the same every iteration."""
         if step < n_k:
             k0 = step * BK
-            _cp_async(p_smem.index(slot), p_ptrs + k0 // 2)
+            _cp_async(p_smem.index(slot), w_ptr + (w_off + k0 // 2))
             if TWO:
-                _cp_async(q_smem.index(slot), q_ptrs + k0 // 2)
-            _cp_async(x_smem.index(slot), x_ptrs + k0, mask=x_mask)
+                _cp_async(q_smem.index(slot), b_ptr + (w_off + k0 // 2))
+            kk = gl.arange(0, BK, layout=gl.SliceLayout(0, X_LOAD))
+            _cp_async(x_smem.index(slot), a_ptr + (rows_off + k0 + kk[None, :]), mask=m_mask_x)
         async_copy.commit_group()
 
     @gluon.jit
-    def _ready(k, n_k, p_ptrs, q_ptrs, x_ptrs, x_mask, p_smem, q_smem, x_smem, BK: gl.constexpr,
-               STAGES: gl.constexpr, TWO: gl.constexpr, P_LAYOUT: gl.constexpr):
+    def _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
+               BK: gl.constexpr, STAGES: gl.constexpr, TWO: gl.constexpr, P_LOAD: gl.constexpr,
+               X_LOAD: gl.constexpr, P_LAYOUT: gl.constexpr):
         """Wait for K step k's copies, refill the slot of step k-2 with step k+STAGES-2, and read step k's packed
         tiles. (Reading them before the refill needs more barriers: the compiler cannot tell the slots apart.)"""
         async_copy.wait_group(STAGES - 3)
         fence_async_shared()  # the copies' writes, before the wgmma's async-proxy reads of the activations
         _barrier()  # every warp's copies landed; every warp is past its wait for step k-2's MMAs
-        _issue(k + STAGES - 2, n_k, (k + STAGES - 2) % STAGES, p_ptrs, q_ptrs, x_ptrs, x_mask, p_smem, q_smem,
-               x_smem, BK, TWO)
+        _issue(k + STAGES - 2, n_k, (k + STAGES - 2) % STAGES, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x,
+               p_smem, q_smem, x_smem, BK, TWO, P_LOAD, X_LOAD)
         slot = k % STAGES
         p = p_smem.index(slot).load(P_LAYOUT)
         q = q_smem.index(slot).load(P_LAYOUT) if TWO else p
@@ -179,9 +181,10 @@ if HAS_GLUON:
             rows_x = gl.load(a_rows_ptr + offs_mx, mask=mx_mask, other=0).to(gl.int64)
         else:
             rows_x = (offs_mx // A_DIV).to(gl.int64)
-        kk = gl.arange(0, BK, layout=gl.SliceLayout(0, X_LOAD))
-        x_ptrs = a_ptr + (rows_x[:, None] * stride_am + kk[None, :])  # + k0 at each step
-        x_mask = gl.broadcast(mx_mask[:, None], x_ptrs)[0]
+        rows_off = rows_x[:, None] * stride_am
+        m_mask_x = gl.broadcast(mx_mask[:, None], rows_off)[0]
+        m_mask_x = gl.broadcast(m_mask_x, gl.full([BM, BK], 0, gl.int32, X_LOAD))[0]
+        rows_off = gl.broadcast(rows_off, gl.full([BM, BK], 0, gl.int64, X_LOAD))[0]
 
         # packed weight pointers [BN, G, 16] and scale pointers [BN, G]
         n_p = pid_n * BN * (1 + PAIR) + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, P_LOAD)))
@@ -189,8 +192,6 @@ if HAS_GLUON:
         q_p = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, P_LOAD)))
         w_off = (e64 * stride_we + n_p[:, None, None].to(gl.int64) * stride_wr + g_p[None, :, None] * 16
                  + q_p[None, None, :])
-        p_ptrs = w_ptr + w_off  # + k0 / 2 at each step
-        q_ptrs = b_ptr + w_off
         n_s = pid_n * BN * (1 + PAIR) + gl.arange(0, BN, layout=gl.SliceLayout(1, S_LAYOUT))
         g_s = gl.arange(0, G, layout=gl.SliceLayout(0, S_LAYOUT))
         s_off = e64 * stride_se + n_s[:, None].to(gl.int64) * stride_sr + g_s[None, :]
@@ -204,7 +205,8 @@ if HAS_GLUON:
 
         n_k = K // BK
         for i in gl.static_range(STAGES - 2):
-            _issue(i, n_k, i, p_ptrs, q_ptrs, x_ptrs, x_mask, p_smem, q_smem, x_smem, BK, TWO)
+            _issue(i, n_k, i, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
+                   BK, TWO, P_LOAD, X_LOAD)
 
         acc = gl.zeros([BN, BM], gl.float32, MMA)
         acc2 = gl.zeros([BN, BM], gl.float32, MMA)
@@ -223,18 +225,21 @@ if HAS_GLUON:
                 k_nxt = gl.minimum(k + 1, n_k - 1) * G
                 s_nxt = gl.load(ws_ptr + s_off + k_nxt)
                 s2_nxt = gl.load(bs_ptr + s_off + k_nxt)
-                p, q, xt = _ready(k, n_k, p_ptrs, q_ptrs, x_ptrs, x_mask, p_smem, q_smem, x_smem, BK, STAGES, TWO, P_LAYOUT)
+                p, q, xt = _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
+                                  BK, STAGES, TWO, P_LOAD, X_LOAD, P_LAYOUT)
                 acc, acc2, wa = _mma(p, s_cur, xt, acc, acc2, wb, BN, BK, A_LAYOUT)
                 acc2, acc, wb = _mma(q, s2_cur, xt, acc2, acc, wa, BN, BK, A_LAYOUT)
         else:
             for k in range(0, n_k, 2):
                 s_cur = s_nxt
                 s_nxt = gl.load(ws_ptr + s_off + (k + 1) * G)
-                p, q, xt = _ready(k, n_k, p_ptrs, q_ptrs, x_ptrs, x_mask, p_smem, q_smem, x_smem, BK, STAGES, TWO, P_LAYOUT)
+                p, q, xt = _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
+                                  BK, STAGES, TWO, P_LOAD, X_LOAD, P_LAYOUT)
                 acc, acc2, wa = _mma(p, s_cur, xt, acc, acc2, wb, BN, BK, A_LAYOUT)
                 s_cur = s_nxt
                 s_nxt = gl.load(ws_ptr + s_off + gl.minimum(k + 2, n_k - 1) * G)
-                p, q, xt = _ready(k + 1, n_k, p_ptrs, q_ptrs, x_ptrs, x_mask, p_smem, q_smem, x_smem, BK, STAGES, TWO, P_LAYOUT)
+                p, q, xt = _ready(k + 1, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem,
+                                  x_smem, BK, STAGES, TWO, P_LOAD, X_LOAD, P_LAYOUT)
                 acc, acc2, wb = _mma(p, s_cur, xt, acc, acc2, wa, BN, BK, A_LAYOUT)
         # the last MMA's words stay live until it is done
         acc, acc2, wa, wb = warpgroup_mma_wait(0, deps=[acc, acc2, wa, wb])
