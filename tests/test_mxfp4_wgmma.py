@@ -30,14 +30,14 @@ on_h100_class = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm_90 GPU")
 
 
-def _compile(BM, BK, STAGES, DUAL, PAIR, act=2):
+def _compile(BM, BK, STAGES, DUAL, PAIR, act=2, NIB=0):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kern = W.mxfp4_wgmma_kernel
     consts = dict(BM=BM, BN=64, BK=BK, STAGES=STAGES, E_CHUNK=1024, NUM_E_CHUNKS=1, DUAL=DUAL, PAIR=PAIR,
                   TWO=int(bool(DUAL or PAIR)), ACT=act if DUAL else 0, LINEAR_UP=False, GATHER_A=bool(DUAL),
-                  A_DIV=1, SCATTER_C=not DUAL, P_LAYOUT=W.byte_layout(64, BK, 4), num_warps=4)
+                  A_DIV=1, SCATTER_C=not DUAL, P_LAYOUT=W.byte_layout(64, BK, 4), NIB=NIB, num_warps=4)
     sig, attrs = {}, {}
     for i, a in enumerate(kern.arg_names):
         if a in consts:

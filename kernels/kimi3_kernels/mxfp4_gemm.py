@@ -673,24 +673,31 @@ def _env_tails(name, default):
 _KPERM_INDEX = {}  # (K, BK, device) -> index: one host-to-device copy per shape, none inside a CUDA graph capture
 
 
-def kperm_index(K, BK, device=None):
+def kperm_index(K, BK, device=None, nib=False):
     """int64 [K]: the stored column at each position of a matrix whose columns are in the K order of PERM tiles
-    with this BK (`_k_order` per block of BK columns); K must be a multiple of BK."""
+    with this BK (`_k_order` per block of BK columns); K must be a multiple of BK. nib: the order of the Gluon
+    kernel's table-free decode (`mxfp4_wgmma._e2m1_shift_ptx`), whose bf16 pair p of a thread's 4-byte word g holds
+    nibbles p and p + 4 of that word instead of the two nibbles of byte p."""
     if BK < 32 or BK & (BK - 1) or K % BK:
         raise ValueError(f"K-permuted columns need a power-of-two BK >= 32 that divides K, got K={K}, BK={BK}")
-    key = (K, BK, torch.device(device) if device is not None else None)
+    key = (K, BK, torch.device(device) if device is not None else None, bool(nib))
     if key not in _KPERM_INDEX:
         kap = torch.arange(BK)
-        L = kap // 2
-        order = 2 * ((BK // 8) * (L % 4) + 2 * (L // 8) + (L // 4) % 2) + kap % 2
+        L, e = kap // 2, kap % 2
+        t, q = L % 4, 2 * (L // 8) + (L // 4) % 2  # the A fragment's lane (of 4) and its byte q of BK/8
+        if nib:
+            order = 2 * ((BK // 8) * t + 4 * (q // 4)) + q % 4 + 4 * e
+        else:
+            order = 2 * ((BK // 8) * t + q) + e
         _KPERM_INDEX[key] = (torch.arange(0, K, BK)[:, None] + order[None, :]).reshape(-1).to(device)
     return _KPERM_INDEX[key]
 
 
-def permute_k(a, BK):
+def permute_k(a, BK, nib=False):
     """a [..., K] with its columns in the K order of PERM tiles with this BK: the `a_kperm=BK` input of
-    `mxfp4_grouped_gemm`, whose activation loads are then contiguous instead of gathered in pairs."""
-    return a.index_select(-1, kperm_index(a.shape[-1], BK, a.device))
+    `mxfp4_grouped_gemm`, whose activation loads are then contiguous instead of gathered in pairs (nib: the order
+    of the table-free decode, `kperm_index`)."""
+    return a.index_select(-1, kperm_index(a.shape[-1], BK, a.device, nib))
 
 
 def kperm_bk(M, E, N, K, dual=None):

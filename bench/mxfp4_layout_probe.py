@@ -1,0 +1,137 @@
+"""Does the packed weights' memory order bound the small-batch MXFP4 GEMMs? (K3 expert shapes, as bench/moe.py)
+
+    python bench/mxfp4_layout_probe.py --tokens 64 1024
+
+1. A read-only kernel streams every expert's packed bytes in the access pattern of one GEMM program (BN rows, BK/2
+   bytes of each per K step) from the stored [E, N, K/2] order and from tile-major order (`mxfp4_wgmma.tile_major`:
+   each K step one contiguous block): the DRAM ceiling of each order, without decode or MMA.
+2. The Gluon GEMMs (gate+up, down) in interleaved rounds: the default (cp.async ring), on tile-major copies, and the
+   TMA kernel (`mxfp4_wgmma_tma_kernel`: packed tiles by TMA W_STAGES - 1 steps ahead, activations by cp.async,
+   scales S_DIST steps ahead), each output compared with the default's (bit-identical).
+
+    python bench/mxfp4_layout_probe.py --tokens 1024 --variants tma:W_STAGES=5:S_DIST=2,tma6:W_STAGES=6:S_DIST=2
+Prints one JSON line per row."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import moe  # noqa: E402
+
+
+@triton.jit
+def _stream(w_ptr, out_ptr, KH, TILED: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr):
+    pid = tl.program_id(0)
+    r = tl.arange(0, BN)[:, None]
+    c = tl.arange(0, BKH)[None, :]
+    base = pid.to(tl.int64) * BN * KH
+    acc = tl.zeros([BN, BKH], tl.int32)
+    for k in range(KH // BKH):
+        if TILED:
+            off = base + k * (BN * BKH) + r * BKH + c
+        else:
+            off = base + r * KH + k * BKH + c
+        acc ^= tl.load(w_ptr + off).to(tl.int32)
+    tl.store(out_ptr + pid, tl.sum(acc))
+
+
+def stream_rows(W, w, BN=64, BK=128):
+    E, N, KH = w.shape
+    tiled = W.tile_major(w, torch.empty(E, N, KH // 16, dtype=torch.uint8, device=w.device), BN, BK)[0]
+    out = torch.empty(E * N // BN, dtype=torch.int32, device=w.device)
+    gb = w.numel() / 1e9
+    for name, t, flag in (("stored", w, False), ("tile_major", tiled, True)):
+        for stages in (3, 4, 6):
+            ms = moe.bench(lambda: _stream[(E * N // BN,)](t, out, KH, TILED=flag, BN=BN, BKH=BK // 2,
+                                                             num_warps=4, num_stages=stages))
+            print(json.dumps(dict(kind="stream", order=name, BN=BN, BK=BK, stages=stages, GB=round(gb, 2),
+                                  ms=round(ms, 3), TBps=round(gb / ms, 3))), flush=True)
+    del tiled
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 1024])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default="tile_major:TILED=1,tma:W_STAGES=5:S_DIST=2",
+                    help="name:KEY=VAL:...,... (TILED=1: tile-major copies; other keys go into the tile config)")
+    ap.add_argument("--no-stream", action="store_true")
+    args = ap.parse_args()
+    G, M, _ = moe.load_modules()
+    from kimi3_kernels import mxfp4_wgmma as W
+
+    mod = moe.make_mxfp4_weights(M)
+    E, D, INTER, TOPK = moe.E, moe.D, moe.INTER, moe.TOPK
+    if not args.no_stream:
+        stream_rows(W, mod.w2_packed)
+        stream_rows(W, mod.w2_packed, BK=256)
+    BN, BK = 64, 128
+    if "TILED=1" in args.variants:  # tile-major copies of every stack (another 15 GB)
+        t13 = W.tile_major(mod.w1_packed, mod.w1_scale, BN, BK) + W.tile_major(mod.w3_packed, mod.w3_scale, BN, BK)
+        t2 = W.tile_major(mod.w2_packed, mod.w2_scale, BN, BK)
+    orig = W.launch
+    state = {"tiled": False, "cfg": {}}
+
+    def patched(nblocks, a, meta, cfg, tiled=None):
+        if state["tiled"]:
+            tiled = t13 if a[4].data_ptr() == mod.w1_packed.data_ptr() else t2
+        return orig(nblocks, a, meta, dict(cfg, **state["cfg"]), tiled=tiled)
+
+    W.launch = patched
+    for n in args.tokens:
+        x = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
+        idx, _ = moe.routing(n, seed=n)
+        order, offsets = M._route(idx, E, sync_ok=False)
+        tok = (order // TOPK).to(torch.int32)
+        order32 = order.to(torch.int32)
+        rows = n * TOPK
+        h = torch.randn(rows, INTER, device="cuda", dtype=torch.bfloat16)
+        cu = G.default_config(rows, E, INTER, D, "out")
+        cd = G.default_config(rows, E, D, INTER)
+        acts = {0: (G.permute_k(x, cu["BK"]), G.permute_k(h, cd["BK"])),
+                1: (G.permute_k(x, cu["BK"], nib=True), G.permute_k(h, cd["BK"], nib=True))}
+
+        def up():
+            xp = acts[int(bool(state["cfg"].get("NIB")))][0]
+            return G.mxfp4_grouped_gemm(xp, mod.w1_packed, mod.w1_scale, offsets, a_rows=tok, dual="out", act="silu",
+                                        b_packed=mod.w3_packed, b_scale=mod.w3_scale, out_dtype=torch.bfloat16,
+                                        a_kperm=cu["BK"])
+
+        def down():
+            hp = acts[int(bool(state["cfg"].get("NIB")))][1]
+            return G.mxfp4_grouped_gemm(hp, mod.w2_packed, mod.w2_scale, offsets, c_rows=order32, num_c_rows=rows,
+                                        a_kperm=cd["BK"])
+
+        variants = [("default", {})]
+        for v in args.variants.split(","):
+            name, *kv = v.split(":")
+            variants.append((name, {k: int(x) for k, x in (t.split("=") for t in kv)}))
+        ref = {}
+        times = {(v[0], g): [] for v in variants for g in ("gate_up", "down")}
+        for r in range(args.rounds):
+            for name, over in variants:
+                state["tiled"] = bool(over.get("TILED"))
+                state["cfg"] = {k: v for k, v in over.items() if k != "TILED"}
+                for g, fn in (("gate_up", up), ("down", down)):
+                    out = fn()
+                    if (g not in ref):
+                        ref[g] = out
+                    elif r == 0:
+                        d = ((out.float() - ref[g].float()).norm() / ref[g].float().norm()).item()
+                        print(json.dumps(dict(kind="check", tokens=n, variant=name, gemm=g,
+                                              equal=bool(torch.equal(out, ref[g])), rel_diff=d)), flush=True)
+                    times[name, g].append(moe.bench(fn))
+        for (name, g), ts in times.items():
+            print(json.dumps(dict(kind="gemm", tokens=n, variant=name, gemm=g, ms=[round(t, 3) for t in ts],
+                                  cfg=cu if g == "gate_up" else cd)), flush=True)
+        state.update(tiled=False, cfg={})
+
+
+if __name__ == "__main__":
+    main()
