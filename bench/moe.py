@@ -285,13 +285,18 @@ def run(args):
         def ours_kernels(cfg_up=cfg_up, cfg_dn=cfg_dn, act="silu", act_params=(1.0, 1.0)):
             # as the module calls them: default tiles that take K-permuted operands get x and h copied into that
             # order (timed here)
+            # (and in the table-free decode's order where the Gluon tiles take it)
             bk_up = G.kperm_bk(Mrows, E, INTER, D, "out") if cfg_up is None else 0
             bk_dn = G.kperm_bk(Mrows, E, D, INTER) if cfg_dn is None else 0
-            h = G.mxfp4_grouped_gemm(G.permute_k(x, bk_up) if bk_up else x, mod.w1_packed, mod.w1_scale, offsets,
-                                     a_rows=tok, dual="out", act=act, act_params=act_params, b_packed=mod.w3_packed,
-                                     b_scale=mod.w3_scale, out_dtype=torch.bfloat16, config=cfg_up, a_kperm=bk_up)
-            return G.mxfp4_grouped_gemm(G.permute_k(h, bk_dn) if bk_dn else h, mod.w2_packed, mod.w2_scale, offsets,
-                                        c_rows=order32, num_c_rows=Mrows, config=cfg_dn, a_kperm=bk_dn)
+            nib_up = bool(bk_up) and G.kperm_nib(Mrows, E, INTER, D, "out") and mod._table_free_ok()
+            nib_dn = bool(bk_dn) and G.kperm_nib(Mrows, E, D, INTER) and mod._table_free_ok()
+            h = G.mxfp4_grouped_gemm(G.permute_k(x, bk_up, nib_up) if bk_up else x, mod.w1_packed, mod.w1_scale,
+                                     offsets, a_rows=tok, dual="out", act=act, act_params=act_params,
+                                     b_packed=mod.w3_packed, b_scale=mod.w3_scale, out_dtype=torch.bfloat16,
+                                     config=cfg_up, a_kperm=bk_up, a_nib=nib_up)
+            return G.mxfp4_grouped_gemm(G.permute_k(h, bk_dn, nib_dn) if bk_dn else h, mod.w2_packed, mod.w2_scale,
+                                        offsets, c_rows=order32, num_c_rows=Mrows, config=cfg_dn, a_kperm=bk_dn,
+                                        a_nib=nib_dn)
 
         row["mxfp4_ms"] = bench(ours_kernels)
         row["mxfp4_default_cfg_ms"] = bench(lambda: ours_kernels(None, None))

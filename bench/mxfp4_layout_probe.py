@@ -3,13 +3,14 @@
     python bench/mxfp4_layout_probe.py --tokens 64 1024
 
 1. A read-only kernel streams every expert's packed bytes in the access pattern of one GEMM program (BN rows, BK/2
-   bytes of each per K step) from the stored [E, N, K/2] order and from tile-major order (`mxfp4_wgmma.tile_major`:
-   each K step one contiguous block): the DRAM ceiling of each order, without decode or MMA.
-2. The Gluon GEMMs (gate+up, down) in interleaved rounds: the default (cp.async ring), on tile-major copies, and the
-   TMA kernel (`mxfp4_wgmma_tma_kernel`: packed tiles by TMA W_STAGES - 1 steps ahead, activations by cp.async,
-   scales S_DIST steps ahead), each output compared with the default's (bit-identical).
+   bytes of each per K step) from the stored [E, N, K/2] order and from tile-major order (`tile_major`: each K step
+   one contiguous block): the DRAM ceiling of each order, without decode or MMA.
+2. The Gluon GEMMs (gate+up, down) in interleaved rounds, the default tiles and variants of them (tile keys, e.g.
+   NIB=1: the table-free decode, with the activations in its K order), each output compared with the default's.
 
-    python bench/mxfp4_layout_probe.py --tokens 1024 --variants tma:W_STAGES=5:S_DIST=2,tma6:W_STAGES=6:S_DIST=2
+    python bench/mxfp4_layout_probe.py --tokens 1024 --variants nib:NIB=1
+
+(982d8d9 also timed the GEMMs on tile-major copies and a TMA weight ring; bench/results/moe_h200.md.)
 Prints one JSON line per row."""
 
 import argparse
@@ -41,9 +42,15 @@ def _stream(w_ptr, out_ptr, KH, TILED: tl.constexpr, BN: tl.constexpr, BKH: tl.c
     tl.store(out_ptr + pid, tl.sum(acc))
 
 
-def stream_rows(W, w, BN=64, BK=128):
+def tile_major(packed, BN, BK):
+    """[E, N, K/2] -> the same bytes as [E, N/BN, K/BK, BN, BK/2]: one contiguous block per program and K step."""
+    E, N, Kh = packed.shape
+    return packed.view(E, N // BN, BN, Kh * 2 // BK, BK // 2).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def stream_rows(w, BN=64, BK=128):
     E, N, KH = w.shape
-    tiled = W.tile_major(w, torch.empty(E, N, KH // 16, dtype=torch.uint8, device=w.device), BN, BK)[0]
+    tiled = tile_major(w, BN, BK)
     out = torch.empty(E * N // BN, dtype=torch.int32, device=w.device)
     gb = w.numel() / 1e9
     for name, t, flag in (("stored", w, False), ("tile_major", tiled, True)):
@@ -59,8 +66,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 1024])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default="tile_major:TILED=1,tma:W_STAGES=5:S_DIST=2",
-                    help="name:KEY=VAL:...,... (TILED=1: tile-major copies; other keys go into the tile config)")
+    ap.add_argument("--variants", default="nib:NIB=1", help="name:KEY=VAL:...,... (keys of the tile config)")
     ap.add_argument("--no-stream", action="store_true")
     args = ap.parse_args()
     G, M, _ = moe.load_modules()
@@ -69,19 +75,13 @@ def main():
     mod = moe.make_mxfp4_weights(M)
     E, D, INTER, TOPK = moe.E, moe.D, moe.INTER, moe.TOPK
     if not args.no_stream:
-        stream_rows(W, mod.w2_packed)
-        stream_rows(W, mod.w2_packed, BK=256)
-    BN, BK = 64, 128
-    if "TILED=1" in args.variants:  # tile-major copies of every stack (another 15 GB)
-        t13 = W.tile_major(mod.w1_packed, mod.w1_scale, BN, BK) + W.tile_major(mod.w3_packed, mod.w3_scale, BN, BK)
-        t2 = W.tile_major(mod.w2_packed, mod.w2_scale, BN, BK)
+        stream_rows(mod.w2_packed)
+        stream_rows(mod.w2_packed, BK=256)
     orig = W.launch
-    state = {"tiled": False, "cfg": {}}
+    state = {"cfg": {}}
 
-    def patched(nblocks, a, meta, cfg, tiled=None):
-        if state["tiled"]:
-            tiled = t13 if a[4].data_ptr() == mod.w1_packed.data_ptr() else t2
-        return orig(nblocks, a, meta, dict(cfg, **state["cfg"]), tiled=tiled)
+    def patched(nblocks, a, meta, cfg):
+        return orig(nblocks, a, meta, dict(cfg, **state["cfg"]))
 
     W.launch = patched
     for n in args.tokens:
@@ -116,8 +116,7 @@ def main():
         times = {(v[0], g): [] for v in variants for g in ("gate_up", "down")}
         for r in range(args.rounds):
             for name, over in variants:
-                state["tiled"] = bool(over.get("TILED"))
-                state["cfg"] = {k: v for k, v in over.items() if k != "TILED"}
+                state["cfg"] = over
                 for g, fn in (("gate_up", up), ("down", down)):
                     out = fn()
                     if (g not in ref):
@@ -130,7 +129,7 @@ def main():
         for (name, g), ts in times.items():
             print(json.dumps(dict(kind="gemm", tokens=n, variant=name, gemm=g, ms=[round(t, 3) for t in ts],
                                   cfg=cu if g == "gate_up" else cd)), flush=True)
-        state.update(tiled=False, cfg={})
+        state["cfg"] = {}
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,15 +66,18 @@ def _main_loop(sass):
 
 
 @needs_gluon
-@pytest.mark.parametrize("BM,STAGES,DUAL,PAIR", [(16, 4, 1, 0), (32, 4, 1, 0), (16, 4, 0, 1), (32, 4, 0, 1),
-                                                 (16, 4, 0, 0)])
-def test_compiles_for_sm90_with_asynchronous_register_operand_wgmma(BM, STAGES, DUAL, PAIR):
+@pytest.mark.parametrize("BM,STAGES,DUAL,PAIR,NIB", [(16, 4, 1, 0, 0), (32, 4, 1, 0, 0), (16, 4, 0, 1, 0),
+                                                     (32, 4, 0, 1, 0), (16, 4, 0, 0, 0), (32, 4, 1, 0, 1),
+                                                     (32, 4, 0, 1, 1), (16, 4, 1, 0, 1)])
+def test_compiles_for_sm90_with_asynchronous_register_operand_wgmma(BM, STAGES, DUAL, PAIR, NIB):
     """The default tiles (gate+up with SiTU fused; down with two row tiles per program) and the single-tile GEMM
-    stepping two K tiles at a time: the MMAs read the decoded tile from registers, each wait leaves one MMA in
-    flight (a synchronous MMA would wait for 0), and nothing spills."""
+    stepping two K tiles at a time, with the table decode and the table-free one (NIB): the MMAs read the decoded
+    tile from registers, each wait leaves one MMA in flight (a synchronous MMA would wait for 0), nothing spills,
+    and the table-free decode issues no byte permutes (the table decode: ~10 per 4 words) and fewer ALU-pipe
+    instructions."""
     try:
         cuobjdump = triton.knobs.nvidia.cuobjdump.path
-        ck = _compile(BM, 128, STAGES, DUAL, PAIR)
+        ck = _compile(BM, 128, STAGES, DUAL, PAIR, NIB=NIB)
     except (AttributeError, FileNotFoundError, RuntimeError) as ex:  # no CUDA backend tools in this install
         pytest.skip(f"cannot compile for sm_90 here: {ex!r}")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -90,6 +94,13 @@ def test_compiles_for_sm90_with_asynchronous_register_operand_wgmma(BM, STAGES, 
     assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] * 2, waits
     # the decoded tile goes from the decode to the MMA in registers: no shared-memory stores in the loop
     assert not [t for t in loop if t.startswith("STS")], loop
+    prmt = [t for t in loop if t.startswith("PRMT")]
+    words = 64  # decoded bf16 pairs per thread per loop: two 64x128 tiles over 128 threads
+    if NIB:  # a few PRMTs move scale bytes; none decode
+        assert len(prmt) <= 8, prmt
+        assert len([t for t in loop if t.startswith("LOP3")]) <= 2 * words + 8, loop
+    else:
+        assert len(prmt) >= 2 * words, len(prmt)
 
 
 def test_default_tiles_and_dispatch(monkeypatch):
@@ -111,6 +122,116 @@ def test_default_tiles_and_dispatch(monkeypatch):
     monkeypatch.setenv("KIMI3_MXFP4_WGMMA", "1")
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         assert not G.wgmma_enabled()
+
+
+def _bf16_bits_to_f32(bits):
+    return torch.from_numpy(bits.astype(np.int32)).to(torch.int16).view(torch.bfloat16).float()
+
+
+def _run_ptx(ptx, regs):
+    """Execute the straight-line PTX of `_e2m1_shift_ptx` on uint32 numpy arrays ($n operands in regs)."""
+    env = dict(regs)
+
+    def val(tok):
+        tok = tok.strip()
+        return env[tok] if tok in env else np.uint32(int(tok, 0) & 0xFFFFFFFF)
+
+    for line in ptx.strip("{}").split("\n"):
+        line = line.strip().rstrip(";")
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        v = [val(a) for a in src]
+        if op == "mov.b32":
+            r = v[0] + np.zeros_like(regs["$4"])
+        elif op == "shl.b32":
+            r = v[0] << v[1]
+        elif op == "mul.hi.u32":
+            r = ((v[0].astype(np.uint64) * np.uint64(v[1])) >> np.uint64(32)).astype(np.uint32)
+        elif op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "lop3.b32":
+            assert int(src[3], 0) == 0xEA  # (a & b) | c
+            r = (v[0] & v[1]) | v[2]
+        elif op == "fma.rn.bf16x2":  # bf16 products are exact in fp32; adding -0 keeps them; one rounding
+            out = []
+            for sh in (0, 16):
+                a, b, c = (_bf16_bits_to_f32((t >> np.uint32(sh)) & np.uint32(0xFFFF)) for t in v)
+                bits = (a * b + c).bfloat16().view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
+                out.append(bits << np.uint32(sh))
+            r = out[0] | out[1]
+        else:
+            raise AssertionError(f"unexpected PTX op {op}")
+        env[d] = np.asarray(r, dtype=np.uint32)
+    return [env[f"${i}"] for i in range(4)]
+
+
+def test_table_free_decode_ptx_gives_the_e2m1_values():
+    """`_e2m1_shift_ptx` run instruction by instruction (a small interpreter): bf16 pair p of a 4-byte word holds
+    nibbles p and p + 4, each code times its scale 2^(e-127) exactly, -0 for the code of negative zero, at every
+    scale exponent it accepts (0..128); 129 would overflow the multiplier, which is why callers check."""
+    rng = np.random.default_rng(0)
+    n = 4096
+    x = rng.integers(0, 2 ** 32, size=n, dtype=np.uint64).astype(np.uint32)
+    x[:16] = np.array([0x88888888, 0, 0xFFFFFFFF, 0x77777777] * 4, dtype=np.uint32)
+    e = rng.integers(0, 129, size=n).astype(np.uint32)
+    e[:4] = (0, 1, 127, 128)
+    mult = ((e + 126) << np.uint32(7)) * np.uint32(0x10001)  # the kernel's multiplier word
+    words = _run_ptx(W._e2m1_shift_ptx(), {"$4": x, "$5": mult, "$6": mult, "$7": mult, "$8": mult})
+    codes = np.stack([(x >> np.uint32(4 * j)) & np.uint32(15) for j in range(8)], 1).astype(np.int64)
+    mag = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])[codes & 7] * np.exp2(e.astype(np.float64) - 127)[:, None]
+    want = torch.from_numpy(np.where(codes & 8, -mag, mag)).float()  # exact in fp32 (and in bf16)
+    for p in range(4):
+        for half, j in ((0, p), (16, p + 4)):
+            got = _bf16_bits_to_f32((words[p] >> np.uint32(half)) & np.uint32(0xFFFF))
+            assert torch.equal(got, want[:, j]), (p, j)
+            assert torch.equal(torch.signbit(got), torch.from_numpy(codes[:, j] >= 8)), (p, j)  # -0 for code 8
+
+
+def test_table_free_order_puts_each_pair_where_the_mma_reads_it():
+    """kperm_index(nib=True), derived independently: lane t of a quad holds bytes 16t..16t+15 of a 128-wide row
+    tile as four words; pair p of word g (nibbles p, p + 4: stored columns 2(16t + 4g) + p + 4e) sits at byte slot
+    4g + p, which the A fragment feeds to MMA column 16 (slot // 2) + 8 (slot % 2) + 2t + e."""
+    BK = 128
+    want = torch.empty(BK, dtype=torch.long)
+    for t in range(4):
+        for g in range(4):
+            for p in range(4):
+                for e in range(2):
+                    slot = 4 * g + p
+                    want[16 * (slot // 2) + 8 * (slot % 2) + 2 * t + e] = 2 * (16 * t + 4 * g) + p + 4 * e
+    got = G.kperm_index(2 * BK, BK, nib=True)
+    assert torch.equal(got[:BK], want) and torch.equal(got[BK:], want + BK)
+    # the table decode's order, by the same derivation (pair = the two nibbles of byte slot 16t + slot)
+    plain = torch.empty(BK, dtype=torch.long)
+    for t in range(4):
+        for slot in range(16):
+            for e in range(2):
+                plain[16 * (slot // 2) + 8 * (slot % 2) + 2 * t + e] = 2 * (16 * t + slot) + e
+    assert torch.equal(G.kperm_index(BK, BK), plain)
+
+
+def test_table_free_dispatch(monkeypatch):
+    """Where the activations may come in the table-free order: the Gluon tiles only (not one row per program, not
+    BM >= 64), scales up to exponent 128; a_nib elsewhere is an error, not the wrong products."""
+    monkeypatch.setattr(G, "wgmma_enabled", lambda device=None: True)
+    E, D, I = 896, 3584, 3072
+    assert G.kperm_nib(64 * 16, E, I, D, "out") and G.kperm_nib(1024 * 16, E, D, I)
+    assert not G.kperm_nib(16384 * 16, E, I, D, "out")
+    assert not G.kperm_nib(16, 16, I, D, "out", row_expert=True)
+    monkeypatch.undo()
+    s = torch.full((2, 4, 8), 128, dtype=torch.uint8)
+    assert G.scales_fit_table_free(s, s[:, :2])
+    s[1, 3, 7] = 129
+    assert not G.scales_fit_table_free(s)
+    a = torch.randn(4, 256).bfloat16()
+    wp = torch.randint(0, 256, (2, 128, 128), dtype=torch.uint8)
+    ws = torch.full((2, 128, 8), 127, dtype=torch.uint8)
+    offs = torch.tensor([0, 2, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="a_nib"):
+        G.mxfp4_grouped_gemm(G.permute_k(a, 128, nib=True), wp, ws, offs, a_kperm=128, a_nib=True,
+                             config=dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=2))
 
 
 def test_explicit_tile_refused_where_the_kernel_cannot_run():
@@ -168,3 +289,15 @@ def test_matches_triton_kernel_and_reference_on_gpu(rows, monkeypatch):
             ref = R.mxfp4_grouped_gemm_ref(h, w2p, w2s, offs, c_rows=c_rows, num_c_rows=M)
             err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
             assert err < 1e-5, err  # bf16 operands, fp32 accumulation in another order
+            # the table-free decode: the same products, summed in another K order
+            nib = G.mxfp4_grouped_gemm(G.permute_k(h, 128, nib=True), w2p, w2s, offs, config=wg, a_nib=True, **kw)
+            err = ((nib.double() - ref.double()).norm() / ref.double().norm()).item()
+            assert err < 1e-5, err
+            for act in (None, "situ"):
+                kw_up = dict(a_rows=a_rows, dual="out", b_packed=bp, b_scale=bs, act=act, out_dtype=torch.float32,
+                             a_kperm=128)
+                tab = G.mxfp4_grouped_gemm(G.permute_k(x, 128), wp, ws, offs, config=wg, **kw_up)
+                nib = G.mxfp4_grouped_gemm(G.permute_k(x, 128, nib=True), wp, ws, offs, config=wg, a_nib=True,
+                                           **kw_up)
+                err = ((nib.double() - tab.double()).norm() / tab.double().norm()).item()
+                assert err < 1e-5, (BM, stages, act, err)

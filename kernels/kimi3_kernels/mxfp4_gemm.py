@@ -707,6 +707,19 @@ def kperm_bk(M, E, N, K, dual=None):
     return cfg["BK"] if cfg.get("AK") else 0
 
 
+def kperm_nib(M, E, N, K, dual=None, row_expert=False):
+    """Whether the default tile of this forward GEMM is the Gluon kernel, which can take its activations in the
+    order of the table-free decode (`permute_k(a, BK, nib=True)` with `a_nib=True`). That decode needs every scale
+    exponent <= 128, which the caller checks (`scales_fit_table_free`)."""
+    return bool(default_config(M, E, N, K, dual, row_expert=row_expert).get("WG"))
+
+
+def scales_fit_table_free(*scales):
+    """Whether every E8M0 exponent in these scale stacks is at most 128 (2^1: blocks whose largest |w| is below 16),
+    the range of the Gluon kernel's table-free decode. One reduction and a host sync per stack: callers cache it."""
+    return all(int(s.max()) <= 128 for s in scales if s.numel())
+
+
 def route_expert_ids(topk_idx, num_experts):
     """topk_idx [T, k] (any integer dtype) -> (int32 [T*k] the routes' experts, the `expert_ids` of
     `mxfp4_grouped_gemm`; int32 [1], 1 when every id lies in [0, num_experts)) in one launch: check the flag with
@@ -751,7 +764,7 @@ def _shapes(a, w_packed, w_scale, trans_w):
 def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a_rows=None, c_rows=None,
                        num_c_rows=None, a2=None, b_packed=None, b_scale=None, dual=None, act=None,
                        act_params=(4.0, 25.0), out_dtype=torch.float32, config=None, a_kperm=0, expert_ids=None,
-                       a_row_div=1):
+                       a_row_div=1, a_nib=False):
     """Grouped MXFP4 GEMM (see the module docstring).
 
     a [Ra, K] float (bf16 preferred); w_packed/w_scale stacked MXFP4 [E, N, K/2]/[E, N, K/32] (or [E, K, N/2]/
@@ -763,6 +776,9 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     a_kperm=BK (forward GEMMs only): the columns of `a` (and `a2`) are in the K order of PERM tiles with this BK
     (`permute_k`), which fixes the tile's BK and PERM. (Writing C in that order from the epilogue was tried: its
     2-byte scattered stores cost ~11 ms at 16K tokens of K3, against ~1 ms for `permute_k` afterwards.)
+    a_nib (with a_kperm): the columns are in the order of the Gluon kernel's table-free decode instead
+    (`permute_k(a, BK, nib=True)`; `kperm_nib` says where the default tile takes it); every scale exponent of the
+    weights must be <= 128 (`scales_fit_table_free`), which is not checked here.
     expert_ids int32 [M] instead of expert_offsets (forward only; expert_offsets=None): rows in any order, one per
     program at BM=16, row m's expert expert_ids[m] (E or more: the row is not written); without a_rows row m reads
     row m // a_row_div of `a`. For decode, where sorting the few routes costs more launches than it saves.
@@ -803,6 +819,11 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
             BN, _, warps, stages = _PERM_TILES.get((cfg["BM"], dual), _TILES[cfg["BM"]])[:4]
             cfg.update(BN=BN, BK=a_kperm, num_warps=warps, num_stages=stages)
         cfg.update(PERM=1, DEQ=0, SPLIT=0)  # the other K paths read the columns in stored order
+    if a_nib:
+        if not a_kperm or not cfg.get("WG"):
+            raise ValueError("a_nib: activations in the table-free decode's order need a_kperm and a Gluon tile "
+                             f"(WG=1; `kperm_nib`), got a_kperm={a_kperm}, tile {cfg}")
+        cfg["NIB"] = 1
     a = a.contiguous()
     if a2 is not None:
         a2 = a2.contiguous()
@@ -881,7 +902,7 @@ def _run(cfg, args, nblocks, N, K, meta, config):
         if mxfp4_wgmma.supported(meta, cfg, N, K):
             mxfp4_wgmma.launch(nblocks, args, meta, cfg)
             return
-        if config and config.get("WG"):
+        if (config and config.get("WG")) or cfg.get("NIB"):  # NIB: no other kernel reads that K order
             raise ValueError(f"the wgmma kernel does not compute this launch (tile {cfg})")
     if int(cfg.get("DEQ", 0)) == 1:
         try:

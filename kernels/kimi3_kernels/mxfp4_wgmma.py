@@ -21,15 +21,12 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, \
-        warpgroup_mma, warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, \
+        warpgroup_mma_wait
 
-    # Triton 3.6 (the H200's) names the cp.async and TMA copies async_copy_global_to_shared, 3.9 async_load
+    # Triton 3.6 (the H200's) names the cp.async copy async_copy_global_to_shared, 3.9 async_load
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after 3.6
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # 3.6: _reinterpret
     from .mxfp4_gemm import LUT_WORDS, ZERO_PTX, _e2m1_ptx  # the Triton kernel's decode, same bits
 
     HAS_GLUON = True
@@ -58,36 +55,28 @@ def byte_layout(BN, BK, num_warps):
     return gl.DistributedLinearLayout(reg, lane, warp, [], [BN, BK // 32, 16])
 
 
-def _e2m1_shift_ptx(mad=False):
+def _e2m1_shift_ptx():
     """The decode without tables ($4 = 4 packed bytes, $5..$8 their multipliers 2^(e-1) as bf16x2, e the E8M0
     exponent): word p = nibbles p and p + 4 of the register (one element each of bytes p/2 and p/2 + 2), each as
     bf16 bits sign << 15 | code << 6. A code's exponent bits land in the bf16 exponent's low two bits, so normal
     codes read 2^-126 times their value and code 1 (0.5) the subnormal 2^-127: one multiply by 2^126 2^(e-127)
     gives the exact product. Needs e <= 128 (the multiplier's exponent 126 + e must stay finite); the caller checks.
-    Two masks per word on the ALU pipe (the table decode's byte permutes kept it busy: the kernel's bound); mad:
-    the shifts as integer multiplies, for the FMA pipe."""
+    Two masks per word on the ALU pipe and two shifts, most of them on the FMA pipe: the table decode's byte
+    permutes kept the ALU pipe 66% busy at 1,024 tokens, the kernel's bound (ncu, bench/results/moe_h200.md)."""
     body = ["mov.b32 nz, 0x80008000;"]
-    if mad:
-        body.append("shr.u32 y, $4, 8;")
-        for p in range(4):
-            src, q = ("$4", p) if p < 2 else ("y", p - 2)
-            body += [f"and.b32 m, {src}, {0x00070007 << 4 * q:#x};", f"and.b32 s, {src}, {0x00080008 << 4 * q:#x};",
-                     f"mul.lo.u32 m, m, {1 << (6 - 4 * q)};", f"mad.lo.u32 a, s, {1 << (12 - 4 * q)}, m;",
-                     f"fma.rn.bf16x2 ${p}, a, ${5 + p}, nz;"]
-    else:
-        for p, (sa, sb) in enumerate(((6, 12), (2, 8), (-2, 4), (-6, 0))):
-            body.append(f"shl.b32 a, $4, {sa};" if sa >= 0 else f"mul.hi.u32 a, $4, {1 << (32 + sa)};")
-            body.append(f"shl.b32 b, $4, {sb};" if sb else "mov.b32 b, $4;")
-            body.append("and.b32 b, b, 0x80008000;")
-            body.append("lop3.b32 a, a, 0x01C001C0, b, 0xEA;")  # (a & mask) | b
-            body.append(f"fma.rn.bf16x2 ${p}, a, ${5 + p}, nz;")
-    return "{.reg .b32 a, b, m, s, y, nz;\n" + "\n".join(body) + "}"
+    for p, (sa, sb) in enumerate(((6, 12), (2, 8), (-2, 4), (-6, 0))):
+        # right shifts as multiplies: ptxas then puts them on the FMA pipe
+        body.append(f"shl.b32 a, $4, {sa};" if sa >= 0 else f"mul.hi.u32 a, $4, {1 << (32 + sa)};")
+        body.append(f"shl.b32 b, $4, {sb};" if sb else "mov.b32 b, $4;")
+        body.append("and.b32 b, b, 0x80008000;")
+        body.append("lop3.b32 a, a, 0x01C001C0, b, 0xEA;")  # (a & mask) | b
+        body.append(f"fma.rn.bf16x2 ${p}, a, ${5 + p}, nz;")
+    return "{.reg .b32 a, b, nz;\n" + "\n".join(body) + "}"
 
 
 if HAS_GLUON:
     _E2M1 = gl.constexpr(_e2m1_ptx(True))
     _E2M1_SHIFT = gl.constexpr(_e2m1_shift_ptx())
-    _E2M1_MAD = gl.constexpr(_e2m1_shift_ptx(True))
     _CONS = gl.constexpr("=r,=r,=r,=r" + ",r" * 13)
     _ZERO = gl.constexpr(ZERO_PTX)
     _LUT_A = gl.constexpr(LUT_WORDS[0])
@@ -97,20 +86,15 @@ if HAS_GLUON:
     def _decode(p, s, BN: gl.constexpr, BK: gl.constexpr, A_LAYOUT: gl.constexpr, NIB: gl.constexpr):
         """p uint8 [BN, BK/32, 16] (byte_layout), s uint8 [BN, BK/32] (its slice) -> bf16 [BN, BK] in the wgmma A
         layout, K in the PERM order (the decode of `mxfp4_gemm._dequant`, same bits); NIB: the table-free decode
-        (`_e2m1_shift_ptx`), K in the order of `mxfp4_gemm.kperm_index(..., nib=True)`."""
+        (`_e2m1_shift_ptx`, same values), K in the order of `mxfp4_gemm.kperm_index(..., nib=True)`."""
         if NIB:
             b = (s.to(gl.int32) + 126) << 7
             sb = gl.broadcast(gl.expand_dims(b | (b << 16), 2), p)[0]
-            if NIB == 2:
-                w = gl.inline_asm_elementwise(_E2M1_MAD, "=r,=r,=r,=r,r,r,r,r,r", [p, sb], dtype=gl.int32,
-                                              is_pure=True, pack=4)
-            else:
-                w = gl.inline_asm_elementwise(_E2M1_SHIFT, "=r,=r,=r,=r,r,r,r,r,r", [p, sb], dtype=gl.int32,
-                                              is_pure=True, pack=4)
+            w = gl.inline_asm_elementwise(_E2M1_SHIFT, "=r,=r,=r,=r,r,r,r,r,r", [p, sb], dtype=gl.int32,
+                                          is_pure=True, pack=4)
         else:
             b = gl.maximum(s.to(gl.int32) << 7, 0x40)
-            sb = gl.expand_dims(b | (b << 16), 2)
-            sb = gl.broadcast(sb, p)[0]
+            sb = gl.broadcast(gl.expand_dims(b | (b << 16), 2), p)[0]
             z = gl.inline_asm_elementwise(_ZERO, "=r,r", [sb], dtype=gl.int32, is_pure=True, pack=1)
             w = gl.inline_asm_elementwise(_E2M1, _CONS, [p, sb, z | _LUT_A, z | _LUT_B], dtype=gl.int32,
                                           is_pure=True, pack=4)
@@ -139,20 +123,21 @@ if HAS_GLUON:
         return beta1 * _tanh(g / beta1) * sig * u
 
     @gluon.jit
-    def _issue(step, n_k, slot, w_ptr, b_ptr, a_ptr, w_off, stride_wk, rows_off, m_mask_x, p_smem, q_smem, x_smem,
+    def _issue(step, n_k, slot, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
                BK: gl.constexpr, TWO: gl.constexpr, P_LOAD: gl.constexpr, X_LOAD: gl.constexpr):
         """cp.async of K step `step` (packed weights, activations) into ring slot `slot`; one commit group even
         past the last step, so the group count stays the same every iteration."""
         if step < n_k:
-            _cp_async(p_smem.index(slot), w_ptr + (w_off + step * stride_wk))
+            k0 = step * BK
+            _cp_async(p_smem.index(slot), w_ptr + (w_off + k0 // 2))
             if TWO:
-                _cp_async(q_smem.index(slot), b_ptr + (w_off + step * stride_wk))
+                _cp_async(q_smem.index(slot), b_ptr + (w_off + k0 // 2))
             kk = gl.arange(0, BK, layout=gl.SliceLayout(0, X_LOAD))
-            _cp_async(x_smem.index(slot), a_ptr + (rows_off + step * BK + kk[None, :]), mask=m_mask_x)
+            _cp_async(x_smem.index(slot), a_ptr + (rows_off + k0 + kk[None, :]), mask=m_mask_x)
         async_copy.commit_group()
 
     @gluon.jit
-    def _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, stride_wk, rows_off, m_mask_x, p_smem, q_smem, x_smem,
+    def _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
                BK: gl.constexpr, STAGES: gl.constexpr, TWO: gl.constexpr, P_LOAD: gl.constexpr,
                X_LOAD: gl.constexpr, P_LAYOUT: gl.constexpr):
         """Wait for K step k's copies, refill the slot of step k-2 with step k+STAGES-2, and read step k's packed
@@ -160,7 +145,7 @@ if HAS_GLUON:
         async_copy.wait_group(STAGES - 3)
         fence_async_shared()  # the copies' writes, before the wgmma's async-proxy reads of the activations
         _barrier()  # every warp's copies landed; every warp is past its wait for step k-2's MMAs
-        _issue(k + STAGES - 2, n_k, (k + STAGES - 2) % STAGES, w_ptr, b_ptr, a_ptr, w_off, stride_wk, rows_off, m_mask_x,
+        _issue(k + STAGES - 2, n_k, (k + STAGES - 2) % STAGES, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x,
                p_smem, q_smem, x_smem, BK, TWO, P_LOAD, X_LOAD)
         slot = k % STAGES
         p = p_smem.index(slot).load(P_LAYOUT)
@@ -180,8 +165,8 @@ if HAS_GLUON:
     @gluon.jit
     def mxfp4_wgmma_kernel(
         a_ptr, a_rows_ptr, stride_am,
-        w_ptr, ws_ptr, b_ptr, bs_ptr, stride_we, stride_wt, stride_wr, stride_wk, stride_se, stride_st, stride_sr,
-        stride_sk, lo_ptr, hi_ptr, bcum_ptr, c_ptr, c_rows_ptr, stride_cm,
+        w_ptr, ws_ptr, b_ptr, bs_ptr, stride_we, stride_wr, stride_se, stride_sr,
+        lo_ptr, hi_ptr, bcum_ptr, c_ptr, c_rows_ptr, stride_cm,
         N, K, E, beta1, beta2,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
         E_CHUNK: gl.constexpr, NUM_E_CHUNKS: gl.constexpr,
@@ -229,15 +214,14 @@ if HAS_GLUON:
         rows_off = gl.broadcast(rows_off, gl.full([BM, BK], 0, gl.int64, X_LOAD))[0]
 
         # packed weight pointers [BN, G, 16] and scale pointers [BN, G]
-        n_p = gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, P_LOAD)))
+        n_p = pid_n * BN * (1 + PAIR) + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, P_LOAD)))
         g_p = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, P_LOAD)))
         q_p = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, P_LOAD)))
-        w_off = (e64 * stride_we + (pid_n * (1 + PAIR)).to(gl.int64) * stride_wt
-                 + n_p[:, None, None] * stride_wr + g_p[None, :, None] * 16 + q_p[None, None, :])
-        n_s = gl.arange(0, BN, layout=gl.SliceLayout(1, S_LAYOUT))
+        w_off = (e64 * stride_we + n_p[:, None, None].to(gl.int64) * stride_wr + g_p[None, :, None] * 16
+                 + q_p[None, None, :])
+        n_s = pid_n * BN * (1 + PAIR) + gl.arange(0, BN, layout=gl.SliceLayout(1, S_LAYOUT))
         g_s = gl.arange(0, G, layout=gl.SliceLayout(0, S_LAYOUT))
-        s_off = (e64 * stride_se + (pid_n * (1 + PAIR)).to(gl.int64) * stride_st + n_s[:, None] * stride_sr
-                 + g_s[None, :])
+        s_off = e64 * stride_se + n_s[:, None].to(gl.int64) * stride_sr + g_s[None, :]
 
         p_smem = gl.allocate_shared_memory(gl.uint8, [STAGES, BN, G, 16], P_SMEM)
         if TWO:
@@ -248,7 +232,7 @@ if HAS_GLUON:
 
         n_k = K // BK
         for i in gl.static_range(STAGES - 2):
-            _issue(i, n_k, i, w_ptr, b_ptr, a_ptr, w_off, stride_wk, rows_off, m_mask_x, p_smem, q_smem, x_smem,
+            _issue(i, n_k, i, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
                    BK, TWO, P_LOAD, X_LOAD)
 
         acc = gl.zeros([BN, BM], gl.float32, MMA)
@@ -265,23 +249,23 @@ if HAS_GLUON:
             for k in range(n_k):
                 s_cur = s_nxt
                 s2_cur = s2_nxt
-                k_nxt = gl.minimum(k + 1, n_k - 1) * stride_sk
+                k_nxt = gl.minimum(k + 1, n_k - 1) * G
                 s_nxt = gl.load(ws_ptr + s_off + k_nxt)
                 s2_nxt = gl.load(bs_ptr + s_off + k_nxt)
-                p, q, xt = _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, stride_wk, rows_off, m_mask_x, p_smem, q_smem, x_smem,
+                p, q, xt = _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
                                   BK, STAGES, TWO, P_LOAD, X_LOAD, P_LAYOUT)
                 acc, acc2, wa = _mma(p, s_cur, xt, acc, acc2, wb, BN, BK, A_LAYOUT, NIB)
                 acc2, acc, wb = _mma(q, s2_cur, xt, acc2, acc, wa, BN, BK, A_LAYOUT, NIB)
         else:
             for k in range(0, n_k, 2):
                 s_cur = s_nxt
-                s_nxt = gl.load(ws_ptr + s_off + (k + 1) * stride_sk)
-                p, q, xt = _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, stride_wk, rows_off, m_mask_x, p_smem, q_smem, x_smem,
+                s_nxt = gl.load(ws_ptr + s_off + (k + 1) * G)
+                p, q, xt = _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
                                   BK, STAGES, TWO, P_LOAD, X_LOAD, P_LAYOUT)
                 acc, acc2, wa = _mma(p, s_cur, xt, acc, acc2, wb, BN, BK, A_LAYOUT, NIB)
                 s_cur = s_nxt
-                s_nxt = gl.load(ws_ptr + s_off + gl.minimum(k + 2, n_k - 1) * stride_sk)
-                p, q, xt = _ready(k + 1, n_k, w_ptr, b_ptr, a_ptr, w_off, stride_wk, rows_off, m_mask_x, p_smem, q_smem,
+                s_nxt = gl.load(ws_ptr + s_off + gl.minimum(k + 2, n_k - 1) * G)
+                p, q, xt = _ready(k + 1, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem,
                                   x_smem, BK, STAGES, TWO, P_LOAD, X_LOAD, P_LAYOUT)
                 acc, acc2, wb = _mma(p, s_cur, xt, acc, acc2, wa, BN, BK, A_LAYOUT, NIB)
         # the last MMA's words stay live until it is done
@@ -310,186 +294,6 @@ if HAS_GLUON:
                 gl.store(c_ptrs + BN, acc2.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-    @gluon.jit
-    def _as_groups(buf, BN: gl.constexpr, G: gl.constexpr, LAYOUT: gl.constexpr):
-        """An unswizzled [BN, BK/2] byte tile (TMA's image: row-major) viewed as [BN, BK/32, 16]."""
-        if _NEW_REINTERPRET:
-            return buf.reinterpret(gl.uint8, [BN, G, 16], LAYOUT)
-        else:
-            return buf._reinterpret(gl.uint8, [BN, G, 16], LAYOUT)
-
-    @gluon.jit
-    def _issue_x(step, n_k, slot, a_ptr, rows_off, m_mask_x, x_smem, BK: gl.constexpr, X_LOAD: gl.constexpr):
-        """cp.async of K step `step`'s activations into x ring slot `slot`; one commit group even past the end."""
-        if step < n_k:
-            kk = gl.arange(0, BK, layout=gl.SliceLayout(0, X_LOAD))
-            _cp_async(x_smem.index(slot), a_ptr + (rows_off + step * BK + kk[None, :]), mask=m_mask_x)
-        async_copy.commit_group()
-
-    @gluon.jit
-    def _issue_w(step, n_k, slot, w_desc, b_desc, row_w, row_b, bars, p_smem, q_smem, BN: gl.constexpr,
-                 BK: gl.constexpr, TWO: gl.constexpr):
-        """TMA of K step `step`'s packed tiles (both weights) into weight ring slot `slot`, arriving on its barrier."""
-        ok = step < n_k
-        bar = bars.index(slot)
-        mbarrier.expect(bar, BN * (BK // 2) * (1 + TWO), pred=ok)
-        _tma_load(w_desc, [row_w, step * (BK // 2)], bar, p_smem.index(slot), pred=ok)
-        if TWO:
-            _tma_load(b_desc, [row_b, step * (BK // 2)], bar, q_smem.index(slot), pred=ok)
-
-    @gluon.jit
-    def mxfp4_wgmma_tma_kernel(
-        a_ptr, a_rows_ptr, stride_am, w_desc, b_desc, ws_ptr, bs_ptr, stride_se, stride_st, stride_sr, stride_sk,
-        lo_ptr, hi_ptr, bcum_ptr, c_ptr, c_rows_ptr, stride_cm,
-        N, K, E, beta1, beta2,
-        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, W_STAGES: gl.constexpr, X_STAGES: gl.constexpr,
-        S_DIST: gl.constexpr, E_CHUNK: gl.constexpr, NUM_E_CHUNKS: gl.constexpr,
-        DUAL: gl.constexpr, PAIR: gl.constexpr, TWO: gl.constexpr, ACT: gl.constexpr, LINEAR_UP: gl.constexpr,
-        GATHER_A: gl.constexpr, A_DIV: gl.constexpr, SCATTER_C: gl.constexpr,
-        P_LAYOUT: gl.constexpr, NIB: gl.constexpr, num_warps: gl.constexpr,
-    ):
-        G: gl.constexpr = BK // 32
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, BM, 16])
-        A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        S_LAYOUT: gl.constexpr = gl.SliceLayout(2, P_LAYOUT)
-        X_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [num_warps, 1], [1, 0])
-        P_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-        X_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-
-        pid = gl.program_id(0)
-        num_n = N // (BN * (1 + PAIR))
-        pid_m = pid // num_n
-        pid_n = pid % num_n
-        total_blocks = gl.load(bcum_ptr + E)
-        if pid_m >= total_blocks:
-            return
-        e = pid_m * 0
-        for i in range(NUM_E_CHUNKS):
-            idx = 1 + i * E_CHUNK + gl.arange(0, E_CHUNK, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-            ends = gl.load(bcum_ptr + idx, mask=idx <= E, other=2147483647)
-            e += gl.sum((ends <= pid_m).to(gl.int32), axis=0)
-        blk0 = gl.load(bcum_ptr + e)
-        seg_end = gl.load(hi_ptr + e)
-        m_start = gl.load(lo_ptr + e) + (pid_m - blk0) * BM
-        e64 = e.to(gl.int64)
-
-        offs_mx = m_start + gl.arange(0, BM, layout=gl.SliceLayout(1, X_LOAD))
-        mx_mask = offs_mx < seg_end
-        if GATHER_A:
-            rows_x = gl.load(a_rows_ptr + offs_mx, mask=mx_mask, other=0).to(gl.int64)
-        else:
-            rows_x = (offs_mx // A_DIV).to(gl.int64)
-        rows_off = rows_x[:, None] * stride_am
-        m_mask_x = gl.broadcast(mx_mask[:, None], rows_off)[0]
-        m_mask_x = gl.broadcast(m_mask_x, gl.full([BM, BK], 0, gl.int32, X_LOAD))[0]
-        rows_off = gl.broadcast(rows_off, gl.full([BM, BK], 0, gl.int64, X_LOAD))[0]
-
-        # weight rows in the [E N, K/2] view of the stack; PAIR's second tile is the next BN rows
-        row_w = e * N + pid_n * BN * (1 + PAIR)
-        row_b = row_w + BN * PAIR
-        n_s = gl.arange(0, BN, layout=gl.SliceLayout(1, S_LAYOUT))
-        g_s = gl.arange(0, G, layout=gl.SliceLayout(0, S_LAYOUT))
-        s_off = (e64 * stride_se + (pid_n * (1 + PAIR)).to(gl.int64) * stride_st + n_s[:, None] * stride_sr
-                 + g_s[None, :])
-        s_ptr = ws_ptr + s_off
-        if DUAL:
-            s2_ptr = bs_ptr + s_off
-        else:
-            s2_ptr = s_ptr + BN * stride_sr
-
-        p_smem = gl.allocate_shared_memory(gl.uint8, [W_STAGES, BN, BK // 2], w_desc.layout)
-        q_smem = gl.allocate_shared_memory(gl.uint8, [W_STAGES, BN, BK // 2], w_desc.layout)
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [X_STAGES, BM, BK], X_SMEM)
-        bars = gl.allocate_shared_memory(gl.int64, [W_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(W_STAGES):
-            mbarrier.init(bars.index(i), count=1)
-        fence_async_shared()
-
-        n_k = K // BK
-        for i in gl.static_range(W_STAGES - 1):
-            _issue_w(i, n_k, i, w_desc, b_desc, row_w, row_b, bars, p_smem, q_smem, BN, BK, TWO)
-        for i in gl.static_range(X_STAGES - 2):
-            _issue_x(i, n_k, i, a_ptr, rows_off, m_mask_x, x_smem, BK, X_LOAD)
-
-        acc = gl.zeros([BN, BM], gl.float32, MMA)
-        acc2 = gl.zeros([BN, BM], gl.float32, MMA)
-        wa = gl.zeros([BN, G, 16], gl.int32, P_LAYOUT)
-        wb = wa
-        # scales: plain loads S_DIST K steps ahead (a register ring; too narrow for TMA)
-        sa = gl.load(s_ptr)
-        ta = gl.load(s2_ptr)
-        sb = sa
-        tb = ta
-        sc = sa
-        tc = ta
-        if S_DIST >= 2:
-            sb = gl.load(s_ptr + gl.minimum(1, n_k - 1) * stride_sk)
-            tb = gl.load(s2_ptr + gl.minimum(1, n_k - 1) * stride_sk)
-        if S_DIST >= 3:
-            sc = gl.load(s_ptr + gl.minimum(2, n_k - 1) * stride_sk)
-            tc = gl.load(s2_ptr + gl.minimum(2, n_k - 1) * stride_sk)
-        for k in range(n_k):
-            s_cur = sa
-            t_cur = ta
-            k_nxt = gl.minimum(k + S_DIST, n_k - 1) * stride_sk
-            if S_DIST == 1:
-                sa = gl.load(s_ptr + k_nxt)
-                ta = gl.load(s2_ptr + k_nxt)
-            elif S_DIST == 2:
-                sa = sb
-                ta = tb
-                sb = gl.load(s_ptr + k_nxt)
-                tb = gl.load(s2_ptr + k_nxt)
-            else:
-                sa = sb
-                ta = tb
-                sb = sc
-                tb = tc
-                sc = gl.load(s_ptr + k_nxt)
-                tc = gl.load(s2_ptr + k_nxt)
-            async_copy.wait_group(X_STAGES - 3)
-            # every warp's activations for step k landed; every warp has read weight slot k-1 and waited for the
-            # MMAs of step k-2 (the readers of x slot k-2)
-            _barrier()
-            _issue_x(k + X_STAGES - 2, n_k, (k + X_STAGES - 2) % X_STAGES, a_ptr, rows_off, m_mask_x, x_smem, BK,
-                     X_LOAD)
-            _issue_w(k + W_STAGES - 1, n_k, (k + W_STAGES - 1) % W_STAGES, w_desc, b_desc, row_w, row_b, bars,
-                     p_smem, q_smem, BN, BK, TWO)
-            slot = k % W_STAGES
-            mbarrier.wait(bars.index(slot), (k // W_STAGES) & 1)
-            p = _as_groups(p_smem.index(slot), BN, G, P_SMEM).load(P_LAYOUT)
-            q = _as_groups(q_smem.index(slot), BN, G, P_SMEM).load(P_LAYOUT)
-            xt = x_smem.index(k % X_STAGES).permute((1, 0))
-            fence_async_shared()  # the activations' cp.async writes, before the wgmma's async-proxy reads
-            acc, acc2, wa = _mma(p, s_cur, xt, acc, acc2, wb, BN, BK, A_LAYOUT, NIB)
-            acc2, acc, wb = _mma(q, t_cur, xt, acc2, acc, wa, BN, BK, A_LAYOUT, NIB)
-        acc, acc2, wa, wb = warpgroup_mma_wait(0, deps=[acc, acc2, wa, wb])
-        async_copy.wait_group(0)
-        for i in gl.static_range(W_STAGES):
-            mbarrier.invalidate(bars.index(i))
-
-        offs_m = m_start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
-        m_mask = offs_m < seg_end
-        offs_n = pid_n * BN * (1 + PAIR) + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-        if SCATTER_C:
-            crow = gl.load(c_rows_ptr + offs_m, mask=m_mask, other=0).to(gl.int64)
-        else:
-            crow = offs_m.to(gl.int64)
-        c_ptrs = c_ptr + crow[None, :] * stride_cm + offs_n[:, None]
-        c_mask = gl.broadcast(m_mask[None, :], c_ptrs)[0]
-        if DUAL:
-            if ACT == 0:
-                gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-                gl.store(c_ptrs + N, acc2.to(c_ptr.dtype.element_ty), mask=c_mask)
-            else:
-                gl.store(c_ptrs, _glu(acc, acc2, beta1, beta2, ACT, LINEAR_UP).to(c_ptr.dtype.element_ty),
-                         mask=c_mask)
-        else:
-            gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-            gl.store(c_ptrs + BN, acc2.to(c_ptr.dtype.element_ty), mask=c_mask)
-
-
 def supported(meta, cfg, N, K):
     """Whether a launch of `mxfp4_gemm._run` (its meta and tile) is one this kernel computes."""
     pair = _pair(meta, cfg)
@@ -505,70 +309,18 @@ def _pair(meta, cfg):
     return int(bool(cfg.get("PAIR")) and meta["DUAL"] == 0)
 
 
-def tile_major(packed, scale, BN, BK):
-    """[E, N, K/2] / [E, N, K/32] -> the same bytes in tile-major order, [E, N/BN, K/BK, BN, BK/2] / [..., BN, BK/32]:
-    each K step of a program reads one contiguous block instead of BN strips of BK/2 bytes."""
-    E, N, Kh = packed.shape
-    p = packed.view(E, N // BN, BN, Kh * 2 // BK, BK // 2).permute(0, 1, 3, 2, 4).contiguous()
-    s = scale.view(E, N // BN, BN, Kh * 2 // BK, BK // 32).permute(0, 1, 3, 2, 4).contiguous()
-    return p, s
-
-
-def _strides(t, BN, BK, div):
-    """(expert, n-tile, row, K-step) strides of a weight or scale stack in elements: plain [E, N, K/div] or
-    tile-major [E, N/BN, K/BK, BN, BK/div]."""
-    if t.dim() == 3:
-        return t.stride(0), BN * t.stride(1), t.stride(1), BK // div
-    return t.stride(0), t.stride(1), t.stride(3), t.stride(2)
-
-
-_W_SMEM = {}
-
-
-def _desc(w, BN, BK):
-    """TMA descriptor of a packed stack [E, N, K/2] as [E N, K/2], box [BN, BK/2], unswizzled (the byte order the
-    decode's shared-memory reads expect)."""
-    E, N, Kh = w.shape
-    if BN not in _W_SMEM:
-        _W_SMEM[BN] = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-    return TensorDescriptor.from_tensor(w.view(E * N, Kh), [BN, BK // 2], _W_SMEM[BN])
-
-
-def launch_tma(nblocks, args, meta, cfg):
-    """`launch` for the TMA kernel: the packed tiles by TMA into a ring of W_STAGES, the activations by cp.async."""
-    (a, _a2, a_rows, stride_am, w, ws, b, bs, _swe, _swr, _sse, _ssr, lo, hi, bcum, _eid, c, c_rows, stride_cm,
+def launch(nblocks, args, meta, cfg):
+    """Launch over nblocks row blocks with `mxfp4_gemm._run`'s arguments (the Triton kernel's, in its order)."""
+    (a, _a2, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, _eid, c, c_rows, stride_cm,
      N, K, E, beta1, beta2) = args
-    BN, BK, pair = cfg["BN"], cfg["BK"], _pair(meta, cfg)
-    wd = _desc(w, BN, BK)
-    bd = wd if pair else _desc(b, BN, BK)
-    mxfp4_wgmma_tma_kernel[(nblocks * (N // (BN * (1 + pair))),)](
-        a, a_rows, stride_am, wd, bd, ws, bs, *_strides(ws, BN, BK, 32),
-        lo, hi, bcum, c, c_rows, stride_cm, N, K, E, beta1, beta2,
-        BM=cfg["BM"], BN=BN, BK=BK, W_STAGES=int(cfg["W_STAGES"]), X_STAGES=int(cfg["num_stages"]),
-        S_DIST=int(cfg.get("S_DIST", 1)), E_CHUNK=meta["E_CHUNK"], NUM_E_CHUNKS=meta["NUM_E_CHUNKS"],
-        DUAL=meta["DUAL"], PAIR=pair, TWO=1, ACT=meta["ACT"], LINEAR_UP=meta["LINEAR_UP"],
-        GATHER_A=meta["GATHER_A"], A_DIV=meta["A_DIV"], SCATTER_C=meta["SCATTER_C"],
-        P_LAYOUT=byte_layout(BN, BK, cfg["num_warps"]), NIB=int(cfg.get("NIB", 0)), num_warps=cfg["num_warps"])
-
-
-def launch(nblocks, args, meta, cfg, tiled=None):
-    """Launch over nblocks row blocks with `mxfp4_gemm._run`'s arguments (the Triton kernel's, in its order).
-    tiled: (packed, scale[, b_packed, b_scale]) of `tile_major` in place of the stacks in args."""
-    (a, _a2, a_rows, stride_am, w, ws, b, bs, _swe, _swr, _sse, _ssr, lo, hi, bcum, _eid, c, c_rows, stride_cm,
-     N, K, E, beta1, beta2) = args
-    if int(cfg.get("W_STAGES", 0)) and tiled is None:
-        return launch_tma(nblocks, args, meta, cfg)
-    BN, BK, pair = cfg["BN"], cfg["BK"], _pair(meta, cfg)
-    if tiled is not None:
-        w, ws = tiled[:2]
-        b, bs = tiled[2:] if len(tiled) > 2 else (w, ws)
+    BN, pair = cfg["BN"], _pair(meta, cfg)
     if pair:  # the second tile's rows as the `b` weight
-        b, bs = (w[:, 1:], ws[:, 1:]) if w.dim() == 5 else (w[:, BN:], ws[:, BN:])
+        b, bs = w[:, BN:], ws[:, BN:]
     mxfp4_wgmma_kernel[(nblocks * (N // (BN * (1 + pair))),)](
-        a, a_rows, stride_am, w, ws, b, bs, *_strides(w, BN, BK, 2), *_strides(ws, BN, BK, 32),
-        lo, hi, bcum, c, c_rows, stride_cm, N, K, E, beta1, beta2,
-        BM=cfg["BM"], BN=BN, BK=BK, STAGES=int(cfg["num_stages"]),
+        a, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, c, c_rows, stride_cm,
+        N, K, E, beta1, beta2,
+        BM=cfg["BM"], BN=BN, BK=cfg["BK"], STAGES=int(cfg["num_stages"]),
         E_CHUNK=meta["E_CHUNK"], NUM_E_CHUNKS=meta["NUM_E_CHUNKS"], DUAL=meta["DUAL"], PAIR=pair,
         TWO=meta["DUAL"] or pair, ACT=meta["ACT"],
         LINEAR_UP=meta["LINEAR_UP"], GATHER_A=meta["GATHER_A"], A_DIV=meta["A_DIV"], SCATTER_C=meta["SCATTER_C"],
-        P_LAYOUT=byte_layout(BN, BK, cfg["num_warps"]), NIB=int(cfg.get("NIB", 0)), num_warps=cfg["num_warps"])
+        P_LAYOUT=byte_layout(BN, cfg["BK"], cfg["num_warps"]), NIB=int(cfg.get("NIB", 0)), num_warps=cfg["num_warps"])

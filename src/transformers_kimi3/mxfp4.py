@@ -243,6 +243,9 @@ def kernel_status(device="cuda" if torch.cuda.is_available() else "cpu"):
         # up to ~1,000 tokens (one or two rows per expert): the Gluon kernel with asynchronous wgmma (Hopper)
         "async_wgmma_small_batches": bool(path == "triton" and hasattr(g, "wgmma_enabled")
                                           and g.wgmma_enabled(device)),
+        # ... decoding without tables, for experts whose scale exponents are all <= 128 (checked per module)
+        "table_free_decode": bool(path == "triton" and hasattr(g, "wgmma_enabled") and g.wgmma_enabled(device)
+                                  and os.environ.get("KIMI3_MXFP4_TABLE_FREE", "1").strip() not in ("0", "")),
         "unsorted_max_routes": unsorted_max_routes() if path == "triton" else None,
         # prefill above this many routed rows per expert: experts decoded to bf16 in chunks + torch._grouped_mm
         "dequantized_grouped_mm_min_rows_per_expert": PackedMXFP4Experts.DEQUANT_MIN_ROWS_PER_EXPERT
@@ -515,11 +518,14 @@ class PackedMXFP4Experts(nn.Module):
         # where the default tiles take K-permuted operands, the activations (x, then h) are copied into that order
         # once, so the tiles load them contiguously instead of gathering pairs of columns in every n-tile
         I, D = self.intermediate_size, self.hidden_size
-        x, bk_up = self._up_input(G, x, M, E)
+        one_row = offsets is None  # one row per program (expert_ids): never the Gluon tiles
+        x, bk_up, nib_up = self._up_input(G, x, M, E, one_row)
         bk_dn = G.kperm_bk(M, E, D, I)
+        nib_dn = bool(bk_dn) and G.kperm_nib(M, E, D, I, row_expert=one_row) and self._table_free_ok()
         # the GLU runs in the gate+up epilogue whenever the kernel knows it: K3's SiTU too, at every tile height
         # since the K-permuted BM=128 tiles (H200, 19b363b: 16,384 tokens 63.2 ms fused vs 83.2 ms unfused)
-        up = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, dual="out", a_kperm=bk_up, **up_rows)
+        up = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, dual="out", a_kperm=bk_up, a_nib=nib_up,
+                  **up_rows)
         if self._fused is not None:
             h = G.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, act=self._fused[0],
                                      act_params=self._fused[1:] or (1.0, 1.0), out_dtype=x.dtype, **up)
@@ -527,14 +533,34 @@ class PackedMXFP4Experts(nn.Module):
             gu = G.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, **up)
             h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
         if bk_dn:
-            h = G.permute_k(h, bk_dn)
-        return G.mxfp4_grouped_gemm(h, self.w2_packed, self.w2_scale, offsets, a_kperm=bk_dn, **down_rows)
+            h = G.permute_k(h, bk_dn, nib=nib_dn)
+        return G.mxfp4_grouped_gemm(h, self.w2_packed, self.w2_scale, offsets, a_kperm=bk_dn, a_nib=nib_dn,
+                                    **down_rows)
 
-    def _up_input(self, G, x, M, E):
-        """(x, a_kperm) for the gate+up GEMM of M rows: x copied into the K order of the default tile where it takes
-        pre-permuted activations (a_kperm = its BK), else x as given (a_kperm = 0)."""
-        bk = G.kperm_bk(M, E, self.intermediate_size, self.hidden_size, "out")
-        return (G.permute_k(x, bk) if bk else x), bk
+    def _up_input(self, G, x, M, E, one_row=False):
+        """(x, a_kperm, a_nib) for the gate+up GEMM of M rows: x copied into the K order of the default tile where
+        it takes pre-permuted activations (a_kperm = its BK; a_nib: the order of the Gluon kernel's table-free
+        decode), else x as given (a_kperm = 0)."""
+        I, D = self.intermediate_size, self.hidden_size
+        bk = G.kperm_bk(M, E, I, D, "out")
+        nib = bool(bk) and G.kperm_nib(M, E, I, D, "out", row_expert=one_row) and self._table_free_ok()
+        return (G.permute_k(x, bk, nib=nib) if bk else x), bk, nib
+
+    def _table_free_ok(self):
+        """Whether every scale exponent is <= 128, the range of the Gluon kernel's table-free decode (K3's
+        checkpoint: about 2^-8, exponent ~119). Checked once per version of the scale buffers (a host sync); while
+        a CUDA graph is being captured an unchecked version gets the table decode instead. KIMI3_MXFP4_TABLE_FREE=0
+        (read at every call, for A/B timing) keeps the table decode."""
+        if os.environ.get("KIMI3_MXFP4_TABLE_FREE", "1").strip() in ("0", ""):
+            return False
+        scales = (self.w1_scale, self.w3_scale, self.w2_scale)
+        key = tuple((s.data_ptr(), s._version) for s in scales)
+        if getattr(self, "_table_free_key", None) != key:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return False
+            self._table_free = _gemm_module().scales_fit_table_free(*scales)
+            self._table_free_key = key
+        return self._table_free
 
     def _backward_triton(self, x, topk_w, dy, order, offsets, k, need_dx=True):
         G = _gemm_module()
@@ -545,9 +571,9 @@ class PackedMXFP4Experts(nn.Module):
         dh_unw = G.mxfp4_grouped_gemm(dy, self.w2_packed, self.w2_scale, offsets, trans_w=True, a_rows=tok)
         # recompute the pre-activations instead of keeping [M, 2I] fp32 alive between forward and backward, with x
         # in the K order of the forward's tiles where they take it (as _expert_mlp does)
-        xk, bk_up = self._up_input(G, x.contiguous(), order.numel(), self.num_experts)
+        xk, bk_up, nib_up = self._up_input(G, x.contiguous(), order.numel(), self.num_experts)
         gu = G.mxfp4_grouped_gemm(xk, self.w1_packed, self.w1_scale, offsets, a_rows=tok, dual="out",
-                                  b_packed=self.w3_packed, b_scale=self.w3_scale, a_kperm=bk_up)
+                                  b_packed=self.w3_packed, b_scale=self.w3_scale, a_kperm=bk_up, a_nib=nib_up)
         with torch.enable_grad():
             g = gu[:, :I].detach().requires_grad_()
             u = gu[:, I:].detach().requires_grad_()
