@@ -147,6 +147,8 @@ def _run_ptx(ptx, regs):
             r = v[0] + np.zeros_like(regs["$4"])
         elif op == "shl.b32":
             r = v[0] << v[1]
+        elif op == "shr.u32":
+            r = v[0] >> v[1]
         elif op == "mul.hi.u32":
             r = ((v[0].astype(np.uint64) * np.uint64(v[1])) >> np.uint64(32)).astype(np.uint32)
         elif op == "and.b32":
