@@ -10,7 +10,9 @@ straight into the wgmma A-fragment layout, and one MMA stays in flight while the
 flight reads its decoded words from registers until the next wait, so those words are that wait's dependencies,
 and consecutive MMAs need distinct values: gate and up alternate, a down program takes two adjacent row tiles
 (PAIR), or a single tile steps through K two tiles at a time. The decode is the Triton kernel's inline PTX and
-the K order its PERM order: the outputs are bit-identical.
+the K order its PERM order, so the outputs are bit-identical; or, where every scale exponent is <= 128 (NIB, the
+module's default then), a decode without tables (`_e2m1_shift_ptx`) with the activations in its own K order
+(`mxfp4_gemm.kperm_index(..., nib=True)`): the same products, summed in another order.
 
 GPU only (Gluon has no interpreter: tests/test_mxfp4_wgmma.py compiles it for sm_90 on the CPU and checks the
 SASS, and compares outputs on an H200); `mxfp4_gemm.mxfp4_grouped_gemm` picks it (`default_config`, `_run`) and
@@ -66,7 +68,8 @@ def _e2m1_shift_ptx():
     body = ["mov.b32 nz, 0x80008000;"]
     for p, (sa, sb) in enumerate(((6, 12), (2, 8), (-2, 4), (-6, 0))):
         # right shifts stay shifts (ALU): as multiplies (IMAD.HI) they overloaded the FMA pipe, which also runs
-        # the products and ptxas's left shifts (ncu at 1,024 tokens: dispatch stalls 10% -> 20%, 2% slower)
+        # the products and ptxas's left shifts (ncu at 1,024 tokens: dispatch stalls 10% -> 20%; 1-2% faster than
+        # the table decode instead of ~7%)
         body.append(f"shl.b32 a, $4, {sa};" if sa >= 0 else f"shr.u32 a, $4, {-sa};")
         body.append(f"shl.b32 b, $4, {sb};" if sb else "mov.b32 b, $4;")
         body.append("and.b32 b, b, 0x80008000;")
