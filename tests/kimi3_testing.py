@@ -121,3 +121,64 @@ def native_kimi_linear(q_lora_rank=None):
             if "e_score_correction_bias" in name:
                 p.normal_(0, 0.1)
     return model
+
+
+def run_decode_ptx(asm, x, scales, G=None, n_out=4):
+    """Execute an MXFP4 decode's inline PTX (its few opcodes) on one 32-bit word x and 4 scale words: returns $0..$3
+    (the Triton kernel's table decode, tests/test_mxfp4_triton.py; the Gluon kernel's table-free one,
+    tests/test_mxfp4_wgmma.py).
+    With G (the module), the table operands $9..$16 are made as `_lut_words` makes them, from the first scale word
+    through G.ZERO_PTX (executed here too). n_out=1: run a one-output asm (ZERO_PTX: x = $1)."""
+    import struct
+
+
+    def bf16(h):
+        return struct.unpack("<f", struct.pack("<I", h << 16))[0]
+
+    def to_bf16(v):
+        return torch.tensor(v, dtype=torch.float64).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
+
+    regs = {"$1": x} if n_out == 1 else {"$4": x, **{f"${5 + i}": sc for i, sc in enumerate(scales)}}
+    if G is not None:
+        for i, sc in enumerate(scales):  # each element's own table words, from its own scale word
+            z = run_decode_ptx(G.ZERO_PTX, sc, [], n_out=1)[0]
+            regs[f"${9 + i}"], regs[f"${13 + i}"] = z | G.LUT_WORDS[0], z | G.LUT_WORDS[1]
+    val = (lambda o: regs[o] if o in regs else int(o, 0) & 0xFFFFFFFF)
+    for ln in asm.strip("{}").split(";"):
+        ln = ln.strip()
+        if not ln or ln.startswith(".reg"):
+            continue
+        op, args = ln.split(None, 1)
+        d, *a = [t.strip() for t in args.split(",")]
+        v = [val(t) for t in a]
+        if op == "mov.b32":
+            r = v[0]
+        elif op == "and.b32":
+            r = v[0] & v[1]
+        elif op == "xor.b32":
+            r = v[0] ^ v[1]
+        elif op == "shr.u32":
+            r = v[0] >> v[1]
+        elif op == "shl.b32":
+            r = (v[0] << v[1]) & 0xFFFFFFFF
+        elif op == "prmt.b32":  # default mode: selector nibble bit 3 = replicate the top bit of the picked byte
+            src = v[0] | (v[1] << 32)
+            r = 0
+            for i in range(4):
+                sel = (v[2] >> (4 * i)) & 15
+                byte = (src >> (8 * (sel & 7))) & 0xFF
+                r |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << (8 * i)
+        elif op == "lop3.b32":
+            r = 0
+            for bit in range(32):
+                i = (((v[0] >> bit) & 1) << 2) | (((v[1] >> bit) & 1) << 1) | ((v[2] >> bit) & 1)
+                r |= ((v[3] >> i) & 1) << bit
+        elif op == "fma.rn.bf16x2":  # the products here are exact: round once, as the hardware does
+            r = 0
+            for half in (0, 16):
+                f = [bf16((t >> half) & 0xFFFF) for t in v]
+                r |= to_bf16(f[0] * f[1] + f[2]) << half
+        else:
+            raise AssertionError(f"unexpected PTX opcode {op}")
+        regs[d] = r
+    return [regs[f"${i}"] for i in range(n_out)]

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from kimi3_testing import run_decode_ptx
 
 ROOT = Path(__file__).resolve().parents[1]
 for p in (ROOT / "src", ROOT / "kernels"):
@@ -124,71 +125,28 @@ def test_default_tiles_and_dispatch(monkeypatch):
         assert not G.wgmma_enabled()
 
 
-def _bf16_bits_to_f32(bits):
-    return torch.from_numpy(bits.astype(np.int32)).to(torch.int16).view(torch.bfloat16).float()
-
-
-def _run_ptx(ptx, regs):
-    """Execute the straight-line PTX of `_e2m1_shift_ptx` on uint32 numpy arrays ($n operands in regs)."""
-    env = dict(regs)
-
-    def val(tok):
-        tok = tok.strip()
-        return env[tok] if tok in env else np.uint32(int(tok, 0) & 0xFFFFFFFF)
-
-    for line in ptx.strip("{}").split("\n"):
-        line = line.strip().rstrip(";")
-        if not line or line.startswith(".reg"):
-            continue
-        op, args = line.split(None, 1)
-        d, *src = [a.strip() for a in args.split(",")]
-        v = [val(a) for a in src]
-        if op == "mov.b32":
-            r = v[0] + np.zeros_like(regs["$4"])
-        elif op == "shl.b32":
-            r = v[0] << v[1]
-        elif op == "shr.u32":
-            r = v[0] >> v[1]
-        elif op == "mul.hi.u32":
-            r = ((v[0].astype(np.uint64) * np.uint64(v[1])) >> np.uint64(32)).astype(np.uint32)
-        elif op == "and.b32":
-            r = v[0] & v[1]
-        elif op == "lop3.b32":
-            assert int(src[3], 0) == 0xEA  # (a & b) | c
-            r = (v[0] & v[1]) | v[2]
-        elif op == "fma.rn.bf16x2":  # bf16 products are exact in fp32; adding -0 keeps them; one rounding
-            out = []
-            for sh in (0, 16):
-                a, b, c = (_bf16_bits_to_f32((t >> np.uint32(sh)) & np.uint32(0xFFFF)) for t in v)
-                bits = (a * b + c).bfloat16().view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
-                out.append(bits << np.uint32(sh))
-            r = out[0] | out[1]
-        else:
-            raise AssertionError(f"unexpected PTX op {op}")
-        env[d] = np.asarray(r, dtype=np.uint32)
-    return [env[f"${i}"] for i in range(4)]
-
-
 def test_table_free_decode_ptx_gives_the_e2m1_values():
-    """`_e2m1_shift_ptx` run instruction by instruction (a small interpreter): bf16 pair p of a 4-byte word holds
-    nibbles p and p + 4, each code times its scale 2^(e-127) exactly, -0 for the code of negative zero, at every
-    scale exponent it accepts (0..128); 129 would overflow the multiplier, which is why callers check."""
+    """`_e2m1_shift_ptx` run instruction by instruction (`kimi3_testing.run_decode_ptx`): bf16 pair p of a 4-byte
+    word holds nibbles p and p + 4, each code times its scale 2^(e-127) exactly, -0 for the code of negative zero, at
+    every scale exponent it accepts (0..128); 129 would overflow the multiplier, which is why callers check."""
+    import struct
+
+    from transformers_kimi3.mxfp4 import E2M1_VALUES
+
     rng = np.random.default_rng(0)
-    n = 4096
-    x = rng.integers(0, 2 ** 32, size=n, dtype=np.uint64).astype(np.uint32)
-    x[:16] = np.array([0x88888888, 0, 0xFFFFFFFF, 0x77777777] * 4, dtype=np.uint32)
-    e = rng.integers(0, 129, size=n).astype(np.uint32)
-    e[:4] = (0, 1, 127, 128)
-    mult = ((e + 126) << np.uint32(7)) * np.uint32(0x10001)  # the kernel's multiplier word
-    words = _run_ptx(W._e2m1_shift_ptx(), {"$4": x, "$5": mult, "$6": mult, "$7": mult, "$8": mult})
-    codes = np.stack([(x >> np.uint32(4 * j)) & np.uint32(15) for j in range(8)], 1).astype(np.int64)
-    mag = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])[codes & 7] * np.exp2(e.astype(np.float64) - 127)[:, None]
-    want = torch.from_numpy(np.where(codes & 8, -mag, mag)).float()  # exact in fp32 (and in bf16)
-    for p in range(4):
-        for half, j in ((0, p), (16, p + 4)):
-            got = _bf16_bits_to_f32((words[p] >> np.uint32(half)) & np.uint32(0xFFFF))
-            assert torch.equal(got, want[:, j]), (p, j)
-            assert torch.equal(torch.signbit(got), torch.from_numpy(codes[:, j] >= 8)), (p, j)  # -0 for code 8
+    words = [0x88888888, 0, 0xFFFFFFFF, 0x77777777] + [int(w) for w in rng.integers(0, 2 ** 32, size=508)]
+    exps = [0, 1, 127, 128] + [int(e) for e in rng.integers(0, 129, size=508)]
+    ptx = W._e2m1_shift_ptx()
+    for x, e in zip(words, exps):
+        mult = ((e + 126) << 7) * 0x10001  # the kernel's multiplier word
+        out = run_decode_ptx(ptx, x, [mult] * 4)
+        for p in range(4):
+            for half, j in ((0, p), (16, p + 4)):
+                code = (x >> (4 * j)) & 15
+                want = E2M1_VALUES[code] * 2.0 ** (e - 127)
+                bits = (out[p] >> half) & 0xFFFF
+                got = struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+                assert got == want and (bits >> 15) == (code >> 3), (hex(x), e, p, j, got, want)
 
 
 def test_table_free_order_puts_each_pair_where_the_mma_reads_it():
