@@ -286,10 +286,10 @@ def run(args):
             # as the module calls them: default tiles that take K-permuted operands get x and h copied into that
             # order (timed here)
             # (and in the table-free decode's order where the Gluon tiles take it)
-            bk_up = G.kperm_bk(Mrows, E, INTER, D, "out") if cfg_up is None else 0
-            bk_dn = G.kperm_bk(Mrows, E, D, INTER) if cfg_dn is None else 0
-            nib_up = bool(bk_up) and G.kperm_nib(Mrows, E, INTER, D, "out") and mod._table_free_ok()
-            nib_dn = bool(bk_dn) and G.kperm_nib(Mrows, E, D, INTER) and mod._table_free_ok()
+            bk_up, wg_up = G.kperm_tile(Mrows, E, INTER, D, "out") if cfg_up is None else (0, False)
+            bk_dn, wg_dn = G.kperm_tile(Mrows, E, D, INTER) if cfg_dn is None else (0, False)
+            nib_up = bool(bk_up) and wg_up and mod._table_free_ok()
+            nib_dn = bool(bk_dn) and wg_dn and mod._table_free_ok()
             h = G.mxfp4_grouped_gemm(G.permute_k(x, bk_up, nib_up) if bk_up else x, mod.w1_packed, mod.w1_scale,
                                      offsets, a_rows=tok, dual="out", act=act, act_params=act_params,
                                      b_packed=mod.w3_packed, b_scale=mod.w3_scale, out_dtype=torch.bfloat16,

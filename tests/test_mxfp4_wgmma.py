@@ -177,9 +177,11 @@ def test_table_free_dispatch(monkeypatch):
     BM >= 64), scales up to exponent 128; a_nib elsewhere is an error, not the wrong products."""
     monkeypatch.setattr(G, "wgmma_enabled", lambda device=None: True)
     E, D, I = 896, 3584, 3072
-    assert G.kperm_nib(64 * 16, E, I, D, "out") and G.kperm_nib(1024 * 16, E, D, I)
-    assert not G.kperm_nib(16384 * 16, E, I, D, "out")
-    assert not G.kperm_nib(16, 16, I, D, "out", row_expert=True)
+    assert G.kperm_tile(64 * 16, E, I, D, "out") == (128, True) and G.kperm_tile(1024 * 16, E, D, I) == (128, True)
+    assert not G.kperm_tile(16384 * 16, E, I, D, "out")[1]
+    # one row per program (1-2 tokens): the Triton tiles in stored K order, nothing to permute
+    assert G.kperm_tile(16, 16, I, D, "out", row_expert=True) == (0, False)
+    assert G.kperm_tile(16, 16, D, I, row_expert=True) == (0, False)
     monkeypatch.undo()
     s = torch.full((2, 4, 8), 128, dtype=torch.uint8)
     assert G.scales_fit_table_free(s, s[:, :2])

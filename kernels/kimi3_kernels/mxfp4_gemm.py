@@ -700,18 +700,18 @@ def permute_k(a, BK, nib=False):
     return a.index_select(-1, kperm_index(a.shape[-1], BK, a.device, nib))
 
 
-def kperm_bk(M, E, N, K, dual=None):
-    """BK of the default tile of this forward GEMM if it reads pre-permuted activations (AK in _PERM_TILES), else 0:
-    the `a_kperm` to give it (after `permute_k(a, BK)`)."""
-    cfg = default_config(M, E, N, K, dual)
-    return cfg["BK"] if cfg.get("AK") else 0
+def kperm_tile(M, E, N, K, dual=None, row_expert=False):
+    """(BK, gluon) of the default tile of this forward GEMM: BK if it reads pre-permuted activations (AK), else 0
+    (the `a_kperm` to give it after `permute_k(a, BK)`); gluon: it is the Gluon kernel, which can take them in the
+    order of its table-free decode instead (`permute_k(a, BK, nib=True)`, `a_nib=True`) where every scale exponent
+    is <= 128 (the caller checks: `scales_fit_table_free`). row_expert as for `default_config`."""
+    cfg = default_config(M, E, N, K, dual, row_expert=row_expert)
+    return (cfg["BK"] if cfg.get("AK") else 0), bool(cfg.get("WG"))
 
 
-def kperm_nib(M, E, N, K, dual=None, row_expert=False):
-    """Whether the default tile of this forward GEMM is the Gluon kernel, which can take its activations in the
-    order of the table-free decode (`permute_k(a, BK, nib=True)` with `a_nib=True`). That decode needs every scale
-    exponent <= 128, which the caller checks (`scales_fit_table_free`)."""
-    return bool(default_config(M, E, N, K, dual, row_expert=row_expert).get("WG"))
+def kperm_bk(M, E, N, K, dual=None, row_expert=False):
+    """BK of `kperm_tile`."""
+    return kperm_tile(M, E, N, K, dual, row_expert)[0]
 
 
 def scales_fit_table_free(*scales):
@@ -777,7 +777,7 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     (`permute_k`), which fixes the tile's BK and PERM. (Writing C in that order from the epilogue was tried: its
     2-byte scattered stores cost ~11 ms at 16K tokens of K3, against ~1 ms for `permute_k` afterwards.)
     a_nib (with a_kperm): the columns are in the order of the Gluon kernel's table-free decode instead
-    (`permute_k(a, BK, nib=True)`; `kperm_nib` says where the default tile takes it); every scale exponent of the
+    (`permute_k(a, BK, nib=True)`; `kperm_tile` says where the default tile takes it); every scale exponent of the
     weights must be <= 128 (`scales_fit_table_free`), which is not checked here.
     expert_ids int32 [M] instead of expert_offsets (forward only; expert_offsets=None): rows in any order, one per
     program at BM=16, row m's expert expert_ids[m] (E or more: the row is not written); without a_rows row m reads
@@ -822,7 +822,7 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     if a_nib:
         if not a_kperm or not cfg.get("WG"):
             raise ValueError("a_nib: activations in the table-free decode's order need a_kperm and a Gluon tile "
-                             f"(WG=1; `kperm_nib`), got a_kperm={a_kperm}, tile {cfg}")
+                             f"(WG=1; `kperm_tile`), got a_kperm={a_kperm}, tile {cfg}")
         cfg["NIB"] = 1
     a = a.contiguous()
     if a2 is not None:

@@ -329,6 +329,7 @@ class PackedMXFP4Experts(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = E, D, I
         self.glu_act = glu_act
         self._fused = fused_act_spec(glu_act)
+        self._table_free_key, self._table_free = None, False  # `_table_free_ok`'s answer and the buffers it is for
         u8 = dict(dtype=torch.uint8, device=device)
         for name, (rows, cols) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
             self.register_buffer(f"{name}_packed", torch.zeros(E, rows, cols // 2, **u8))
@@ -520,8 +521,8 @@ class PackedMXFP4Experts(nn.Module):
         I, D = self.intermediate_size, self.hidden_size
         one_row = offsets is None  # one row per program (expert_ids): never the Gluon tiles
         x, bk_up, nib_up = self._up_input(G, x, M, E, one_row)
-        bk_dn = G.kperm_bk(M, E, D, I)
-        nib_dn = bool(bk_dn) and G.kperm_nib(M, E, D, I, row_expert=one_row) and self._table_free_ok()
+        bk_dn, wg_dn = G.kperm_tile(M, E, D, I, row_expert=one_row)
+        nib_dn = bool(bk_dn) and wg_dn and self._table_free_ok()
         # the GLU runs in the gate+up epilogue whenever the kernel knows it: K3's SiTU too, at every tile height
         # since the K-permuted BM=128 tiles (H200, 19b363b: 16,384 tokens 63.2 ms fused vs 83.2 ms unfused)
         up = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, dual="out", a_kperm=bk_up, a_nib=nib_up,
@@ -542,8 +543,8 @@ class PackedMXFP4Experts(nn.Module):
         it takes pre-permuted activations (a_kperm = its BK; a_nib: the order of the Gluon kernel's table-free
         decode), else x as given (a_kperm = 0)."""
         I, D = self.intermediate_size, self.hidden_size
-        bk = G.kperm_bk(M, E, I, D, "out")
-        nib = bool(bk) and G.kperm_nib(M, E, I, D, "out", row_expert=one_row) and self._table_free_ok()
+        bk, wg = G.kperm_tile(M, E, I, D, "out", row_expert=one_row)
+        nib = bool(bk) and wg and self._table_free_ok()
         return (G.permute_k(x, bk, nib=nib) if bk else x), bk, nib
 
     def _table_free_ok(self):
@@ -555,7 +556,7 @@ class PackedMXFP4Experts(nn.Module):
             return False
         scales = (self.w1_scale, self.w3_scale, self.w2_scale)
         key = tuple((s.data_ptr(), s._version) for s in scales)
-        if getattr(self, "_table_free_key", None) != key:
+        if self._table_free_key != key:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return False
             self._table_free = _gemm_module().scales_fit_table_free(*scales)
