@@ -14,6 +14,7 @@
 Prints one JSON line per row."""
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -68,6 +69,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="nib:NIB=1", help="name:KEY=VAL:...,... (keys of the tile config)")
     ap.add_argument("--no-stream", action="store_true")
+    ap.add_argument("--base", default=None, help="a module in kimi3_kernels with another version of mxfp4_wgmma "
+                    "(e.g. a commit's file copied in): variants named base* launch its kernel instead")
     args = ap.parse_args()
     G, M, _ = moe.load_modules()
     from kimi3_kernels import mxfp4_wgmma as W
@@ -78,10 +81,12 @@ def main():
         stream_rows(mod.w2_packed)
         stream_rows(mod.w2_packed, BK=256)
     orig = W.launch
-    state = {"cfg": {}}
+    base = importlib.import_module(f"kimi3_kernels.{args.base}").launch if args.base else None
+    state = {"cfg": {}, "name": ""}
 
     def patched(nblocks, a, meta, cfg):
-        return orig(nblocks, a, meta, dict(cfg, **state["cfg"]))
+        fn = base if state["name"].startswith("base") else orig
+        return fn(nblocks, a, meta, dict(cfg, **state["cfg"]))
 
     W.launch = patched
     for n in args.tokens:
@@ -111,12 +116,12 @@ def main():
         variants = [("default", {})]
         for v in args.variants.split(","):
             name, *kv = v.split(":")
-            variants.append((name, {k: int(x) for k, x in (t.split("=") for t in kv)}))
+            variants.append((name, {k: int(x) for k, x in (t.split("=") for t in kv if t)}))
         ref = {}
         times = {(v[0], g): [] for v in variants for g in ("gate_up", "down")}
         for r in range(args.rounds):
             for name, over in variants:
-                state["cfg"] = over
+                state["cfg"], state["name"] = over, name
                 for g, fn in (("gate_up", up), ("down", down)):
                     out = fn()
                     if (g not in ref):

@@ -32,14 +32,15 @@ on_h100_class = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm_90 GPU")
 
 
-def _compile(BM, BK, STAGES, DUAL, PAIR, act=2, NIB=0):
+def _compile(BM, BK, STAGES, DUAL, PAIR, act=2, NIB=0, ROW=False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kern = W.mxfp4_wgmma_kernel
     consts = dict(BM=BM, BN=64, BK=BK, STAGES=STAGES, E_CHUNK=1024, NUM_E_CHUNKS=1, DUAL=DUAL, PAIR=PAIR,
-                  TWO=int(bool(DUAL or PAIR)), ACT=act if DUAL else 0, LINEAR_UP=False, GATHER_A=bool(DUAL),
-                  A_DIV=1, SCATTER_C=not DUAL, P_LAYOUT=W.byte_layout(64, BK, 4), NIB=NIB, num_warps=4)
+                  TWO=int(bool(DUAL or PAIR)), ACT=act if DUAL else 0, LINEAR_UP=False,
+                  GATHER_A=bool(DUAL) and not ROW, A_DIV=16 if ROW else 1, SCATTER_C=not (DUAL or ROW),
+                  P_LAYOUT=W.byte_layout(64, BK, 4), NIB=NIB, ROW_EXPERT=ROW, num_warps=4)
     sig, attrs = {}, {}
     for i, a in enumerate(kern.arg_names):
         if a in consts:
@@ -67,18 +68,19 @@ def _main_loop(sass):
 
 
 @needs_gluon
-@pytest.mark.parametrize("BM,STAGES,DUAL,PAIR,NIB", [(16, 4, 1, 0, 0), (32, 4, 1, 0, 0), (16, 4, 0, 1, 0),
-                                                     (32, 4, 0, 1, 0), (16, 4, 0, 0, 0), (32, 4, 1, 0, 1),
-                                                     (32, 4, 0, 1, 1), (16, 4, 1, 0, 1)])
-def test_compiles_for_sm90_with_asynchronous_register_operand_wgmma(BM, STAGES, DUAL, PAIR, NIB):
+@pytest.mark.parametrize("BM,STAGES,DUAL,PAIR,NIB,ROW", [(16, 4, 1, 0, 0, 0), (32, 4, 1, 0, 0, 0), (16, 4, 0, 1, 0, 0),
+                                                         (32, 4, 0, 1, 0, 0), (16, 4, 0, 0, 0, 0), (32, 4, 1, 0, 1, 0),
+                                                         (32, 4, 0, 1, 1, 0), (16, 4, 1, 0, 1, 0), (16, 4, 1, 0, 1, 1),
+                                                         (16, 4, 0, 1, 1, 1), (16, 4, 0, 0, 1, 1)])
+def test_compiles_for_sm90_with_asynchronous_register_operand_wgmma(BM, STAGES, DUAL, PAIR, NIB, ROW):
     """The default tiles (gate+up with SiTU fused; down with two row tiles per program) and the single-tile GEMM
-    stepping two K tiles at a time, with the table decode and the table-free one (NIB): the MMAs read the decoded
-    tile from registers, each wait leaves one MMA in flight (a synchronous MMA would wait for 0), nothing spills,
-    and the table-free decode issues no byte permutes (the table decode: ~10 per 4 words) and fewer ALU-pipe
-    instructions."""
+    stepping two K tiles at a time, with the table decode and the table-free one (NIB), also with one route per
+    program (ROW, decode): the MMAs read the decoded tile from registers, each wait leaves one MMA in flight (a
+    synchronous MMA would wait for 0), nothing spills, and the table-free decode issues no byte permutes (the table
+    decode: ~10 per 4 words) and fewer ALU-pipe instructions."""
     try:
         cuobjdump = triton.knobs.nvidia.cuobjdump.path
-        ck = _compile(BM, 128, STAGES, DUAL, PAIR, NIB=NIB)
+        ck = _compile(BM, 128, STAGES, DUAL, PAIR, NIB=NIB, ROW=bool(ROW))
     except (AttributeError, FileNotFoundError, RuntimeError) as ex:  # no CUDA backend tools in this install
         pytest.skip(f"cannot compile for sm_90 here: {ex!r}")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -106,7 +108,7 @@ def test_compiles_for_sm90_with_asynchronous_register_operand_wgmma(BM, STAGES, 
 
 def test_default_tiles_and_dispatch(monkeypatch):
     """Where the kernel runs: the forward tiles of one and two rows per expert on an sm_90 GPU; not BM >= 64,
-    the backward layouts, or one row per program; KIMI3_MXFP4_WGMMA=0 turns it off."""
+    the backward layouts; one row per program (decode) with tiles of its own; KIMI3_MXFP4_WGMMA=0 turns it off."""
     monkeypatch.setattr(G, "wgmma_enabled", lambda device=None: True)
     E, D, I = 896, 3584, 3072
     up = G.default_config(64 * 16, E, I, D, "out")
@@ -116,7 +118,9 @@ def test_default_tiles_and_dispatch(monkeypatch):
     assert G.kperm_bk(64 * 16, E, I, D, "out") == 128  # the module then permutes x for it
     assert "WG" not in G.default_config(16384 * 16, E, I, D, "out")
     assert "WG" not in G.default_config(1024 * 16, E, D, I, trans_w=True)
-    assert "WG" not in G.default_config(16, 16, D, I, row_expert=True)
+    row_up = G.default_config(16, 16, I, D, "out", row_expert=True)
+    row_dn = G.default_config(16, 16, D, I, row_expert=True)
+    assert (row_up["WG"], row_up["num_stages"], row_dn["WG"], row_dn["PAIR"]) == (1, 5, 1, 0)
     monkeypatch.undo()
     monkeypatch.setenv("KIMI3_MXFP4_WGMMA", "0")
     assert not G.wgmma_enabled()
@@ -173,15 +177,15 @@ def test_table_free_order_puts_each_pair_where_the_mma_reads_it():
 
 
 def test_table_free_dispatch(monkeypatch):
-    """Where the activations may come in the table-free order: the Gluon tiles only (not one row per program, not
-    BM >= 64), scales up to exponent 128; a_nib elsewhere is an error, not the wrong products."""
+    """Where the activations may come in the table-free order: the Gluon tiles only (not BM >= 64), one row per
+    program included, scales up to exponent 128; a_nib elsewhere is an error, not the wrong products."""
     monkeypatch.setattr(G, "wgmma_enabled", lambda device=None: True)
     E, D, I = 896, 3584, 3072
     assert G.kperm_tile(64 * 16, E, I, D, "out") == (128, True) and G.kperm_tile(1024 * 16, E, D, I) == (128, True)
     assert not G.kperm_tile(16384 * 16, E, I, D, "out")[1]
-    # one row per program (1-2 tokens): the Triton tiles in stored K order, nothing to permute
-    assert G.kperm_tile(16, 16, I, D, "out", row_expert=True) == (0, False)
-    assert G.kperm_tile(16, 16, D, I, row_expert=True) == (0, False)
+    # one row per program (1-2 tokens): Gluon tiles too (x and h copied into their K order)
+    assert G.kperm_tile(16, 16, I, D, "out", row_expert=True) == (128, True)
+    assert G.kperm_tile(16, 16, D, I, row_expert=True) == (128, True)
     monkeypatch.undo()
     s = torch.full((2, 4, 8), 128, dtype=torch.uint8)
     assert G.scales_fit_table_free(s, s[:, :2])
@@ -266,3 +270,39 @@ def test_matches_triton_kernel_and_reference_on_gpu(rows, monkeypatch):
                                            **kw_up)
                 err = ((nib.double() - tab.double()).norm() / tab.double().norm()).item()
                 assert err < 1e-5, (BM, stages, act, err)
+
+
+@on_h100_class
+@needs_gluon
+def test_one_route_per_program_on_gpu():
+    """Decode (expert_ids, one route per program): gate+up with the GLU fused and down, with the table decode and
+    the table-free one, against the Triton kernel's one-row tiles (stored K order: the same products summed in
+    another order); a route to another rank's expert (id E) gets zeros."""
+    E, D, I, T, k = 6, 256, 512, 3, 4
+    wp, ws, _ = _case(E, I, D, [1] * E, 0)
+    bp, bs, _ = _case(E, I, D, [1] * E, 1)
+    w2p, w2s, _ = _case(E, D, I, [1] * E, 2)
+    ws, bs, w2s = (t.clamp(max=128) for t in (ws, bs, w2s))  # the table-free decode's range
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(T, D, generator=gen).bfloat16().cuda()
+    ids = torch.randint(0, E, (T * k,), generator=gen, dtype=torch.int32).cuda()
+    ids[5] = E
+    h = torch.randn(T * k, I, generator=gen).bfloat16().cuda()
+    tri = dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3)
+    for nib in (False, True):
+        for act in ("silu", None):
+            kw = dict(expert_ids=ids, a_row_div=k, dual="out", b_packed=bp, b_scale=bs, act=act,
+                      out_dtype=torch.float32)
+            wg = dict(tri, num_stages=4, PERM=1, WG=1)
+            got = G.mxfp4_grouped_gemm(G.permute_k(x, 128, nib=nib), wp, ws, None, config=wg, a_kperm=128,
+                                       a_nib=nib, **kw)
+            want = G.mxfp4_grouped_gemm(x, wp, ws, None, config=tri, **kw)
+            err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+            assert err < 1e-5 and torch.equal(got[5], torch.zeros_like(got[5])), (nib, act, err)
+        for pair in (0, 1):
+            wg = dict(tri, num_stages=4, PERM=1, WG=1, PAIR=pair)
+            got = G.mxfp4_grouped_gemm(G.permute_k(h, 128, nib=nib), w2p, w2s, None, expert_ids=ids, config=wg,
+                                       a_kperm=128, a_nib=nib)
+            want = G.mxfp4_grouped_gemm(h, w2p, w2s, None, expert_ids=ids, config=tri)
+            err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+            assert err < 1e-5 and torch.equal(got[5], torch.zeros_like(got[5])), (nib, pair, err)

@@ -424,7 +424,17 @@ if HAS_TRITON:
         if ROW_EXPERT:
             # one row per program (decode sizes), its expert read from expert_ids: no sorted segments at all
             e = tl.load(eid_ptr + pid_m)
-            if e >= E:  # another rank's expert: the row is not computed
+            if e >= E:  # another rank's expert: zeros, not computed (the output is not zero-filled beforehand)
+                zn = pid_n * BN + tl.arange(0, BN)
+                if SCATTER_C:
+                    zrow = tl.load(c_rows_ptr + pid_m).to(tl.int64)
+                else:
+                    zrow = pid_m.to(tl.int64)
+                z_ptrs = c_ptr + zrow * stride_cm + zn
+                zero = tl.zeros([BN], dtype=c_ptr.dtype.element_ty)
+                tl.store(z_ptrs, zero, mask=zn < N)
+                if DUAL == 1 and ACT == 0:
+                    tl.store(z_ptrs + N, zero, mask=zn < N)
                 return
             offs_m = pid_m + tl.arange(0, BM)
             m_mask = tl.arange(0, BM) < 1
@@ -599,6 +609,15 @@ _WGMMA_TILES = {
     (32, "out"): (64, 128, 4, 4, 0),
     (32, None): (64, 128, 4, 4, 1),
 }
+# ... and for one route per program (`expert_ids`: decode, 1-2 tokens of K3, 16-32 rows): bench/moe_route_probe.py on
+# an H200 (bench/results/moe_h200.md; us, CUDA-graph replay, x / h copies into the K order included), Triton one-row
+# tiles -> Gluon: 1 token gate+up 101.8 -> 87.1 (5 stages; 98.1 at 4), down 58.8 -> 46.5 (single tiles; 49.2 with
+# PAIR); 2 tokens gate+up 184.6 -> 156.2 (154.6 at 4 stages), down 110.7 -> 80.5. The Triton tiles there hold 255
+# registers (2 CTAs per SM) and wait for each K step's loads; these 128 (4 CTAs per SM), with the copies ahead.
+_WGMMA_ROW_TILES = {
+    (16, "out"): (64, 128, 4, 5, 0),
+    (16, None): (64, 128, 4, 4, 0),
+}
 _DOT_SCALED = {"ok": True}  # set to False if tl.dot_scaled fails to build on this Triton
 
 
@@ -627,14 +646,16 @@ def default_config(M, E, N, K, dual=None, trans_w=False, row_expert=False):
     take TAIL: an expert's last block of at most 64 (32) rows runs in a launch of 64- (32-) row tiles
     (`tail_split`, `_TAILS`; KIMI3_MXFP4_TAIL, read at each call, sets them for both GEMMs: '64,32'; 0 = none);
     the backward layouts' BM=128 tiles too (KIMI3_MXFP4_TAIL_BWD, default '64,32'). row_expert: the tile of the
-    one-row-per-program launch (`expert_ids`), where down keeps the plain tile."""
+    one-row-per-program launch (`expert_ids`): the Gluon tiles of `_WGMMA_ROW_TILES` on Hopper, else Triton tiles
+    where down keeps the plain tile."""
     avg = M / max(1, min(E, M))
     BM = min(128, max(16, _next_pow2(int(avg + 8))))  # 1 row/expert: 16; ~18 (1k tokens of K3): 32
     fwd = not trans_w and dual != "in"
     env, key = ("KIMI3_MXFP4_TAIL", dual) if fwd else ("KIMI3_MXFP4_TAIL_BWD", "bwd")
     tail = _env_tails(env, _TAILS[key]) if BM == 128 else ()
-    if fwd and not row_expert and (BM, dual) in _WGMMA_TILES and not K % 128 and wgmma_enabled():
-        BN, BK, warps, stages, pair = _WGMMA_TILES[BM, dual]
+    wg_tiles = _WGMMA_ROW_TILES if row_expert else _WGMMA_TILES
+    if fwd and (BM, dual) in wg_tiles and not K % 128 and wgmma_enabled():
+        BN, BK, warps, stages, pair = wg_tiles[BM, dual]
         return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=0, PERM=1, AK=1, TAIL=tail,
                     WG=1, PAIR=pair)
     if fwd and (BM, dual) in _PERM_TILES and not (row_expert and dual is None):
@@ -795,9 +816,8 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     if act is not None and dual != "out":
         raise ValueError("a fused activation needs dual='out'")
     ncols = 2 * N if (dual == "out" and act is None) else N
-    # rows of other ranks' experts (expert_ids >= E) are skipped by the kernel: zeros, not leftovers
-    c = (torch.zeros if expert_ids is not None else torch.empty)(
-        num_c_rows if num_c_rows is not None else M, ncols, dtype=out_dtype, device=a.device)
+    # rows of other ranks' experts (expert_ids >= E): the kernel writes zeros there (one launch less than filling)
+    c = torch.empty(num_c_rows if num_c_rows is not None else M, ncols, dtype=out_dtype, device=a.device)
     if M == 0:
         return c
     # one row per program with expert_ids: the tiles of one row per expert (BM=16)

@@ -167,16 +167,30 @@ if HAS_GLUON:
         return acc, acc_other, w
 
     @gluon.jit
+    def _zero_row(m, pid_n, c_ptr, c_rows_ptr, stride_cm, N, W: gl.constexpr, DUAL: gl.constexpr, ACT: gl.constexpr,
+                  SCATTER_C: gl.constexpr, num_warps: gl.constexpr):
+        """Zeros in the W output columns of row m a program would have computed."""
+        if SCATTER_C:
+            row = gl.load(c_rows_ptr + m).to(gl.int64)
+        else:
+            row = m.to(gl.int64)
+        n = pid_n * W + gl.arange(0, W, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+        zero = gl.zeros([W], c_ptr.dtype.element_ty, gl.BlockedLayout([1], [32], [num_warps], [0]))
+        gl.store(c_ptr + row * stride_cm + n, zero)
+        if DUAL and ACT == 0:
+            gl.store(c_ptr + row * stride_cm + N + n, zero)
+
+    @gluon.jit
     def mxfp4_wgmma_kernel(
         a_ptr, a_rows_ptr, stride_am,
         w_ptr, ws_ptr, b_ptr, bs_ptr, stride_we, stride_wr, stride_se, stride_sr,
-        lo_ptr, hi_ptr, bcum_ptr, c_ptr, c_rows_ptr, stride_cm,
+        lo_ptr, hi_ptr, bcum_ptr, eid_ptr, c_ptr, c_rows_ptr, stride_cm,
         N, K, E, beta1, beta2,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
         E_CHUNK: gl.constexpr, NUM_E_CHUNKS: gl.constexpr,
         DUAL: gl.constexpr, PAIR: gl.constexpr, TWO: gl.constexpr, ACT: gl.constexpr, LINEAR_UP: gl.constexpr,
         GATHER_A: gl.constexpr, A_DIV: gl.constexpr, SCATTER_C: gl.constexpr,
-        P_LAYOUT: gl.constexpr, NIB: gl.constexpr, num_warps: gl.constexpr,
+        P_LAYOUT: gl.constexpr, NIB: gl.constexpr, ROW_EXPERT: gl.constexpr, num_warps: gl.constexpr,
     ):
         G: gl.constexpr = BK // 32
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -192,17 +206,27 @@ if HAS_GLUON:
         num_n = N // (BN * (1 + PAIR))  # PAIR: rows [n, n + BN) and [n + BN, n + 2 BN), the second as `b`
         pid_m = pid // num_n
         pid_n = pid % num_n
-        total_blocks = gl.load(bcum_ptr + E)
-        if pid_m >= total_blocks:
-            return
-        e = pid_m * 0
-        for i in range(NUM_E_CHUNKS):
-            idx = 1 + i * E_CHUNK + gl.arange(0, E_CHUNK, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-            ends = gl.load(bcum_ptr + idx, mask=idx <= E, other=2147483647)
-            e += gl.sum((ends <= pid_m).to(gl.int32), axis=0)
-        blk0 = gl.load(bcum_ptr + e)
-        seg_end = gl.load(hi_ptr + e)
-        m_start = gl.load(lo_ptr + e) + (pid_m - blk0) * BM
+        if ROW_EXPERT:
+            # one row per program (decode), its expert read from expert_ids; another rank's expert (>= E): zeros
+            e = gl.load(eid_ptr + pid_m)
+            if e >= E:
+                _zero_row(pid_m, pid_n, c_ptr, c_rows_ptr, stride_cm, N, BN * (1 + PAIR), DUAL, ACT, SCATTER_C,
+                          num_warps)
+                return
+            m_start = pid_m
+            seg_end = pid_m + 1
+        else:
+            total_blocks = gl.load(bcum_ptr + E)
+            if pid_m >= total_blocks:
+                return
+            e = pid_m * 0
+            for i in range(NUM_E_CHUNKS):
+                idx = 1 + i * E_CHUNK + gl.arange(0, E_CHUNK, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+                ends = gl.load(bcum_ptr + idx, mask=idx <= E, other=2147483647)
+                e += gl.sum((ends <= pid_m).to(gl.int32), axis=0)
+            blk0 = gl.load(bcum_ptr + e)
+            seg_end = gl.load(hi_ptr + e)
+            m_start = gl.load(lo_ptr + e) + (pid_m - blk0) * BM
         e64 = e.to(gl.int64)
 
         # activation rows of this tile, for the cp.async tiles [BM, BK]
@@ -301,7 +325,7 @@ if HAS_GLUON:
 def supported(meta, cfg, N, K):
     """Whether a launch of `mxfp4_gemm._run` (its meta and tile) is one this kernel computes."""
     pair = _pair(meta, cfg)
-    return (HAS_GLUON and not meta["TRANS_W"] and meta["DUAL"] in (0, 1) and not meta["ROW_EXPERT"]
+    return (HAS_GLUON and not meta["TRANS_W"] and meta["DUAL"] in (0, 1)
             and meta["PTX"] and meta["A_KPERM"] and meta["EVEN"] and meta["PERM"]
             and cfg["BN"] == 16 * cfg["num_warps"] and cfg["num_warps"] in (4, 8) and cfg["BK"] in (64, 128)
             and cfg["BM"] in (16, 32, 64) and int(cfg["num_stages"]) >= 3 and N % (cfg["BN"] * (1 + pair)) == 0
@@ -315,16 +339,17 @@ def _pair(meta, cfg):
 
 def launch(nblocks, args, meta, cfg):
     """Launch over nblocks row blocks with `mxfp4_gemm._run`'s arguments (the Triton kernel's, in its order)."""
-    (a, _a2, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, _eid, c, c_rows, stride_cm,
+    (a, _a2, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, eid, c, c_rows, stride_cm,
      N, K, E, beta1, beta2) = args
     BN, pair = cfg["BN"], _pair(meta, cfg)
     if pair:  # the second tile's rows as the `b` weight
         b, bs = w[:, BN:], ws[:, BN:]
     mxfp4_wgmma_kernel[(nblocks * (N // (BN * (1 + pair))),)](
-        a, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, c, c_rows, stride_cm,
+        a, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, eid, c, c_rows, stride_cm,
         N, K, E, beta1, beta2,
         BM=cfg["BM"], BN=BN, BK=cfg["BK"], STAGES=int(cfg["num_stages"]),
         E_CHUNK=meta["E_CHUNK"], NUM_E_CHUNKS=meta["NUM_E_CHUNKS"], DUAL=meta["DUAL"], PAIR=pair,
         TWO=meta["DUAL"] or pair, ACT=meta["ACT"],
         LINEAR_UP=meta["LINEAR_UP"], GATHER_A=meta["GATHER_A"], A_DIV=meta["A_DIV"], SCATTER_C=meta["SCATTER_C"],
-        P_LAYOUT=byte_layout(BN, cfg["BK"], cfg["num_warps"]), NIB=int(cfg.get("NIB", 0)), num_warps=cfg["num_warps"])
+        P_LAYOUT=byte_layout(BN, cfg["BK"], cfg["num_warps"]), NIB=int(cfg.get("NIB", 0)),
+        ROW_EXPERT=meta["ROW_EXPERT"], num_warps=cfg["num_warps"])

@@ -519,7 +519,7 @@ class PackedMXFP4Experts(nn.Module):
         # where the default tiles take K-permuted operands, the activations (x, then h) are copied into that order
         # once, so the tiles load them contiguously instead of gathering pairs of columns in every n-tile
         I, D = self.intermediate_size, self.hidden_size
-        one_row = offsets is None  # one row per program (expert_ids): never the Gluon tiles
+        one_row = offsets is None  # one row per program (expert_ids): its own default tiles
         x, bk_up, nib_up = self._up_input(G, x, M, E, one_row)
         bk_dn, wg_dn = G.kperm_tile(M, E, D, I, row_expert=one_row)
         nib_dn = bool(bk_dn) and wg_dn and self._table_free_ok()
