@@ -33,6 +33,8 @@ on_h100_class = pytest.mark.skipif(
 
 
 def _compile(BM, BK, STAGES, DUAL, PAIR, act=2, NIB=0, ROW=False):
+    """The kernel for sm_90; gate+up (DUAL) writes its output in the down GEMM's K order (C_PERM), as the module
+    runs it."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -40,7 +42,7 @@ def _compile(BM, BK, STAGES, DUAL, PAIR, act=2, NIB=0, ROW=False):
     consts = dict(BM=BM, BN=64, BK=BK, STAGES=STAGES, E_CHUNK=1024, NUM_E_CHUNKS=1, DUAL=DUAL, PAIR=PAIR,
                   TWO=int(bool(DUAL or PAIR)), ACT=act if DUAL else 0, LINEAR_UP=False,
                   GATHER_A=bool(DUAL) and not ROW, A_DIV=16 if ROW else 1, SCATTER_C=not (DUAL or ROW),
-                  P_LAYOUT=W.byte_layout(64, BK, 4), NIB=NIB, ROW_EXPERT=ROW, num_warps=4)
+                  P_LAYOUT=W.byte_layout(64, BK, 4), NIB=NIB, ROW_EXPERT=ROW, C_PERM=bool(DUAL), num_warps=4)
     sig, attrs = {}, {}
     for i, a in enumerate(kern.arg_names):
         if a in consts:
@@ -200,6 +202,24 @@ def test_table_free_dispatch(monkeypatch):
                              config=dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=2))
 
 
+def test_output_in_k_order_needs_a_gluon_tile_with_the_glu():
+    """c_kperm (gate+up writing h in the down GEMM's K order) only where the Gluon kernel runs with the GLU fused;
+    kperm_position inverts kperm_index."""
+    for nib in (False, True):
+        idx, pos = G.kperm_index(256, 128, nib=nib), G.kperm_position(256, 128, nib=nib)
+        assert torch.equal(idx[pos.long()], torch.arange(256))
+    a = torch.randn(4, 256).bfloat16()
+    wp = torch.randint(0, 256, (2, 128, 128), dtype=torch.uint8)
+    ws = torch.full((2, 128, 8), 127, dtype=torch.uint8)
+    offs = torch.tensor([0, 2, 4], dtype=torch.int32)
+    kw = dict(dual="out", b_packed=wp, b_scale=ws, c_kperm=128)
+    with pytest.raises(ValueError, match="c_kperm"):
+        G.mxfp4_grouped_gemm(a, wp, ws, offs, **kw)  # no GLU
+    with pytest.raises(ValueError, match="c_kperm|wgmma kernel does not compute"):  # the latter on an sm_90 GPU
+        G.mxfp4_grouped_gemm(a, wp, ws, offs, act="silu", config=dict(BM=16, BN=32, BK=128, num_warps=4,
+                                                                         num_stages=2), **kw)
+
+
 def test_explicit_tile_refused_where_the_kernel_cannot_run():
     """A caller asking for the wgmma kernel where it cannot run (here: CPU tensors) gets an error, not the Triton
     kernel silently (raised before anything launches, so no interpreter is needed)."""
@@ -248,6 +268,11 @@ def test_matches_triton_kernel_and_reference_on_gpu(rows, monkeypatch):
                 got = G.mxfp4_grouped_gemm(G.permute_k(x, 128), wp, ws, offs, config=wg, **kw)
                 want = G.mxfp4_grouped_gemm(G.permute_k(x, 128), wp, ws, offs, config=tri, **kw)
                 assert torch.equal(got, want), (BM, stages, act)
+                if act:  # h written straight in the down GEMM's K order (both orders)
+                    for nib in (False, True):
+                        hk = G.mxfp4_grouped_gemm(G.permute_k(x, 128), wp, ws, offs, config=wg, c_kperm=128,
+                                                  c_nib=nib, **kw)
+                        assert torch.equal(hk, G.permute_k(got, 128, nib=nib)), (BM, stages, act, nib)
             kw = dict(c_rows=c_rows, num_c_rows=M, a_kperm=128)
             got = G.mxfp4_grouped_gemm(G.permute_k(h, 128), w2p, w2s, offs, config=wg, **kw)
             want = G.mxfp4_grouped_gemm(G.permute_k(h, 128), w2p, w2s, offs, config=tri, **kw)
@@ -299,6 +324,10 @@ def test_one_route_per_program_on_gpu():
             want = G.mxfp4_grouped_gemm(x, wp, ws, None, config=tri, **kw)
             err = ((got.double() - want.double()).norm() / want.double().norm()).item()
             assert err < 1e-5 and torch.equal(got[5], torch.zeros_like(got[5])), (nib, act, err)
+            if act:  # h in the down GEMM's K order, the zeros of route 5 included
+                hk = G.mxfp4_grouped_gemm(G.permute_k(x, 128, nib=nib), wp, ws, None, config=wg, a_kperm=128,
+                                          a_nib=nib, c_kperm=128, c_nib=nib, **kw)
+                assert torch.equal(hk, G.permute_k(got, 128, nib=nib)), nib
         for pair in (0, 1):
             wg = dict(tri, num_stages=4, PERM=1, WG=1, PAIR=pair)
             got = G.mxfp4_grouped_gemm(G.permute_k(h, 128, nib=nib), w2p, w2s, None, expert_ids=ids, config=wg,

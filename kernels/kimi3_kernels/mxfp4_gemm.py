@@ -714,6 +714,20 @@ def kperm_index(K, BK, device=None, nib=False):
     return _KPERM_INDEX[key]
 
 
+_KPERM_POSITION = {}
+
+
+def kperm_position(K, BK, device=None, nib=False):
+    """int32 [K]: the position of each stored column in the order of `kperm_index` (its inverse permutation)."""
+    key = (K, BK, torch.device(device) if device is not None else None, bool(nib))
+    if key not in _KPERM_POSITION:
+        idx = kperm_index(K, BK, None, nib)
+        pos = torch.empty_like(idx)
+        pos[idx] = torch.arange(K)
+        _KPERM_POSITION[key] = pos.to(torch.int32).to(device)
+    return _KPERM_POSITION[key]
+
+
 def permute_k(a, BK, nib=False):
     """a [..., K] with its columns in the K order of PERM tiles with this BK: the `a_kperm=BK` input of
     `mxfp4_grouped_gemm`, whose activation loads are then contiguous instead of gathered in pairs (nib: the order
@@ -785,7 +799,7 @@ def _shapes(a, w_packed, w_scale, trans_w):
 def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a_rows=None, c_rows=None,
                        num_c_rows=None, a2=None, b_packed=None, b_scale=None, dual=None, act=None,
                        act_params=(4.0, 25.0), out_dtype=torch.float32, config=None, a_kperm=0, expert_ids=None,
-                       a_row_div=1, a_nib=False):
+                       a_row_div=1, a_nib=False, c_kperm=0, c_nib=False):
     """Grouped MXFP4 GEMM (see the module docstring).
 
     a [Ra, K] float (bf16 preferred); w_packed/w_scale stacked MXFP4 [E, N, K/2]/[E, N, K/32] (or [E, K, N/2]/
@@ -803,6 +817,9 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     expert_ids int32 [M] instead of expert_offsets (forward only; expert_offsets=None): rows in any order, one per
     program at BM=16, row m's expert expert_ids[m] (E or more: the row is not written); without a_rows row m reads
     row m // a_row_div of `a`. For decode, where sorting the few routes costs more launches than it saves.
+    c_kperm=BK (c_nib): C's columns written in the order of `permute_k(C, BK, nib=c_nib)`, the `a_kperm` / `a_nib`
+    input of the GEMM that reads C next (gate+up with the GLU fused, then down), instead of a copy in between; the
+    Gluon tiles only (`kperm_tile`).
     """
     E, N, K = _shapes(a, w_packed, w_scale, trans_w)
     if K % 32 or N % 32:
@@ -839,6 +856,11 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
             BN, _, warps, stages = _PERM_TILES.get((cfg["BM"], dual), _TILES[cfg["BM"]])[:4]
             cfg.update(BN=BN, BK=a_kperm, num_warps=warps, num_stages=stages)
         cfg.update(PERM=1, DEQ=0, SPLIT=0)  # the other K paths read the columns in stored order
+    if c_kperm:
+        if act is None or not cfg.get("WG"):
+            raise ValueError("c_kperm: C in another GEMM's K order needs the GLU fused and a Gluon tile (WG=1; "
+                             f"`kperm_tile`), got act={act!r}, tile {cfg}")
+        cfg["c_pos"] = kperm_position(N, c_kperm, a.device, c_nib)
     if a_nib:
         if not a_kperm or not cfg.get("WG"):
             raise ValueError("a_nib: activations in the table-free decode's order need a_kperm and a Gluon tile "
@@ -922,7 +944,8 @@ def _run(cfg, args, nblocks, N, K, meta, config):
         if mxfp4_wgmma.supported(meta, cfg, N, K):
             mxfp4_wgmma.launch(nblocks, args, meta, cfg)
             return
-        if (config and config.get("WG")) or cfg.get("NIB"):  # NIB: no other kernel reads that K order
+        # NIB, c_pos: no other kernel reads / writes those K orders
+        if (config and config.get("WG")) or cfg.get("NIB") or cfg.get("c_pos") is not None:
             raise ValueError(f"the wgmma kernel does not compute this launch (tile {cfg})")
     if int(cfg.get("DEQ", 0)) == 1:
         try:

@@ -184,13 +184,14 @@ if HAS_GLUON:
     def mxfp4_wgmma_kernel(
         a_ptr, a_rows_ptr, stride_am,
         w_ptr, ws_ptr, b_ptr, bs_ptr, stride_we, stride_wr, stride_se, stride_sr,
-        lo_ptr, hi_ptr, bcum_ptr, eid_ptr, c_ptr, c_rows_ptr, stride_cm,
+        lo_ptr, hi_ptr, bcum_ptr, eid_ptr, c_ptr, c_rows_ptr, stride_cm, c_pos_ptr,
         N, K, E, beta1, beta2,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
         E_CHUNK: gl.constexpr, NUM_E_CHUNKS: gl.constexpr,
         DUAL: gl.constexpr, PAIR: gl.constexpr, TWO: gl.constexpr, ACT: gl.constexpr, LINEAR_UP: gl.constexpr,
         GATHER_A: gl.constexpr, A_DIV: gl.constexpr, SCATTER_C: gl.constexpr,
-        P_LAYOUT: gl.constexpr, NIB: gl.constexpr, ROW_EXPERT: gl.constexpr, num_warps: gl.constexpr,
+        P_LAYOUT: gl.constexpr, NIB: gl.constexpr, ROW_EXPERT: gl.constexpr, C_PERM: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         G: gl.constexpr = BK // 32
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -307,6 +308,8 @@ if HAS_GLUON:
             crow = gl.load(c_rows_ptr + offs_m, mask=m_mask, other=0).to(gl.int64)
         else:
             crow = offs_m.to(gl.int64)
+        if C_PERM:  # output column n at position c_pos[n]: the K order of the GEMM that reads C next
+            offs_n = gl.load(c_pos_ptr + offs_n)
         c_ptrs = c_ptr + crow[None, :] * stride_cm + offs_n[:, None]
         c_mask = gl.broadcast(m_mask[None, :], c_ptrs)[0]
         if DUAL:
@@ -341,15 +344,16 @@ def launch(nblocks, args, meta, cfg):
     """Launch over nblocks row blocks with `mxfp4_gemm._run`'s arguments (the Triton kernel's, in its order)."""
     (a, _a2, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, eid, c, c_rows, stride_cm,
      N, K, E, beta1, beta2) = args
+    c_pos = cfg.get("c_pos")
     BN, pair = cfg["BN"], _pair(meta, cfg)
     if pair:  # the second tile's rows as the `b` weight
         b, bs = w[:, BN:], ws[:, BN:]
     mxfp4_wgmma_kernel[(nblocks * (N // (BN * (1 + pair))),)](
         a, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, eid, c, c_rows, stride_cm,
-        N, K, E, beta1, beta2,
+        c_pos if c_pos is not None else eid, N, K, E, beta1, beta2,
         BM=cfg["BM"], BN=BN, BK=cfg["BK"], STAGES=int(cfg["num_stages"]),
         E_CHUNK=meta["E_CHUNK"], NUM_E_CHUNKS=meta["NUM_E_CHUNKS"], DUAL=meta["DUAL"], PAIR=pair,
         TWO=meta["DUAL"] or pair, ACT=meta["ACT"],
         LINEAR_UP=meta["LINEAR_UP"], GATHER_A=meta["GATHER_A"], A_DIV=meta["A_DIV"], SCATTER_C=meta["SCATTER_C"],
         P_LAYOUT=byte_layout(BN, cfg["BK"], cfg["num_warps"]), NIB=int(cfg.get("NIB", 0)),
-        ROW_EXPERT=meta["ROW_EXPERT"], num_warps=cfg["num_warps"])
+        ROW_EXPERT=meta["ROW_EXPERT"], C_PERM=c_pos is not None, num_warps=cfg["num_warps"])

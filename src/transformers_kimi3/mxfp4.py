@@ -523,17 +523,21 @@ class PackedMXFP4Experts(nn.Module):
         x, bk_up, nib_up = self._up_input(G, x, M, E, one_row)
         bk_dn, wg_dn = G.kperm_tile(M, E, D, I, row_expert=one_row)
         nib_dn = bool(bk_dn) and wg_dn and self._table_free_ok()
+        # where both GEMMs are Gluon tiles, gate+up writes h straight in the down tile's K order (no copy between)
+        h_direct = (self._fused is not None and bool(bk_dn) and wg_dn and hasattr(G, "kperm_position")
+                    and G.kperm_tile(M, E, I, D, "out", row_expert=one_row)[1])
         # the GLU runs in the gate+up epilogue whenever the kernel knows it: K3's SiTU too, at every tile height
         # since the K-permuted BM=128 tiles (H200, 19b363b: 16,384 tokens 63.2 ms fused vs 83.2 ms unfused)
         up = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, dual="out", a_kperm=bk_up, a_nib=nib_up,
                   **up_rows)
         if self._fused is not None:
             h = G.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, act=self._fused[0],
-                                     act_params=self._fused[1:] or (1.0, 1.0), out_dtype=x.dtype, **up)
+                                     act_params=self._fused[1:] or (1.0, 1.0), out_dtype=x.dtype,
+                                     c_kperm=bk_dn if h_direct else 0, c_nib=nib_dn, **up)
         else:
             gu = G.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, **up)
             h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
-        if bk_dn:
+        if bk_dn and not h_direct:
             h = G.permute_k(h, bk_dn, nib=nib_dn)
         return G.mxfp4_grouped_gemm(h, self.w2_packed, self.w2_scale, offsets, a_kperm=bk_dn, a_nib=nib_dn,
                                     **down_rows)
