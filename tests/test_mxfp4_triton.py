@@ -447,13 +447,17 @@ def test_module_triton_path_matches_dequantise_then_matmul(results):
     assert results["module_kperm_vs_plain"] < 1e-3, results
 
 
-def _load_gemm_module():
-    import importlib.util
+def test_host_grid_helpers_match_triton():
+    """The plain-Python cdiv / next_pow2 the launch paths use instead of Triton's constexpr functions (host calls
+    cost ~2.7 us each there) give Triton's values."""
+    triton = pytest.importorskip("triton", reason="triton is not installed")
+    from kimi3_kernels._host import cdiv, next_pow2
 
-    spec = importlib.util.spec_from_file_location("_mxfp4_gemm_ptx_test", ROOT / "kernels/kimi3_kernels/mxfp4_gemm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    assert [cdiv(x, y) for x in range(0, 300) for y in (1, 2, 3, 16, 64, 1024)] == \
+        [triton.cdiv(x, y) for x in range(0, 300) for y in (1, 2, 3, 16, 64, 1024)]
+    xs = list(range(1, 2100)) + [3584, 3072, 16384, 2 ** 20 + 1]
+    assert [next_pow2(x) for x in xs] == [triton.next_power_of_2(x) for x in xs]
+    assert next_pow2(0) == 1
 
 
 def test_ptx_decode_emulated():
@@ -463,7 +467,7 @@ def test_ptx_decode_emulated():
     pytest.importorskip("triton", reason="triton is not installed")
     import torch
 
-    G = _load_gemm_module()
+    from kimi3_kernels import mxfp4_gemm as G
     lut = (0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6)
 
     def want(code, s):

@@ -12,6 +12,8 @@ of every source, a norm, a projection, a softmax, a product and a sum, ~12 launc
 """
 import torch
 
+from ._host import next_pow2
+
 try:
     import triton
     import triton.language as tl
@@ -72,5 +74,5 @@ def attn_res_mix(bank, partial, norm_weight, proj_weight, eps, BD=1024, num_warp
     if B * T:
         _attn_res_mix_kernel[(B * T,)](bank, part, norm_weight.contiguous(), proj_weight.reshape(-1).contiguous(), y,
                                        n, D, float(eps), HAS_PARTIAL=partial is not None,
-                                       NP=triton.next_power_of_2(n + 1), BD=BD, num_warps=num_warps)
+                                       NP=next_pow2(n + 1), BD=BD, num_warps=num_warps)
     return y

@@ -39,6 +39,8 @@ import os
 
 import torch
 
+from ._host import cdiv, next_pow2
+
 try:
     import triton
     import triton.language as tl
@@ -557,10 +559,6 @@ if HAS_TRITON:
             tl.store(c_ptrs, tl.trans(acc).to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-def _next_pow2(n):
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 # Tile shapes by BM (rows of one expert per tile: the MMA's N side), from bench/moe.py's sweeps on an H200
 # (bench/results/moe_h200.*). DEQ=1 (tl.dot_scaled's own e2m1 upcast) measured 1.4-4x slower than DEQ=0 there,
 # so it is only used when asked for. BM=32 (1,024 tokens of K3): BK=128 from bench/moe_probe.py (9f26e99), gate+up
@@ -634,7 +632,7 @@ def dequantize_bf16(packed, scale):
     R = packed.numel() // (C // 2)
     if R:
         BR, BC = 32, 128
-        _dequant_kernel[(triton.cdiv(R, BR), triton.cdiv(C, BC))](
+        _dequant_kernel[(cdiv(R, BR), cdiv(C, BC))](
             packed.contiguous(), scale.contiguous(), out, R, C, BR=BR, BC=BC,
             PTX=decode_mode(packed.device) == "ptx", num_warps=4)
     return out
@@ -649,7 +647,7 @@ def default_config(M, E, N, K, dual=None, trans_w=False, row_expert=False):
     one-row-per-program launch (`expert_ids`): the Gluon tiles of `_WGMMA_ROW_TILES` on Hopper, else Triton tiles
     where down keeps the plain tile."""
     avg = M / max(1, min(E, M))
-    BM = min(128, max(16, _next_pow2(int(avg + 8))))  # 1 row/expert: 16; ~18 (1k tokens of K3): 32
+    BM = min(128, max(16, next_pow2(int(avg + 8))))  # 1 row/expert: 16; ~18 (1k tokens of K3): 32
     fwd = not trans_w and dual != "in"
     env, key = ("KIMI3_MXFP4_TAIL", dual) if fwd else ("KIMI3_MXFP4_TAIL_BWD", "bwd")
     tail = _env_tails(env, _TAILS[key]) if BM == 128 else ()
@@ -762,7 +760,7 @@ def route_expert_ids(topk_idx, num_experts):
     flat = topk_idx.reshape(-1).contiguous()
     ids = torch.empty(flat.numel(), dtype=torch.int32, device=flat.device)
     ok = torch.empty(1, dtype=torch.int32, device=flat.device)
-    block = min(1024, _next_pow2(max(flat.numel(), 16)))
+    block = min(1024, next_pow2(max(flat.numel(), 16)))
     _route_ids_kernel[(1,)](flat, ids, ok, flat.numel(), num_experts, BLOCK=block)
     return ids, ok
 
@@ -883,9 +881,9 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
             w_scale.stride(1))
     rest = (c, c_rows if c_rows is not None else ids, c.stride(0),
             N, K, E, float(beta1), float(beta2 if beta2 is not None else 1.0))
-    e_chunk = min(1024, _next_pow2(E))
+    e_chunk = min(1024, next_pow2(E))
     meta = dict(
-        E_CHUNK=e_chunk, NUM_E_CHUNKS=triton.cdiv(E, e_chunk),
+        E_CHUNK=e_chunk, NUM_E_CHUNKS=cdiv(E, e_chunk),
         TRANS_W=bool(trans_w), DUAL=DUALS[dual], ACT=ACTS[act], LINEAR_UP=(act == "situ" and beta2 is None),
         GATHER_A=a_rows is not None, A_DIV=int(a_row_div), SCATTER_C=c_rows is not None,
         OP_F32=interpreter_enabled(), ROW_EXPERT=expert_ids is not None,
@@ -894,7 +892,7 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         _run(cfg, head + (ids, ids, ids, ids) + rest, M, N, K, meta, config)
         return c
     lo, hi = expert_offsets[:-1], expert_offsets[1:]
-    nblocks = min(E, M) + triton.cdiv(M, cfg["BM"])
+    nblocks = min(E, M) + cdiv(M, cfg["BM"])
     # full BM-row blocks (and last blocks longer than the first tail height) first, then each expert's short last
     # block in the tiles of the largest tail height it fits (one block per expert in each tail launch)
     for t in sorted(_tails(cfg.get("TAIL", ())), reverse=True):
@@ -931,7 +929,7 @@ def _run(cfg, args, nblocks, N, K, meta, config):
     once) times the n-tiles."""
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     trans_w = meta["TRANS_W"]
-    grid = (nblocks * triton.cdiv(N, BN),)
+    grid = (nblocks * cdiv(N, BN),)
     meta = dict(
         meta, BM=BM, BN=BN, BK=BK, SPLIT=bool(int(cfg.get("SPLIT", _env_split()))),
         PERM=bool(int(cfg.get("PERM", 0))) and not trans_w and BK >= 32,

@@ -19,6 +19,8 @@ SASS, and compares outputs on an H200); `mxfp4_gemm.mxfp4_grouped_gemm` picks it
 keeps the Triton kernel for every other layout.
 """
 
+import functools
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -41,6 +43,7 @@ def _log2(n):
     return n.bit_length() - 1
 
 
+@functools.lru_cache(maxsize=None)  # built at every launch otherwise: ~30 us of host time each (Triton 3.9)
 def byte_layout(BN, BK, num_warps):
     """Register layout of a packed weight tile viewed as [BN, BK/32, 16] (row, scale group, byte in group), stored
     in the K order of PERM tiles: stored byte P = (BK/8) t + q of a row is what lane t (of its quad) needs for the

@@ -1,9 +1,9 @@
 """Shared helpers: the optional Triton import, chunk tables for (variable-length) packing."""
 from __future__ import annotations
 
-import math
-
 import torch
+
+from .._host import cdiv, next_pow2  # noqa: F401  (re-exported for the kda modules)
 
 try:  # Triton is optional: the package must import without it
     import triton  # noqa: F401
@@ -25,10 +25,6 @@ def require_triton():
             "kimi3_kernels.kda: Triton is not importable "
             f"({TRITON_IMPORT_ERROR!r}); install triton>=3.4 or use the PyTorch references "
             "kimi3_kernels.kda.naive_chunk_kda / naive_recurrent_kda")
-
-
-def next_pow2(x: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, x))))
 
 
 def state_scan_tile(programs_at_64: int, device) -> tuple[int, int]:

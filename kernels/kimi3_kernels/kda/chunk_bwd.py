@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, launch_config, next_pow2, state_scan_tile
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, launch_config, next_pow2, state_scan_tile
 from .chunk_fwd import DENSE_MAX_SPAN, SAFE_LOWER_BOUND, _prec
 
 if TRITON_AVAILABLE:
@@ -368,8 +368,8 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
     prec = _prec(qn.dtype)
     if info.N > 0:
         bv, warps, stages = launch_config("state_bwd")
-        BV = min(bv or state_scan_tile(triton.cdiv(V, 64) * info.N * H, dev)[0], next_pow2(V))
-        _state_bwd_kernel[(triton.cdiv(V, BV) * info.N * H,)](
+        BV = min(bv or state_scan_tile(cdiv(V, 64) * info.N * H, dev)[0], next_pow2(V))
+        _state_bwd_kernel[(cdiv(V, BV) * info.N * H,)](
             I["W"], I["Qg"], I["Kd"], I["Aqk"], gc, do, dht if dht is not None else do,
             dh0 if dh0 is not None else do, dhs, dvn, info.cu, info.chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_DHT=dht is not None, HAS_H0=h0 is not None,
@@ -400,7 +400,7 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
         for name, dense, sel in passes:
             bk, warps, stages = launch_config(name)
             bk = min(bk, BK)
-            _intra_bwd_kernel[(info.NC * (BT // 16) * triton.cdiv(K, bk), H)](
+            _intra_bwd_kernel[(info.NC * (BT // 16) * cdiv(K, bk), H)](
                 qn, kn, gc, dAs, dPs, dqn, dkn, dG, I["steep"] if sel else dAs, info.chunk_tab, info.cu, DENSE_MAX_SPAN,
                 H=H, K=K, BK=bk, BT=BT, BC=16, SAFE=dense, PREC=intra_prec, STEEP=sel,
                 DPREC=_intra_diag_prec(intra_prec), num_warps=warps,

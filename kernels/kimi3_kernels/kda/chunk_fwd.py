@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, launch_config, next_pow2, state_scan_tile
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, launch_config, next_pow2, state_scan_tile
 
 # K3's bound (-5): 15 steps inside a 16-row sub-tile stay above -75 nats, so exp(+span) < 4e32.
 SAFE_LOWER_BOUND = -5.5
@@ -521,11 +521,11 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, states_dtype, s
     if N > 0:
         BK = next_pow2(K)
         bv, warps, stages = launch_config("state_fwd")
-        auto_bv, auto_stages = state_scan_tile(triton.cdiv(V, 64) * N * H, dev)
+        auto_bv, auto_stages = state_scan_tile(cdiv(V, 64) * N * H, dev)
         BV = min(bv or auto_bv, next_pow2(V))
         stages = stages or auto_stages
         dummy = W
-        _state_fwd_kernel[(triton.cdiv(V, BV) * N * H,)](
+        _state_fwd_kernel[(cdiv(V, BV) * N * H,)](
             W, I["U"], I["Kd"], gc, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
             hs if hs is not None else dummy, vn if vn is not None else dummy, info.cu, info.chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, BT=CHUNK_SIZE, HAS_H0=h0 is not None,
@@ -534,7 +534,7 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, states_dtype, s
         if compute_o and info.NC > 0:
             bv, warps, stages = launch_config("output_fwd")
             BVo = min(bv, next_pow2(V))
-            _output_fwd_kernel[(info.NC, triton.cdiv(V, BVo), H)](
+            _output_fwd_kernel[(info.NC, cdiv(V, BVo), H)](
                 I["Qg"], I["Aqk"], vn, hs, o, info.chunk_tab, info.cu, H=H, K=K, V=V, BK=min(64, next_pow2(K)),
                 BV=BVo, BT=CHUNK_SIZE, PREC=_prec(W.dtype), num_warps=warps, num_stages=stages)
     hs = hs[:info.NC] if states_dtype is not None else None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, launch_config, next_pow2
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, launch_config, next_pow2
 
 if TRITON_AVAILABLE:
     import triton
@@ -169,7 +169,7 @@ def prep_fwd(q, k, g, beta, A_log, dt_bias, lower_bound, use_l2, info, inter_dty
         tile, warps, stages = launch_config("prep_fwd")
         BK = next_pow2(K)
         for gate, norm, bkg in _launches(tile, K):
-            _prep_fwd_kernel[(info.NC, H, triton.cdiv(K, bkg) if gate and not norm else 1)](
+            _prep_fwd_kernel[(info.NC, H, cdiv(K, bkg) if gate and not norm else 1)](
                 q, k, g, beta, A_log, dt_bias, qn, kn, gc, bs, rq, rk, info.chunk_tab, info.cu,
                 float(lower_bound) if lower_bound is not None else 0.0,
                 H=H, K=K, BK=BK, BKG=bkg, BT=CHUNK_SIZE, USE_LB=lower_bound is not None, L2=use_l2, GATE=gate,
@@ -189,7 +189,7 @@ def prep_bwd(q, k, g, A_log, dt_bias, beta_s, rq, rk, dgc, dqn, dkn, dbeta_s, lo
     tile, warps, stages = launch_config("prep_bwd" if lower_bound is not None else "prep_bwd_softplus")
     BK = next_pow2(K)
     parts = _launches(tile, K)
-    slices = triton.cdiv(K, parts[0][2])  # each gate slice writes its own dA_log partial
+    slices = cdiv(K, parts[0][2])  # each gate slice writes its own dA_log partial
     dA_part = torch.zeros(NC, H, slices, device=dev, dtype=torch.float32)
     ddt_part = torch.zeros(NC, H, K, device=dev, dtype=torch.float32)
     if info.NC > 0:

@@ -16,7 +16,7 @@ Both kernels run under TRITON_INTERPRET=1 on CPU tensors (CI).
 import torch
 import torch.nn.functional as F
 
-from ._utils import TRITON_AVAILABLE, next_pow2
+from ._utils import TRITON_AVAILABLE, cdiv, next_pow2
 
 if TRITON_AVAILABLE:
     import triton
@@ -101,8 +101,8 @@ def short_conv_update(xs, states, weights):
     xs = [x.contiguous() for x in xs]
     ys = [torch.empty_like(x) for x in xs]
     BD = 128
-    _conv_update_kernel[(B, triton.cdiv(D, BD), 3)](*xs, *states, *weights, *ys, D, T=T, W=W, WP=next_pow2(W),
-                                                     BD=BD, num_warps=4)
+    _conv_update_kernel[(B, cdiv(D, BD), 3)](*xs, *states, *weights, *ys, D, T=T, W=W, WP=next_pow2(W),
+                                             BD=BD, num_warps=4)
     return tuple(ys)
 
 
@@ -122,9 +122,9 @@ def short_conv(x, weight, state=None):
     y = torch.empty_like(xc)
     BT, BD = 32, 128
     if T:
-        _conv_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD), B)](xc, sc if sc is not None else xc, wc, y, T, D,
-                                                                     W=W, BT=BT, BD=BD, HAS_STATE=sc is not None,
-                                                                     num_warps=4)
+        _conv_fwd_kernel[(cdiv(T, BT), cdiv(D, BD), B)](xc, sc if sc is not None else xc, wc, y, T, D,
+                                                        W=W, BT=BT, BD=BD, HAS_STATE=sc is not None,
+                                                        num_warps=4)
     prev = x.new_zeros(B, D, W) if state is None else state.to(x.dtype)
     new_state = torch.cat([prev, x[:, -W:].transpose(1, 2)], dim=-1)[..., -W:].contiguous()
     return y, new_state
@@ -140,8 +140,8 @@ def gated_rms_norm(x, gate, weight, eps):
     y = torch.empty_like(xc)
     N = xc.numel() // K
     ROWS = 16
-    _gated_norm_kernel[(triton.cdiv(N, ROWS),)](xc, gc, weight.contiguous(), y, N, float(eps), K=K,
-                                                KP=next_pow2(K), ROWS=ROWS, num_warps=4)
+    _gated_norm_kernel[(cdiv(N, ROWS),)](xc, gc, weight.contiguous(), y, N, float(eps), K=K,
+                                         KP=next_pow2(K), ROWS=ROWS, num_warps=4)
     return y
 
 

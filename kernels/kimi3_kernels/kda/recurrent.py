@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import TRITON_AVAILABLE, next_pow2
+from ._utils import TRITON_AVAILABLE, cdiv, next_pow2
 
 if TRITON_AVAILABLE:
     import triton
@@ -91,7 +91,7 @@ def fused_recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, in
     BK = next_pow2(K)
     BV = min(next_pow2(V), 16 if N * H < 256 else 32)
     if N > 0:
-        _fused_recurrent_kernel[(triton.cdiv(V, BV) * N * H,)](
+        _fused_recurrent_kernel[(cdiv(V, BV) * N * H,)](
             q, k, v, g, beta, A_log, dt_bias, o, initial_state if initial_state is not None else o,
             ht if ht is not None else o, cu_seqlens if cu_seqlens is not None else o, T, scale,
             float(lower_bound) if lower_bound is not None else 0.0,
