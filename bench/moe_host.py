@@ -4,7 +4,8 @@
 
 Per token count: the module's forward (no autograd) as CUDA-graph replay (GPU time), eager with an event pair around
 each call (what a user's eager decode waits), and its host microseconds per call when calls are queued without a
-synchronisation; then a cProfile of 200 eager calls (top functions by own time and by cumulative time, to DIR/moe_host_profile_N.txt).
+synchronisation; then a cProfile of 200 eager calls (top functions by own and by cumulative time, to
+DIR/moe_host_profile_N.txt).
 Floors in the same process: host microseconds of an empty Triton launch with 1 and with 40 arguments, of the
 module's kernels launched alone, and of what the launch path computed at every call before 2026-12-03 (the Gluon
 weight layout, `triton.cdiv`). One JSON line per row, to stdout and DIR/moe_host_h200.jsonl."""
@@ -73,7 +74,8 @@ def main():
     emit(part="empty_triton_40_args", host_us=round(host_us(lambda: _empty40[(1,)](*ts, *ns, 1, 2, 3, 4)), 1))
     # what the launch path computed at every call before they were cached / plain Python
     from kimi3_kernels import mxfp4_wgmma as W
-    emit(part="byte_layout_uncached", host_us=round(host_us(lambda: W.byte_layout.__wrapped__(64, 128, 4)), 1))
+    layout = getattr(W.byte_layout, "__wrapped__", W.byte_layout)
+    emit(part="byte_layout_uncached", host_us=round(host_us(lambda: layout(64, 128, 4)), 1))
     emit(part="triton_cdiv", host_us=round(host_us(lambda: triton.cdiv(3584, 64)), 2))
     emit(part="torch_empty", host_us=round(host_us(lambda: torch.empty(16, 3584, device="cuda")), 1))
     with torch.no_grad():

@@ -70,9 +70,24 @@ def decode_mode(device):
     mode = os.environ.get("KIMI3_MXFP4_DECODE", "ptx").strip().lower() or "ptx"
     if mode not in ("ptx", "portable"):
         raise ValueError(f"KIMI3_MXFP4_DECODE must be 'ptx' or 'portable', not {mode!r}")
-    if mode == "ptx" and torch.cuda.get_device_capability(device) < (8, 0):
+    if mode == "ptx" and _capability(_index(device)) < (8, 0):
         return "portable"
     return mode
+
+
+def _index(device):
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index):
+    # asked at every launch: the device query once per GPU (~20 us of host time each otherwise)
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_available():
+    return torch.cuda.is_available()
 
 
 def wgmma_enabled(device=None):
@@ -81,17 +96,16 @@ def wgmma_enabled(device=None):
     Triton with Gluon, not the interpreter, and KIMI3_MXFP4_WGMMA not 0 (read at every call, for A/B timing)."""
     if os.environ.get("KIMI3_MXFP4_WGMMA", "1").strip() in ("0", "") or interpreter_enabled() or not HAS_TRITON:
         return False
-    if not torch.cuda.is_available():
+    if not _cuda_available():
         return False
     device = torch.device(device if device is not None else "cuda")
-    return device.type == "cuda" and _wgmma_hardware(torch.cuda.current_device() if device.index is None
-                                                     else device.index)
+    return device.type == "cuda" and _wgmma_hardware(_index(device))
 
 
 @functools.lru_cache(maxsize=None)
 def _wgmma_hardware(index):
     # asked at every GEMM's tile choice: the device query and the import once per GPU
-    if torch.cuda.get_device_capability(index) != (9, 0):
+    if _capability(index) != (9, 0):
         return False
     from . import mxfp4_wgmma
 
@@ -758,8 +772,8 @@ def route_expert_ids(topk_idx, num_experts):
     `mxfp4_grouped_gemm`; int32 [1], 1 when every id lies in [0, num_experts)) in one launch: check the flag with
     torch._assert_async, no host synchronisation (the comparisons in PyTorch take five launches)."""
     flat = topk_idx.reshape(-1).contiguous()
-    ids = torch.empty(flat.numel(), dtype=torch.int32, device=flat.device)
-    ok = torch.empty(1, dtype=torch.int32, device=flat.device)
+    buf = torch.empty(flat.numel() + 1, dtype=torch.int32, device=flat.device)  # one allocation: host time
+    ids, ok = buf[:-1], buf[-1:]
     block = min(1024, next_pow2(max(flat.numel(), 16)))
     _route_ids_kernel[(1,)](flat, ids, ok, flat.numel(), num_experts, BLOCK=block)
     return ids, ok

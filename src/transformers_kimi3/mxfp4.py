@@ -520,12 +520,11 @@ class PackedMXFP4Experts(nn.Module):
         # once, so the tiles load them contiguously instead of gathering pairs of columns in every n-tile
         I, D = self.intermediate_size, self.hidden_size
         one_row = offsets is None  # one row per program (expert_ids): its own default tiles
-        x, bk_up, nib_up = self._up_input(G, x, M, E, one_row)
+        x, bk_up, nib_up, wg_up = self._up_input(G, x, M, E, one_row)
         bk_dn, wg_dn = G.kperm_tile(M, E, D, I, row_expert=one_row)
         nib_dn = bool(bk_dn) and wg_dn and self._table_free_ok()
         # where both GEMMs are Gluon tiles, gate+up writes h straight in the down tile's K order (no copy between)
-        h_direct = (self._fused is not None and bool(bk_dn) and wg_dn and hasattr(G, "kperm_position")
-                    and G.kperm_tile(M, E, I, D, "out", row_expert=one_row)[1])
+        h_direct = self._fused is not None and bool(bk_dn) and wg_dn and wg_up and hasattr(G, "kperm_position")
         # the GLU runs in the gate+up epilogue whenever the kernel knows it: K3's SiTU too, at every tile height
         # since the K-permuted BM=128 tiles (H200, 19b363b: 16,384 tokens 63.2 ms fused vs 83.2 ms unfused)
         up = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, dual="out", a_kperm=bk_up, a_nib=nib_up,
@@ -543,13 +542,13 @@ class PackedMXFP4Experts(nn.Module):
                                     **down_rows)
 
     def _up_input(self, G, x, M, E, one_row=False):
-        """(x, a_kperm, a_nib) for the gate+up GEMM of M rows: x copied into the K order of the default tile where
-        it takes pre-permuted activations (a_kperm = its BK; a_nib: the order of the Gluon kernel's table-free
-        decode), else x as given (a_kperm = 0)."""
+        """(x, a_kperm, a_nib, gluon) for the gate+up GEMM of M rows: x copied into the K order of the default tile
+        where it takes pre-permuted activations (a_kperm = its BK; a_nib: the order of the Gluon kernel's table-free
+        decode), else x as given (a_kperm = 0); gluon: that tile is the Gluon kernel's."""
         I, D = self.intermediate_size, self.hidden_size
         bk, wg = G.kperm_tile(M, E, I, D, "out", row_expert=one_row)
         nib = bool(bk) and wg and self._table_free_ok()
-        return (G.permute_k(x, bk, nib=nib) if bk else x), bk, nib
+        return (G.permute_k(x, bk, nib=nib) if bk else x), bk, nib, wg
 
     def _table_free_ok(self):
         """Whether every scale exponent is <= 128, the range of the Gluon kernel's table-free decode (K3's
@@ -576,7 +575,7 @@ class PackedMXFP4Experts(nn.Module):
         dh_unw = G.mxfp4_grouped_gemm(dy, self.w2_packed, self.w2_scale, offsets, trans_w=True, a_rows=tok)
         # recompute the pre-activations instead of keeping [M, 2I] fp32 alive between forward and backward, with x
         # in the K order of the forward's tiles where they take it (as _expert_mlp does)
-        xk, bk_up, nib_up = self._up_input(G, x.contiguous(), order.numel(), self.num_experts)
+        xk, bk_up, nib_up, _ = self._up_input(G, x.contiguous(), order.numel(), self.num_experts)
         gu = G.mxfp4_grouped_gemm(xk, self.w1_packed, self.w1_scale, offsets, a_rows=tok, dual="out",
                                   b_packed=self.w3_packed, b_scale=self.w3_scale, a_kperm=bk_up, a_nib=nib_up)
         with torch.enable_grad():
