@@ -209,6 +209,17 @@ def _kernel_checks(G, R, torch):
     out["tail_default_gate_up"] = _rel(G.mxfp4_grouped_gemm(x4, *w4, offs4, **up4), R(x4, *w4, offs4, **up4))
     out["tail_default_down"] = _rel(G.mxfp4_grouped_gemm(x4, *w4, offs4), R(x4, *w4, offs4))
     out["tail_default_down_64"] = _rel(G.mxfp4_grouped_gemm(x4, *w4, offs5), R(x4, *w4, offs5))
+    # the blocks' prefix sum the GEMMs search (one launch), against PyTorch: empty segments, several steps of the
+    # kernel's running sum (block=64 over 300 experts), int64 offsets
+    ok = []
+    for E_, dt, block in ((5, torch.int32, 1024), (300, torch.int32, 64), (300, torch.int64, 1024)):
+        n = torch.randint(0, 70, (E_,), generator=gen)
+        n[::3] = 0
+        off = torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).to(dt)
+        for BM in (16, 32, 128):
+            want = torch.cat([torch.zeros(1, dtype=torch.int64), ((n + BM - 1) // BM).cumsum(0)]).to(torch.int32)
+            ok.append(torch.equal(G.block_prefix(off[:-1], off[1:], BM, block=block), want))
+    out["block_prefix_equal"] = ok
     return out
 
 
@@ -408,6 +419,10 @@ def test_kernel_matches_reference(results):
     assert len(kernel) == 68, sorted(kernel)
     bad = {k: v for k, v in kernel.items() if not v < 1e-5}
     assert not bad, bad
+
+
+def test_block_prefix_matches_pytorch(results):
+    assert results["block_prefix_equal"] == [True] * 9, results["block_prefix_equal"]
 
 
 def test_prefill_dequantized_grouped_mm_path(results):

@@ -412,6 +412,17 @@ if HAS_TRITON:
         tl.store(ok_ptr, (tl.sum(bad, 0) == 0).to(tl.int32))
 
     @triton.jit
+    def _block_prefix_kernel(lo_ptr, hi_ptr, bcum_ptr, E, BM: tl.constexpr, BLOCK: tl.constexpr):
+        carry = tl.full([], 0, tl.int32)
+        tl.store(bcum_ptr, carry)
+        for e0 in range(0, E, BLOCK):
+            e = e0 + tl.arange(0, BLOCK)
+            rows = tl.load(hi_ptr + e, mask=e < E, other=0) - tl.load(lo_ptr + e, mask=e < E, other=0)
+            blocks = (rows.to(tl.int32) + BM - 1) // BM
+            tl.store(bcum_ptr + 1 + e, tl.cumsum(blocks, 0) + carry, mask=e < E)
+            carry += tl.sum(blocks, 0)
+
+    @triton.jit
     def _glu(g, u, beta1, beta2, ACT: tl.constexpr, LINEAR_UP: tl.constexpr):
         """The fused GLU of the gate+up epilogues: SiLU (ACT 1) or K3's SiTU (ACT 2; LINEAR_UP: no tanh on up)."""
         if ACT == 1:
@@ -779,12 +790,13 @@ def route_expert_ids(topk_idx, num_experts):
     return ids, ok
 
 
-def block_prefix(lo, hi, BM):
-    """[E+1] int32: cumulative number of BM-row blocks over the segments lo[e] <= m < hi[e] (what the kernel
-    searches)."""
-    counts = (hi - lo).to(torch.int32)
-    bcum = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
-    torch.cumsum((counts + BM - 1) // BM, 0, out=bcum[1:])
+def block_prefix(lo, hi, BM, block=1024):
+    """[E+1] int32: cumulative number of BM-row blocks over the segments lo[e] <= m < hi[e] (int32 [E], hi >= lo;
+    what the GEMM kernel searches), in one launch (five in PyTorch: most of a decode step's host time on the sorted
+    path). `block`: segments per step of the kernel's running sum."""
+    E = lo.numel()
+    bcum = torch.empty(E + 1, dtype=torch.int32, device=lo.device)
+    _block_prefix_kernel[(1,)](lo, hi, bcum, E, BM=BM, BLOCK=min(block, next_pow2(max(E, 16))))
     return bcum
 
 
