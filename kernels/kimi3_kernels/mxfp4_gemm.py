@@ -915,7 +915,7 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         OP_F32=interpreter_enabled(), ROW_EXPERT=expert_ids is not None,
         PTX=decode_mode(a.device) == "ptx", A_KPERM=bool(a_kperm))
     if expert_ids is not None:
-        _run(cfg, head + (ids, ids, ids, ids) + rest, M, N, K, meta, config)
+        _run(cfg, head, (ids, ids, ids), rest, M, N, K, meta, config)
         return c
     lo, hi = expert_offsets[:-1], expert_offsets[1:]
     nblocks = min(E, M) + cdiv(M, cfg["BM"])
@@ -925,9 +925,9 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
         if not 0 < t < cfg["BM"]:
             continue
         mid = tail_split(lo, hi, cfg["BM"], t)
-        _run(cfg, head + (lo, mid, block_prefix(lo, mid, cfg["BM"]), ids) + rest, nblocks, N, K, meta, config)
+        _run(cfg, head, (lo, mid, ids), rest, nblocks, N, K, meta, config)
         lo, cfg, nblocks = mid, _tail_config(cfg, t, dual, trans_w, config), min(E, M)
-    _run(cfg, head + (lo, hi, block_prefix(lo, hi, cfg["BM"]), ids) + rest, nblocks, N, K, meta, config)
+    _run(cfg, head, (lo, hi, ids), rest, nblocks, N, K, meta, config)
     return c
 
 
@@ -950,9 +950,10 @@ def _tail_config(cfg, BM, dual, trans_w, config):
     return dict(cfg, BM=BM, BN=BN, num_warps=warps, num_stages=stages)
 
 
-def _run(cfg, args, nblocks, N, K, meta, config):
+def _run(cfg, head, seg, rest, nblocks, N, K, meta, config):
     """One launch of tile cfg over nblocks row blocks (an upper bound: programs past the real count return at
-    once) times the n-tiles."""
+    once) times the n-tiles. seg = (lo, hi, expert_ids): sorted segments lo[e] <= m < hi[e], whose block prefix
+    sum is formed once the kernel is chosen (a refused launch launches nothing), or the ids of ROW_EXPERT."""
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     trans_w = meta["TRANS_W"]
     grid = (nblocks * cdiv(N, BN),)
@@ -962,15 +963,19 @@ def _run(cfg, args, nblocks, N, K, meta, config):
         # whole tiles in the forward layout: loads without masks (the other layouts keep theirs)
         EVEN=not trans_w and K % BK == 0 and N % BN == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    gluon = False
     if int(cfg.get("WG", 0)):
         from . import mxfp4_wgmma
 
-        if mxfp4_wgmma.supported(meta, cfg, N, K):
-            mxfp4_wgmma.launch(nblocks, args, meta, cfg)
-            return
+        gluon = mxfp4_wgmma.supported(meta, cfg, N, K)
         # NIB, c_pos: no other kernel reads / writes those K orders
-        if (config and config.get("WG")) or cfg.get("NIB") or cfg.get("c_pos") is not None:
+        if not gluon and ((config and config.get("WG")) or cfg.get("NIB") or cfg.get("c_pos") is not None):
             raise ValueError(f"the wgmma kernel does not compute this launch (tile {cfg})")
+    lo, hi, eid = seg
+    args = head + (lo, hi, eid if meta["ROW_EXPERT"] else block_prefix(lo, hi, BM), eid) + rest
+    if gluon:
+        mxfp4_wgmma.launch(nblocks, args, meta, cfg)
+        return
     if int(cfg.get("DEQ", 0)) == 1:
         try:
             _launch(grid, args, meta, DEQ=1)
