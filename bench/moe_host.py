@@ -59,6 +59,7 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 8])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     G, M, _ = moe.load_modules()
     mod = moe.make_mxfp4_weights(M)
     t = torch.empty(16, device="cuda")
