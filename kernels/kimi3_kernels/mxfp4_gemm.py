@@ -791,9 +791,9 @@ def route_expert_ids(topk_idx, num_experts):
 
 
 def block_prefix(lo, hi, BM, block=1024):
-    """[E+1] int32: cumulative number of BM-row blocks over the segments lo[e] <= m < hi[e] (int32 [E], hi >= lo;
-    what the GEMM kernel searches), in one launch (five in PyTorch: most of a decode step's host time on the sorted
-    path). `block`: segments per step of the kernel's running sum."""
+    """[E+1] int32: cumulative number of BM-row blocks over the segments lo[e] <= m < hi[e] (integer [E], hi >= lo;
+    what the GEMM kernel searches), in one launch (five in PyTorch: the largest host cost of the sorted decode path
+    in bench/moe_host.py's profile). `block`: segments per step of the kernel's running sum."""
     E = lo.numel()
     bcum = torch.empty(E + 1, dtype=torch.int32, device=lo.device)
     _block_prefix_kernel[(1,)](lo, hi, bcum, E, BM=BM, BLOCK=min(block, next_pow2(max(E, 16))))
@@ -833,8 +833,9 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     "in"); act None | "silu" | "situ" (dual="out" only; act_params = (beta1, beta2 or None = linear up));
     returns C [num_c_rows, N] (dual="out" without act: [num_c_rows, 2N] = [A W^T | A B^T]) in out_dtype.
     a_kperm=BK (forward GEMMs only): the columns of `a` (and `a2`) are in the K order of PERM tiles with this BK
-    (`permute_k`), which fixes the tile's BK and PERM. (Writing C in that order from the epilogue was tried: its
-    2-byte scattered stores cost ~11 ms at 16K tokens of K3, against ~1 ms for `permute_k` afterwards.)
+    (`permute_k`), which fixes the tile's BK and PERM. (Writing C in that order from the Triton kernel's epilogue was
+    tried: its 2-byte scattered stores cost ~11 ms at 16K tokens of K3, against ~1 ms for `permute_k` afterwards;
+    the Gluon tiles' epilogue does it, `c_kperm`.)
     a_nib (with a_kperm): the columns are in the order of the Gluon kernel's table-free decode instead
     (`permute_k(a, BK, nib=True)`; `kperm_tile` says where the default tile takes it); every scale exponent of the
     weights must be <= 128 (`scales_fit_table_free`), which is not checked here.
