@@ -1,6 +1,7 @@
 """Timing helpers shared by the bench scripts: CUDA-graph capture and replay timing, and a JSONL writer."""
 import json
 import os
+import time
 
 import torch
 
@@ -32,6 +33,19 @@ def graph_us(fn, rep=200):
     b.record()
     torch.cuda.synchronize()
     return a.elapsed_time(b) / rep * 1e3
+
+
+def host_us(fn, calls=100):
+    """Host microseconds per eager call: calls queued back to back without a synchronisation inside (where the
+    GPU work of a call is shorter than its launch path's Python, the GPU idles in eager mode)."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return t / calls * 1e6
 
 
 def write_jsonl(out, name, rows):

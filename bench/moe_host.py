@@ -17,14 +17,13 @@ import json
 import os
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe  # noqa: E402  (bench/moe.py: shapes, weights, routing)
-from _timing import graph_us, write_jsonl  # noqa: E402
+from _timing import graph_us, host_us, write_jsonl  # noqa: E402
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -40,18 +39,6 @@ def _empty40(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a1
              n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15,
              B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr):
     pass
-
-
-def host_us(fn, calls=100):
-    """Host microseconds per call, calls queued back to back (no synchronisation inside)."""
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return t / calls * 1e6
 
 
 def main():

@@ -12,14 +12,13 @@ token at K3: 16 experts x 17 MB)."""
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe  # noqa: E402  (bench/moe.py: shapes, weights, routing)
-from _timing import graph_us  # noqa: E402
+from _timing import graph_us, host_us  # noqa: E402
 
 # spec: which:BN:BK:warps:stages:PERM[:WG[:PAIR]]; WG=1: the Gluon kernel (the defaults since this script's first
 # run; the first two are the Triton tiles they replaced)
@@ -39,19 +38,6 @@ def parse(spec):
             cfg.update(WG=1, PAIR=pair)
         out.append((which, cfg))
     return out
-
-
-def host_us(fn, calls=50):
-    """Host microseconds per eager call: calls queued back to back without a synchronisation (the GPU work of
-    one call here is shorter than the launch path's Python only where the GPU idles in eager mode)."""
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return t / calls * 1e6
 
 
 def main():
@@ -103,7 +89,7 @@ def main():
                          module=(lambda: mod(x, idx, w), active * per_expert))
             for name, (fn, nbytes) in parts.items():
                 us = graph_us(fn, args.rep)
-                print(json.dumps(dict(tokens=n, part=name, us=round(us, 2), host_us=round(host_us(fn), 1),
+                print(json.dumps(dict(tokens=n, part=name, us=round(us, 2), host_us=round(host_us(fn, 50), 1),
                                       weight_TBps=round(nbytes / us / 1e6, 3) if nbytes else None)), flush=True)
             refs = dict(up=up().float(), down=down().float())
             for which, cfg in parse(args.configs):
