@@ -244,10 +244,12 @@ def _case(E, N, K, counts, seed):
 
 @on_h100_class
 @needs_gluon
+@pytest.mark.parametrize("BN,BK,warps", [(64, 128, 4), (64, 64, 4), (128, 64, 8)])
 @pytest.mark.parametrize("rows", [[0, 1, 17, 3, 40, 0, 9], [2, 2, 2, 2, 2, 2, 2]])
-def test_matches_triton_kernel_and_reference_on_gpu(rows, monkeypatch):
+def test_matches_triton_kernel_and_reference_on_gpu(rows, BN, BK, warps, monkeypatch):
     """gate+up (GLU fused and not) and down (scattered rows; two tiles per program, and one stepping K two tiles
-    at a time) against the Triton kernel (bit-identical expected) and dequantise-then-matmul (fp32)."""
+    at a time) against the Triton kernel (bit-identical expected) and dequantise-then-matmul (fp32), for each
+    weight tile shape of the default tables or timed against them."""
     E, D, I = len(rows), 256, 512
     M = sum(rows)
     wp, ws, offs = _case(E, I, D, rows, 0)
@@ -260,22 +262,22 @@ def test_matches_triton_kernel_and_reference_on_gpu(rows, monkeypatch):
     c_rows = torch.randperm(M, generator=gen).to(torch.int32).cuda()
     for BM in (16, 32):
         for stages, pair in ((4, 1), (3, 0), (5, 1)):
-            wg = dict(BM=BM, BN=64, BK=128, num_warps=4, num_stages=stages, PERM=1, WG=1, PAIR=pair)
-            tri = dict(BM=BM, BN=64, BK=128, num_warps=4, num_stages=3, PERM=1)
+            wg = dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, PERM=1, WG=1, PAIR=pair)
+            tri = dict(BM=BM, BN=64, BK=BK, num_warps=4, num_stages=3, PERM=1)
             for act in (None, "situ", "silu"):
                 kw = dict(a_rows=a_rows, dual="out", b_packed=bp, b_scale=bs, act=act, out_dtype=torch.bfloat16,
-                          a_kperm=128)
-                got = G.mxfp4_grouped_gemm(G.permute_k(x, 128), wp, ws, offs, config=wg, **kw)
-                want = G.mxfp4_grouped_gemm(G.permute_k(x, 128), wp, ws, offs, config=tri, **kw)
+                          a_kperm=BK)
+                got = G.mxfp4_grouped_gemm(G.permute_k(x, BK), wp, ws, offs, config=wg, **kw)
+                want = G.mxfp4_grouped_gemm(G.permute_k(x, BK), wp, ws, offs, config=tri, **kw)
                 assert torch.equal(got, want), (BM, stages, act)
                 if act:  # h written straight in the down GEMM's K order (both orders)
                     for nib in (False, True):
-                        hk = G.mxfp4_grouped_gemm(G.permute_k(x, 128), wp, ws, offs, config=wg, c_kperm=128,
+                        hk = G.mxfp4_grouped_gemm(G.permute_k(x, BK), wp, ws, offs, config=wg, c_kperm=BK,
                                                   c_nib=nib, **kw)
-                        assert torch.equal(hk, G.permute_k(got, 128, nib=nib)), (BM, stages, act, nib)
-            kw = dict(c_rows=c_rows, num_c_rows=M, a_kperm=128)
-            got = G.mxfp4_grouped_gemm(G.permute_k(h, 128), w2p, w2s, offs, config=wg, **kw)
-            want = G.mxfp4_grouped_gemm(G.permute_k(h, 128), w2p, w2s, offs, config=tri, **kw)
+                        assert torch.equal(hk, G.permute_k(got, BK, nib=nib)), (BM, stages, act, nib)
+            kw = dict(c_rows=c_rows, num_c_rows=M, a_kperm=BK)
+            got = G.mxfp4_grouped_gemm(G.permute_k(h, BK), w2p, w2s, offs, config=wg, **kw)
+            want = G.mxfp4_grouped_gemm(G.permute_k(h, BK), w2p, w2s, offs, config=tri, **kw)
             assert torch.equal(got, want), (BM, stages, pair)
             ref = R.mxfp4_grouped_gemm_ref(h, w2p, w2s, offs, c_rows=c_rows, num_c_rows=M)
             err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -284,14 +286,14 @@ def test_matches_triton_kernel_and_reference_on_gpu(rows, monkeypatch):
             # order
             w2s_, ws_, bs_ = (t.clamp(max=128) for t in (w2s, ws, bs))
             ref = R.mxfp4_grouped_gemm_ref(h, w2p, w2s_, offs, c_rows=c_rows, num_c_rows=M)
-            nib = G.mxfp4_grouped_gemm(G.permute_k(h, 128, nib=True), w2p, w2s_, offs, config=wg, a_nib=True, **kw)
+            nib = G.mxfp4_grouped_gemm(G.permute_k(h, BK, nib=True), w2p, w2s_, offs, config=wg, a_nib=True, **kw)
             err = ((nib.double() - ref.double()).norm() / ref.double().norm()).item()
             assert err < 1e-5, err
             for act in (None, "situ"):
                 kw_up = dict(a_rows=a_rows, dual="out", b_packed=bp, b_scale=bs_, act=act, out_dtype=torch.float32,
-                             a_kperm=128)
-                tab = G.mxfp4_grouped_gemm(G.permute_k(x, 128), wp, ws_, offs, config=wg, **kw_up)
-                nib = G.mxfp4_grouped_gemm(G.permute_k(x, 128, nib=True), wp, ws_, offs, config=wg, a_nib=True,
+                             a_kperm=BK)
+                tab = G.mxfp4_grouped_gemm(G.permute_k(x, BK), wp, ws_, offs, config=wg, **kw_up)
+                nib = G.mxfp4_grouped_gemm(G.permute_k(x, BK, nib=True), wp, ws_, offs, config=wg, a_nib=True,
                                            **kw_up)
                 err = ((nib.double() - tab.double()).norm() / tab.double().norm()).item()
                 assert err < 1e-5, (BM, stages, act, err)
