@@ -8,8 +8,9 @@ BM 'r16': `_WGMMA_ROW_TILES`, the one-route-per-program tiles of 1-2 tokens); "d
 Each round times every variant once (CUDA-graph replay of the module's expert path: `_forward_triton`, gate+up
 with the GLU fused, h in the down tile's K order, down, the operands' K-order copies included; or
 `_forward_unsorted` up to `unsorted_max_routes()` routes), so a drift of the GPU's clocks over the run hits all
-variants alike. Also per variant: the two GEMMs apart on the sorted path (same calls), the error of the first tokens against an fp32 dequantise-then-matmul, and the compiled
-kernels' registers and shared memory (what sets the CTAs per SM). --bf16 adds torch._grouped_mm on the exact bf16
+variants alike. Also per variant: the two GEMMs apart on the sorted path (same calls), the error of the first
+tokens against an fp32 dequantise-then-matmul, and the compiled kernels' registers and shared memory (what sets
+the CTAs per SM). --bf16 adds torch._grouped_mm on the exact bf16
 weights to every round (59 GB), for the ratio of the issue's goal. Writes moe_tiles_h200.jsonl to --out."""
 
 import argparse
