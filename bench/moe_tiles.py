@@ -29,15 +29,20 @@ GEMM = {"out": "out", "down": None}
 
 
 def parse_variant(spec):
-    """'name=BM:out:BN:BK:warps:stages:PAIR,...' -> (name, {(row, BM, dual): (BN, BK, warps, stages, PAIR)})"""
+    """'name=BM:out:BN:BK:warps:stages:PAIR,...,env:NAME=VALUE' -> (name, {(row, BM, dual): (BN, BK, warps, stages,
+    PAIR)}, {NAME: VALUE}): tiles, and environment variables set while the variant runs (KIMI3_MXFP4_WG_TAIL...)"""
     name, _, body = spec.partition("=")
-    tiles = {}
+    tiles, env = {}, {}
     for c in filter(None, body.split(",")):
+        if c.startswith("env:"):
+            k, _, v = c[4:].partition("=")
+            env[k] = v
+            continue
         bm, gemm, *rest = c.split(":")
         if gemm not in GEMM or len(rest) != 5:
-            raise SystemExit(f"bad tile {c!r}: want BM:out|down:BN:BK:warps:stages:PAIR")
+            raise SystemExit(f"bad tile {c!r}: want BM:out|down:BN:BK:warps:stages:PAIR or env:NAME=VALUE")
         tiles[bm.startswith("r"), int(bm.lstrip("r")), GEMM[gemm]] = tuple(int(v) for v in rest)
-    return name, tiles
+    return name, (tiles, env)
 
 
 def compiled_kernels(W):
@@ -75,7 +80,8 @@ def main():
 
     tables = {False: G._WGMMA_TILES, True: G._WGMMA_ROW_TILES}
     base = {row: dict(t) for row, t in tables.items()}
-    variants = [("default", {})] + [parse_variant(v) for v in args.variant]
+    variants = [("default", ({}, {}))] + [parse_variant(v) for v in args.variant]
+    env_names = {k for _, (_, env) in variants for k in env}
     mod, w13, w2 = moe.make_weights(M) if args.bf16 else (moe.make_mxfp4_weights(M), None, None)
     E, D, INTER, TOPK = moe.E, moe.D, moe.INTER, moe.TOPK
     timer = (lambda fn: moe.bench(fn, warm=1, rep=2) * 1e3) if moe.DEV == "cpu" else (lambda fn: graph_us(fn, 50))
@@ -90,7 +96,11 @@ def main():
         ref_tok = min(n, 4)
         ref = moe.fp32_reference(mod, M, x, idx, w, M.silu_glu, ref_tok)
 
-        def setup(tiles):
+        def setup(variant):
+            tiles, env = variant
+            for k in env_names:
+                os.environ.pop(k, None)
+            os.environ.update(env)
             for r, table in tables.items():
                 table.clear()
                 table.update(base[r])
@@ -150,7 +160,7 @@ def main():
                     res[name]["ms"][k].append(timer(fn) / 1e3)
             if w13 is not None:
                 bf16.append(timer(grouped) / 1e3)
-        setup({})
+        setup(({}, {}))
         bf16_ms = sorted(bf16)[len(bf16) // 2] if bf16 else None
         for name, v in res.items():
             med = {k: sorted(t)[len(t) // 2] for k, t in v["ms"].items()}

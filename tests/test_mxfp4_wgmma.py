@@ -131,6 +131,26 @@ def test_default_tiles_and_dispatch(monkeypatch):
         assert not G.wgmma_enabled()
 
 
+def test_gluon_tail_tiles(monkeypatch):
+    """KIMI3_MXFP4_WG_TAIL=16 (read at each call): the BM=32 Gluon tiles hand each expert's last block of at most 16
+    rows to a launch of the BM=16 Gluon tiles, with the same BK (the activations are permuted for it); never for one
+    route per program, and not by default."""
+    monkeypatch.setattr(G, "wgmma_enabled", lambda device=None: True)
+    E, D, I = 896, 3584, 3072
+    assert G.default_config(1024 * 16, E, I, D, "out")["TAIL"] == ()
+    monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "16")
+    up, dn = G.default_config(1024 * 16, E, I, D, "out"), G.default_config(1024 * 16, E, D, I)
+    assert up["TAIL"] == dn["TAIL"] == (16,) and up["BM"] == dn["BM"] == 32
+    t_up, t_dn = G._tail_config(up, 16, "out", False, None), G._tail_config(dn, 16, None, False, None)
+    assert (t_up["BM"], t_up["WG"], t_up["BN"], t_up["BK"], t_up["num_warps"], t_up["PAIR"]) == (16, 1, 64, 128, 4, 0)
+    assert (t_dn["BM"], t_dn["WG"], t_dn["BN"], t_dn["BK"], t_dn["num_warps"], t_dn["PAIR"]) == (16, 1, 64, 128, 4, 1)
+    assert G.default_config(64 * 16, E, I, D, "out")["TAIL"] == ()  # BM=16 has nothing smaller
+    assert G.default_config(16, 16, I, D, "out", row_expert=True)["TAIL"] == ()
+    monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "8")
+    with pytest.raises(ValueError, match="KIMI3_MXFP4_WG_TAIL"):
+        G.default_config(1024 * 16, E, I, D, "out")
+
+
 def test_table_free_decode_ptx_gives_the_e2m1_values():
     """`_e2m1_shift_ptx` run instruction by instruction (`kimi3_testing.run_decode_ptx`): bf16 pair p of a 4-byte
     word holds nibbles p and p + 4, each code times its scale 2^(e-127) exactly, -0 for the code of negative zero, at
@@ -337,3 +357,42 @@ def test_one_route_per_program_on_gpu():
             want = G.mxfp4_grouped_gemm(h, w2p, w2s, None, expert_ids=ids, config=tri)
             err = ((got.double() - want.double()).norm() / want.double().norm()).item()
             assert err < 1e-5 and torch.equal(got[5], torch.zeros_like(got[5])), (nib, pair, err)
+
+
+@on_h100_class
+@needs_gluon
+def test_tail_launch_matches_one_launch_on_gpu(monkeypatch):
+    """KIMI3_MXFP4_WG_TAIL=16 on the default tiles (BM=32 at ~17 rows per expert): experts of at most 16 rows (and the
+    last 16 of 33-48) in a second launch of BM=16 tiles give the same bits as one launch: each row's sums run over K
+    in the same order whatever the tile height. gate+up with the GLU fused writing h in the down GEMM's K order, and
+    down, both with the table-free decode, as the module runs them."""
+    rows = [0, 1, 17, 3, 40, 0, 9, 33, 16, 32, 48]
+    E, D, I = len(rows), 256, 512
+    M = sum(rows)
+    wp, ws, offs = _case(E, I, D, rows, 0)
+    bp, bs, _ = _case(E, I, D, rows, 1)
+    w2p, w2s, _ = _case(E, D, I, rows, 2)
+    ws, bs, w2s = (t.clamp(max=128) for t in (ws, bs, w2s))
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(40, D, generator=gen).bfloat16().cuda()
+    a_rows = torch.randint(0, 40, (M,), generator=gen, dtype=torch.int32).cuda()
+    c_rows = torch.randperm(M, generator=gen).to(torch.int32).cuda()
+    assert G.default_config(M, E, I, D, "out")["BM"] == 32
+
+    def run():
+        bk = G.kperm_bk(M, E, I, D, "out")
+        h = G.mxfp4_grouped_gemm(G.permute_k(x, bk, nib=True), wp, ws, offs, a_rows=a_rows, dual="out", b_packed=bp,
+                                 b_scale=bs, act="silu", out_dtype=torch.bfloat16, a_kperm=bk, a_nib=True,
+                                 c_kperm=bk, c_nib=True)
+        return h, G.mxfp4_grouped_gemm(h, w2p, w2s, offs, c_rows=c_rows, num_c_rows=M, a_kperm=bk, a_nib=True)
+
+    monkeypatch.delenv("KIMI3_MXFP4_WG_TAIL", raising=False)
+    h1, y1 = run()
+    monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "16")
+    h2, y2 = run()
+    assert torch.equal(h1, h2) and torch.equal(y1, y2)
+    h = torch.empty_like(h1)
+    h[:, G.kperm_index(I, 128, h1.device, nib=True)] = h1  # back in stored order
+    ref = R.mxfp4_grouped_gemm_ref(h, w2p, w2s, offs, c_rows=c_rows, num_c_rows=M)
+    assert ((y2.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-5
+

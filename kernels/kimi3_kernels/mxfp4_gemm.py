@@ -679,6 +679,8 @@ def default_config(M, E, N, K, dual=None, trans_w=False, row_expert=False):
     wg_tiles = _WGMMA_ROW_TILES if row_expert else _WGMMA_TILES
     if fwd and (BM, dual) in wg_tiles and not K % 128 and wgmma_enabled():
         BN, BK, warps, stages, pair = wg_tiles[BM, dual]
+        if BM == 32 and not row_expert:  # experts of at most 16 rows in BM=16 tiles (KIMI3_MXFP4_WG_TAIL='16')
+            tail = _env_tails("KIMI3_MXFP4_WG_TAIL", ())
         return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=0, PERM=1, AK=1, TAIL=tail,
                     WG=1, PAIR=pair)
     if fwd and (BM, dual) in _PERM_TILES and not (row_expert and dual is None):
@@ -946,6 +948,9 @@ def _tail_config(cfg, BM, dual, trans_w, config):
     tile's BK and K order (the activations were permuted for that BK)."""
     if config and {"BM", "BN", "BK"} & set(config):
         return dict(cfg, BM=BM)
+    if cfg.get("WG") and (BM, dual) in _WGMMA_TILES:  # the Gluon tile of that height, same BK
+        BN, _, warps, stages, pair = _WGMMA_TILES[BM, dual]
+        return dict(cfg, BM=BM, BN=BN, num_warps=warps, num_stages=stages, PAIR=pair)
     table = _PERM_TILES if cfg.get("PERM") and not trans_w else {}
     BN, _, warps, stages = table.get((BM, dual), _TILES[BM])[:4]
     return dict(cfg, BM=BM, BN=BN, num_warps=warps, num_stages=stages)
