@@ -132,13 +132,14 @@ def test_default_tiles_and_dispatch(monkeypatch):
 
 
 def test_gluon_tail_tiles(monkeypatch):
-    """KIMI3_MXFP4_WG_TAIL=16 (read at each call): the BM=32 Gluon tiles hand each expert's last block of at most 16
-    rows to a launch of the BM=16 Gluon tiles, with the same BK (the activations are permuted for it); never for one
-    route per program, and not by default."""
+    """By default (KIMI3_MXFP4_WG_TAIL=16, read at each call; 0: off) the BM=32 Gluon tiles hand each expert's last
+    block of at most 16 rows to a launch of the BM=16 Gluon tiles, with the same BK (the activations are permuted for
+    it); never for one route per program."""
     monkeypatch.setattr(G, "wgmma_enabled", lambda device=None: True)
     E, D, I = 896, 3584, 3072
+    monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "0")
     assert G.default_config(1024 * 16, E, I, D, "out")["TAIL"] == ()
-    monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "16")
+    monkeypatch.delenv("KIMI3_MXFP4_WG_TAIL")
     up, dn = G.default_config(1024 * 16, E, I, D, "out"), G.default_config(1024 * 16, E, D, I)
     assert up["TAIL"] == dn["TAIL"] == (16,) and up["BM"] == dn["BM"] == 32
     t_up, t_dn = G._tail_config(up, 16, "out", False, None), G._tail_config(dn, 16, None, False, None)
@@ -362,10 +363,10 @@ def test_one_route_per_program_on_gpu():
 @on_h100_class
 @needs_gluon
 def test_tail_launch_matches_one_launch_on_gpu(monkeypatch):
-    """KIMI3_MXFP4_WG_TAIL=16 on the default tiles (BM=32 at ~17 rows per expert): experts of at most 16 rows (and the
-    last 16 of 33-48) in a second launch of BM=16 tiles give the same bits as one launch: each row's sums run over K
-    in the same order whatever the tile height. gate+up with the GLU fused writing h in the down GEMM's K order, and
-    down, both with the table-free decode, as the module runs them."""
+    """The default tiles at ~17 rows per expert (BM=32, KIMI3_MXFP4_WG_TAIL=16): experts of at most 16 rows (and the
+    last 16 of 33-48) in a second launch of BM=16 tiles give the same bits as one launch (KIMI3_MXFP4_WG_TAIL=0):
+    each row's sums run over K in the same order whatever the tile height. gate+up with the GLU fused writing h in
+    the down GEMM's K order, and down, both with the table-free decode, as the module runs them."""
     rows = [0, 1, 17, 3, 40, 0, 9, 33, 16, 32, 48]
     E, D, I = len(rows), 256, 512
     M = sum(rows)
@@ -386,9 +387,10 @@ def test_tail_launch_matches_one_launch_on_gpu(monkeypatch):
                                  c_kperm=bk, c_nib=True)
         return h, G.mxfp4_grouped_gemm(h, w2p, w2s, offs, c_rows=c_rows, num_c_rows=M, a_kperm=bk, a_nib=True)
 
-    monkeypatch.delenv("KIMI3_MXFP4_WG_TAIL", raising=False)
+    monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "0")
     h1, y1 = run()
-    monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "16")
+    monkeypatch.delenv("KIMI3_MXFP4_WG_TAIL")
+    assert G.default_config(M, E, I, D, "out")["TAIL"] == (16,)
     h2, y2 = run()
     assert torch.equal(h1, h2) and torch.equal(y1, y2)
     h = torch.empty_like(h1)
