@@ -6,9 +6,12 @@ Per token count: the module's forward (no autograd) as CUDA-graph replay (GPU ti
 each call (what a user's eager decode waits), and its host microseconds per call when calls are queued without a
 synchronisation; then a cProfile of 200 eager calls (top functions by own and by cumulative time, to
 DIR/moe_host_profile_N.txt).
-Floors in the same process: host microseconds of an empty Triton launch with 1 and with 40 arguments, of the
-module's kernels launched alone, and of what the launch path computed at every call before 2026-12-03 (the Gluon
-weight layout, `triton.cdiv`). One JSON line per row, to stdout and DIR/moe_host_h200.jsonl."""
+First an A/B of kimi3_kernels._launch: the module eager with direct launches and through Triton's launch path
+(KIMI3_DIRECT_LAUNCH=0/1, --rounds interleaved rounds, outputs compared).
+Floors in the same process: host microseconds of an empty Triton launch with 1 and with 40 arguments (and with 40
+through the direct path), of the module's kernels launched alone, and of what the launch path computed at every call
+before 2026-12-03 (the Gluon weight layout, `triton.cdiv`). One JSON line per row, to stdout and
+DIR/moe_host_h200.jsonl."""
 
 import argparse
 import cProfile
@@ -45,6 +48,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 8])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the direct-launch A/B")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     G, M, _ = moe.load_modules()
@@ -60,6 +64,9 @@ def main():
     ts = [t] * 20
     ns = list(range(1, 17))
     emit(part="empty_triton_40_args", host_us=round(host_us(lambda: _empty40[(1,)](*ts, *ns, 1, 2, 3, 4)), 1))
+    from kimi3_kernels import _launch
+    emit(part="empty_40_args_direct", host_us=round(host_us(
+        lambda: _launch.launch(_empty40, (1,), (*ts, *ns), B0=1, B1=2, B2=3, B3=4)), 1))
     # what the launch path computed at every call before they were cached / plain Python
     from kimi3_kernels import mxfp4_wgmma as W
     layout = getattr(W.byte_layout, "__wrapped__", W.byte_layout)
@@ -67,6 +74,22 @@ def main():
     emit(part="triton_cdiv", host_us=round(host_us(lambda: triton.cdiv(3584, 64)), 2))
     emit(part="torch_empty", host_us=round(host_us(lambda: torch.empty(16, 3584, device="cuda")), 1))
     with torch.no_grad():
+        # direct launches (kimi3_kernels._launch) against Triton's launch path, interleaved rounds; same outputs
+        for n in args.tokens:
+            x = torch.randn(n, moe.D, device="cuda", dtype=torch.bfloat16)
+            idx, w = moe.routing(n, seed=n)
+            fn = lambda: mod(x, idx, w)  # noqa: E731
+            outs = {}
+            for r in range(args.rounds):
+                for variant, flag in (("triton_launch", "0"), ("direct_launch", "1")):
+                    os.environ["KIMI3_DIRECT_LAUNCH"] = flag
+                    outs[variant] = fn()
+                    ev = moe.bench(fn, warm=5, rep=50)
+                    emit(tokens=n, part="module_ab", variant=variant, round=r, eager_event_us=round(ev * 1e3, 1),
+                         host_us=round(host_us(fn), 1))
+            os.environ.pop("KIMI3_DIRECT_LAUNCH")
+            emit(tokens=n, part="module_ab_outputs_equal", equal=bool(torch.equal(*outs.values())),
+                 direct=_launch.status())
         for n in args.tokens:
             x = torch.randn(n, moe.D, device="cuda", dtype=torch.bfloat16)
             idx, w = moe.routing(n, seed=n)

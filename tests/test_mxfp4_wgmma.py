@@ -398,3 +398,48 @@ def test_tail_launch_matches_one_launch_on_gpu(monkeypatch):
     ref = R.mxfp4_grouped_gemm_ref(h, w2p, w2s, offs, c_rows=c_rows, num_c_rows=M)
     assert ((y2.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-5
 
+
+
+@on_h100_class
+@needs_gluon
+@pytest.mark.parametrize("tokens", [1, 8, 12, 40])
+def test_direct_launches_match_triton_launches_on_gpu(tokens, monkeypatch):
+    """`kimi3_kernels._launch` hands later launches straight to the compiled kernels: the packed experts' forward
+    (1 and 8 tokens at top-4: one route per program; 12 and 40: sorted, BM=16 and BM=32 Gluon tiles with tails) and
+    the backward (the Triton kernel's layouts) give the same bits with direct launches as through Triton's launch
+    path (KIMI3_DIRECT_LAUNCH=0), the direct path really runs, and a CUDA graph captured from it replays the same."""
+    from kimi3_kernels import _launch
+    from transformers_kimi3.mxfp4 import PackedMXFP4Experts
+
+    E, D, I, k = 16, 256, 512, 4
+    gen = torch.Generator().manual_seed(tokens)
+    mod = PackedMXFP4Experts.from_float(*(torch.randn(E, *s, generator=gen) * 0.05 for s in ((I, D), (I, D), (D, I))))
+    mod = mod.cuda()
+    x = torch.randn(tokens, D, generator=gen).bfloat16().cuda()
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)]).cuda()
+    w = torch.rand(tokens, k, generator=gen).cuda()
+    dy = torch.randn(tokens, D, generator=gen).bfloat16().cuda()
+
+    def run():
+        with torch.no_grad():
+            y = mod(x, idx, w)
+        xg = x.clone().requires_grad_()
+        mod(xg, idx, w).backward(dy)
+        return y, xg.grad
+
+    monkeypatch.setenv("KIMI3_DIRECT_LAUNCH", "0")
+    ref = run()
+    monkeypatch.delenv("KIMI3_DIRECT_LAUNCH")
+    assert _launch.enabled()
+    before = len(_launch._COMPILED)
+    outs = [run() for _ in range(3)]  # the first through Triton, then direct
+    torch.cuda.synchronize()
+    assert len(_launch._COMPILED) > before and not _launch._FAILED
+    for y, dx in outs:
+        assert torch.equal(y, ref[0]) and torch.equal(dx, ref[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        captured = mod(x, idx, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, ref[0])

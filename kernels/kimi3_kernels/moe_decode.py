@@ -21,6 +21,7 @@ TRITON_INTERPRET=1 on CPU tensors (CI); the references are `expert_gemv_ref` and
 import torch
 import torch.nn.functional as F
 
+from . import _launch
 from ._host import cdiv, next_pow2
 
 try:
@@ -221,8 +222,8 @@ def combine_routes(out, topk_weights, out_dtype):
     D = out.shape[-1]
     y = torch.empty(T, D, device=out.device, dtype=out_dtype)
     if T:
-        _combine_kernel[(T, cdiv(D, 1024))](out.contiguous(), topk_weights.contiguous(), y, D, KTOP=k,
-                                            BN=1024, num_warps=4)
+        _launch.launch(_combine_kernel, (T, cdiv(D, 1024)), (out.contiguous(), topk_weights.contiguous(), y, D),
+                       KTOP=k, BN=1024, num_warps=4)
     return y
 
 

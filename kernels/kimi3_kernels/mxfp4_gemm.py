@@ -39,6 +39,7 @@ import os
 
 import torch
 
+from . import _launch
 from ._host import cdiv, next_pow2
 
 try:
@@ -793,7 +794,7 @@ def route_expert_ids(topk_idx, num_experts):
     buf = torch.empty(flat.numel() + 1, dtype=torch.int32, device=flat.device)  # one allocation: host time
     ids, ok = buf[:-1], buf[-1:]
     block = min(1024, next_pow2(max(flat.numel(), 16)))
-    _route_ids_kernel[(1,)](flat, ids, ok, flat.numel(), num_experts, BLOCK=block)
+    _launch.launch(_route_ids_kernel, (1,), (flat, ids, ok, flat.numel(), num_experts), BLOCK=block)
     return ids, ok
 
 
@@ -803,7 +804,7 @@ def block_prefix(lo, hi, BM, block=1024):
     in bench/moe_host.py's profile). `block`: segments per step of the kernel's running sum."""
     E = lo.numel()
     bcum = torch.empty(E + 1, dtype=torch.int32, device=lo.device)
-    _block_prefix_kernel[(1,)](lo, hi, bcum, E, BM=BM, BLOCK=min(block, next_pow2(max(E, 16))))
+    _launch.launch(_block_prefix_kernel, (1,), (lo, hi, bcum, E), BM=BM, BLOCK=min(block, next_pow2(max(E, 16))))
     return bcum
 
 
@@ -989,19 +990,19 @@ def _run(cfg, head, seg, rest, nblocks, N, K, meta, config):
         return
     if int(cfg.get("DEQ", 0)) == 1:
         try:
-            _launch(grid, args, meta, DEQ=1)
+            _launch_gemm(grid, args, meta, DEQ=1)
             return
         except Exception:  # tl.dot_scaled not supported by this Triton/GPU: in-register dequantisation instead
             if config and config.get("DEQ") == 1:
                 raise
             _DOT_SCALED["ok"] = False
-    _launch(grid, args, meta, DEQ=0)
+    _launch_gemm(grid, args, meta, DEQ=0)
 
 
 _STAGES_THAT_FIT = {}  # (specialisation) -> num_stages that compiled within the GPU's shared memory
 
 
-def _launch(grid, args, meta, DEQ):
+def _launch_gemm(grid, args, meta, DEQ):
     """Launch with the configured pipeline depth, or the deepest that fits in shared memory: the default tiles were
     chosen on forward GEMMs, and the backward's layouts (trans_w, dual="in") of the same tile need more (seen on the
     H200 at BM=128: 237,568 > 232,448 bytes). Out-of-resources is raised at compile time, before anything runs."""
@@ -1009,7 +1010,7 @@ def _launch(grid, args, meta, DEQ):
     stages = _STAGES_THAT_FIT.get(key, meta["num_stages"])
     while True:
         try:
-            _mxfp4_grouped_gemm_kernel[grid](*args, DEQ=DEQ, **dict(meta, num_stages=stages))
+            _launch.launch(_mxfp4_grouped_gemm_kernel, grid, args, DEQ=DEQ, **dict(meta, num_stages=stages))
             _STAGES_THAT_FIT[key] = stages
             return
         except Exception as ex:  # triton.runtime.errors.OutOfResources (its module moved between versions)

@@ -21,6 +21,8 @@ keeps the Triton kernel for every other layout.
 
 import functools
 
+from . import _launch
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -351,9 +353,10 @@ def launch(nblocks, args, meta, cfg):
     BN, pair = cfg["BN"], _pair(meta, cfg)
     if pair:  # the second tile's rows as the `b` weight
         b, bs = w[:, BN:], ws[:, BN:]
-    mxfp4_wgmma_kernel[(nblocks * (N // (BN * (1 + pair))),)](
-        a, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, eid, c, c_rows, stride_cm,
-        c_pos if c_pos is not None else eid, N, K, E, beta1, beta2,
+    _launch.launch(
+        mxfp4_wgmma_kernel, (nblocks * (N // (BN * (1 + pair))),),
+        (a, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, eid, c, c_rows, stride_cm,
+         c_pos if c_pos is not None else eid, N, K, E, beta1, beta2),
         BM=cfg["BM"], BN=BN, BK=cfg["BK"], STAGES=int(cfg["num_stages"]),
         E_CHUNK=meta["E_CHUNK"], NUM_E_CHUNKS=meta["NUM_E_CHUNKS"], DUAL=meta["DUAL"], PAIR=pair,
         TWO=meta["DUAL"] or pair, ACT=meta["ACT"],

@@ -250,7 +250,17 @@ def kernel_status(device="cuda" if torch.cuda.is_available() else "cpu"):
         # prefill above this many routed rows per expert: experts decoded to bf16 in chunks + torch._grouped_mm
         "dequantized_grouped_mm_min_rows_per_expert": PackedMXFP4Experts.DEQUANT_MIN_ROWS_PER_EXPERT
         if path == "triton" and hasattr(torch, "_grouped_mm") else None,
+        # later launches of a kernel straight to its compiled form, past Triton's argument binding (host time)
+        **(_launch_status() if path == "triton" else {}),
     }
+
+
+def _launch_status():
+    try:
+        from kimi3_kernels import _launch  # noqa: PLC0415
+    except ImportError:  # an older kernels package: every launch through Triton
+        return {"direct_launch": False}
+    return _launch.status()
 
 
 # ----------------------------------------------------------------------------------------------------------------

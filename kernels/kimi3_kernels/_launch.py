@@ -1,0 +1,136 @@
+"""Kernel launches that skip Triton's per-call argument binding.
+
+`launch(fn, grid, args, **constexprs)` does what `fn[grid](*args, **constexprs)` does. The first call for each
+specialisation goes through Triton, which compiles the kernel (or finds it in its cache) and returns it. Later calls
+with the same specialisation hand the arguments straight to that compiled kernel's launcher.
+
+Triton's own launch path binds the arguments and computes their specialisation. It then builds the cache key and
+reads the stream and launch metadata. On the H200's host that is 20-50 us per launch (bench/moe_host.py,
+`empty_triton_40_args`), which is most of an eager decode step's host time. Here the key holds:
+- each tensor's dtype and 16-byte alignment;
+- each integer's value (Triton specialises on it being 1, a multiple of 16, or wider than 32 bits);
+- every constexpr and launch option, and the device.
+This key is finer than Triton's, so a cached kernel is always the one Triton would pick.
+
+Runtime arguments must be the kernel's leading parameters, in order; the constexprs follow them. Direct launches are
+off under the interpreter, while Triton's launch hooks are set (profilers), with KIMI3_DIRECT_LAUNCH=0 (read at each
+call, for A/B timing), and after any direct launch has failed. A failure is logged once; from then on every launch
+goes through Triton.
+"""
+
+import inspect
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_COMPILED = {}  # key -> (compiled kernel, values of the parameters after the runtime arguments)
+_FAILED = []  # the error of a direct launch that failed: Triton's path from then on
+_MAX_ENTRIES = 4096
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")  # launch options, not kernel parameters
+
+
+try:
+    from triton import knobs as _knobs
+except ImportError:  # no Triton, or one without knobs (< 3.4, its launch hooks live elsewhere): Triton's path
+    _knobs = None
+
+
+def _interpreter():
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _switched_on():
+    # what launch() checks at each call; the interpreter runs on CPU tensors, which never take the direct path
+    return (not _FAILED and _knobs is not None and _knobs.runtime.launch_enter_hook is None
+            and _knobs.runtime.launch_exit_hook is None
+            and os.environ.get("KIMI3_DIRECT_LAUNCH", "1").strip() not in ("0", ""))
+
+
+def enabled():
+    """Whether launches may go straight to the compiled kernel (see the module docstring)."""
+    return _switched_on() and not _interpreter()
+
+
+def _key(fn, device, constexprs, args):
+    """Finer than Triton's specialisation. Constexprs: plain values as they are, others (Gluon layouts, whose hash
+    costs microseconds) by identity; the cache entry keeps those objects alive, so an identity is never reused while
+    its entry exists. Arguments: each tensor's dtype and 16-byte alignment, each integer's value (shapes and
+    strides: a handful of values per kernel), floats by type only."""
+    return (fn, device, tuple(constexprs),
+            *[v if v.__class__ in _PLAIN else id(v) for v in constexprs.values()],
+            *[(a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else float if a.__class__ is float else a
+              for a in args])
+
+
+_PLAIN = (int, bool, float, str, type(None))
+
+
+def _trailing(fn, n_args, constexprs):
+    """Values of fn's parameters after the n_args runtime arguments, in signature order, or None where the
+    signature does not have that shape (a runtime parameter after a constexpr, an unknown keyword)."""
+    params = fn.params
+    names = {p.name for p in params}
+    given = {k: v for k, v in constexprs.items() if k in names}  # num_warps: a Gluon kernel's parameter too
+    if any(p.name in given for p in params[:n_args]) or not set(constexprs) - names <= set(_OPTIONS):
+        return None
+    tail = []
+    for p in params[n_args:]:
+        if p.name in given:
+            tail.append(given[p.name])
+        elif p.is_constexpr and p.default is not inspect.Parameter.empty:
+            tail.append(p.default)
+        else:
+            return None
+    return tuple(tail)
+
+
+def _on_gpu(args):
+    a = args[0]  # every kernel here takes a tensor first
+    return isinstance(a, torch.Tensor) and a.is_cuda
+
+
+def _device():
+    return torch.cuda.current_device()
+
+
+def _stream(device):
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+def launch(fn, grid, args, **constexprs):
+    """fn[grid](*args, **constexprs), straight to the compiled kernel once Triton has returned it for this
+    specialisation. grid: a tuple of one to three ints."""
+    if not (_on_gpu(args) and _switched_on()):
+        fn[grid](*args, **constexprs)
+        return
+    device = _device()
+    key = _key(fn, device, constexprs, args)
+    entry = _COMPILED.get(key)
+    if entry is None:
+        kernel = fn[grid](*args, **constexprs)
+        tail = _trailing(fn, len(args), constexprs) if kernel is not None else None
+        if tail is not None and hasattr(kernel, "packed_metadata"):
+            if len(_COMPILED) >= _MAX_ENTRIES:  # integers that keep changing: start over rather than grow
+                _COMPILED.clear()
+            _COMPILED[key] = (kernel, tail, constexprs)
+        return
+    kernel, tail, _ = entry
+    g = tuple(grid) + (1, 1)
+    try:
+        kernel.run(g[0], g[1], g[2], _stream(device), kernel.function, kernel.packed_metadata, None, None, None,
+                   *args, *tail)
+    except Exception as ex:  # noqa: BLE001 - a launcher of another Triton version: its own path from now on
+        _FAILED.append(repr(ex))
+        _COMPILED.clear()
+        logger.warning("kimi3_kernels: direct kernel launches failed (%r); launching through Triton from now on", ex)
+        fn[grid](*args, **constexprs)
+
+
+def status():
+    """What kernel_status() reports: whether direct launches are on, how many kernels they cover, any failure."""
+    return {"direct_launch": enabled(), "direct_launch_kernels": len(_COMPILED),
+            "direct_launch_error": _FAILED[0] if _FAILED else None}

@@ -1,0 +1,126 @@
+"""kimi3_kernels._launch: the direct launch path's plumbing on CPU with a stand-in kernel (the real launcher needs a
+GPU: tests/test_mxfp4_wgmma.py compares direct and Triton launches bit for bit on an H200)."""
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kimi3_kernels import _launch
+
+
+class FakeKernel:
+    """A compiled kernel: records what its launcher receives."""
+
+    function, packed_metadata = "fn-handle", "meta"
+
+    def __init__(self, fail=False):
+        self.calls, self.fail = [], fail
+
+    def run(self, *a):
+        if self.fail:
+            raise TypeError("launcher of another Triton")
+        self.calls.append(a)
+
+
+class FakeJIT:
+    """fn[grid](*args, **kw) as Triton's JITFunction: records the call, returns the compiled kernel."""
+
+    def __init__(self, kernel):
+        empty = inspect.Parameter.empty
+        self.params = [SimpleNamespace(name=n, is_constexpr=c, default=d) for n, c, d in
+                       (("x", False, empty), ("n", False, empty), ("BLOCK", True, empty), ("FLAG", True, 7))]
+        self.kernel, self.jit_calls = kernel, []
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.jit_calls.append((grid, args, kw))
+            return self.kernel
+        return run
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    monkeypatch.setattr(_launch, "_on_gpu", lambda args: True)
+    monkeypatch.setattr(_launch, "_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_stream", lambda device: 1234)
+    monkeypatch.setattr(_launch, "_switched_on", lambda: not _launch._FAILED)
+    monkeypatch.setattr(_launch, "_COMPILED", {})
+    monkeypatch.setattr(_launch, "_FAILED", [])
+
+
+def test_direct_after_first_launch(gpu):
+    k = FakeKernel()
+    fn = FakeJIT(k)
+    x = torch.zeros(64)
+    _launch.launch(fn, (3,), (x, 32), BLOCK=16, num_warps=4)
+    assert fn.jit_calls == [((3,), (x, 32), {"BLOCK": 16, "num_warps": 4})] and k.calls == []
+    _launch.launch(fn, (5, 2), (x, 32), BLOCK=16, num_warps=4)
+    assert len(fn.jit_calls) == 1
+    # grid padded to 3-D, the stream, the handles, no metadata or hooks, then every parameter in signature order
+    # (the constexprs after the runtime arguments, FLAG at its default; num_warps is not a parameter)
+    assert k.calls == [(5, 2, 1, 1234, "fn-handle", "meta", None, None, None, x, 32, 16, 7)]
+
+
+@pytest.mark.parametrize("change", ["unaligned", "dtype", "int_one", "int_mod16", "int_64bit", "constexpr",
+                                    "option"])
+def test_new_specialisation_goes_through_triton(gpu, change):
+    k = FakeKernel()
+    fn = FakeJIT(k)
+    x = torch.zeros(64)
+    _launch.launch(fn, (1,), (x, 32), BLOCK=16, num_warps=4)
+    args, kw = (x, 32), dict(BLOCK=16, num_warps=4)
+    if change == "unaligned":
+        args = (x[1:], 32)
+    elif change == "dtype":
+        args = (x.double(), 32)
+    elif change == "int_one":
+        args = (x, 1)
+    elif change == "int_mod16":
+        args = (x, 33)
+    elif change == "int_64bit":
+        args = (x, 1 << 40)
+    elif change == "constexpr":
+        kw["BLOCK"] = 32
+    else:
+        kw["num_warps"] = 8
+    _launch.launch(fn, (1,), args, **kw)
+    assert len(fn.jit_calls) == 2 and k.calls == []
+    _launch.launch(fn, (1,), args, **kw)  # that specialisation now cached
+    assert len(fn.jit_calls) == 2 and len(k.calls) == 1
+
+
+def test_failed_direct_launch_falls_back_for_good(gpu, caplog):
+    k = FakeKernel(fail=True)
+    fn = FakeJIT(k)
+    x = torch.zeros(64)
+    _launch.launch(fn, (1,), (x, 32), BLOCK=16)
+    with caplog.at_level("WARNING"):
+        _launch.launch(fn, (1,), (x, 32), BLOCK=16)  # the launcher raises: Triton launches this one
+    assert len(fn.jit_calls) == 2 and "launching through Triton" in caplog.text
+    assert _launch._FAILED and not _launch._COMPILED
+    _launch.launch(fn, (1,), (x, 32), BLOCK=16)
+    assert len(fn.jit_calls) == 3
+    assert _launch.status()["direct_launch_error"].startswith("TypeError")
+
+
+def test_signature_it_cannot_order_is_never_cached(gpu):
+    k = FakeKernel()
+    fn = FakeJIT(k)
+    fn.params[3].default = inspect.Parameter.empty  # FLAG has no default and is not given
+    x = torch.zeros(64)
+    for _ in range(3):
+        _launch.launch(fn, (1,), (x, 32), BLOCK=16)
+    assert len(fn.jit_calls) == 3 and k.calls == []
+
+
+def test_off_switches(monkeypatch):
+    monkeypatch.setattr(_launch, "_FAILED", [])
+    monkeypatch.setenv("KIMI3_DIRECT_LAUNCH", "0")
+    assert not _launch.enabled()
+    monkeypatch.delenv("KIMI3_DIRECT_LAUNCH")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not _launch.enabled()
+    # CPU tensors never take the direct path
+    assert not _launch._on_gpu((torch.zeros(2), 3))
