@@ -124,3 +124,57 @@ def test_off_switches(monkeypatch):
     assert not _launch.enabled()
     # CPU tensors never take the direct path
     assert not _launch._on_gpu((torch.zeros(2), 3))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the compiled kernels' launchers")
+def test_decode_kernels_direct_match_triton_on_gpu(monkeypatch):
+    """The eager decode step's other kernels (router, GLU, expert GEMVs, route combines, short convs, gated norm,
+    recurrent KDA, attention-residual mix) give the same bits launched directly as through Triton, and the direct
+    path really runs."""
+    pytest.importorskip("triton")
+    from kimi3_kernels import attn_res, moe_decode
+    from kimi3_kernels.kda import layer_ops, recurrent
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rn(*s, dtype=torch.bfloat16):
+        return torch.randn(*s, device=dev, generator=gen).to(dtype)
+
+    T, D, E, I, k, H, Kd = 2, 256, 64, 128, 4, 4, 64
+    x, wr, bias = rn(T, D), rn(E, D), rn(E, dtype=torch.float32)
+    w1, w3, w2 = rn(E, I, D), rn(E, I, D), rn(E, D, I)
+    idx = torch.randint(0, E, (T, k), device=dev, generator=gen)
+    tw = torch.rand(T, k, device=dev, generator=gen)
+    states0 = [rn(1, D, 4) for _ in range(3)]
+    convw = [rn(D, 1, 4) for _ in range(3)]
+    q, kk, v, g = (rn(1, 1, H, Kd) for _ in range(4))
+    beta = rn(1, 1, H)
+    A_log, dt_bias = rn(H, dtype=torch.float32), rn(H * Kd, dtype=torch.float32)
+    h0 = rn(1, H, Kd, Kd, dtype=torch.float32)
+    bank = rn(1, T, 3, D)
+
+    def step():
+        states = [s.clone() for s in states0]
+        ht = h0.clone()
+        out = list(moe_decode.route_topk(x, wr, bias, k, True, 2.5))
+        out.append(moe_decode.glu_mul(x, x, situ_beta=4.0, linear_beta=25.0))
+        out.append(moe_decode.expert_gemv(x, w1, w3, w2, idx, tw))
+        out.append(moe_decode.mlp_gemv(x[:1], w1[0], w3[0], w2[0]))
+        out += list(layer_ops.short_conv_update([x[None, :1]] * 3, states, convw)) + states
+        out.append(layer_ops.gated_rms_norm(x, x, x[0], 1e-6))
+        o, _ = recurrent.fused_recurrent_kda(q, kk, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+                                             initial_state=ht, inplace_final_state=True)
+        out += [o, ht, attn_res.attn_res_mix(bank, x[None], x[0], x[1], 1e-6)]
+        return out
+
+    monkeypatch.setenv("KIMI3_DIRECT_LAUNCH", "0")
+    ref = step()
+    monkeypatch.delenv("KIMI3_DIRECT_LAUNCH")
+    before = len(_launch._COMPILED)
+    runs = [step() for _ in range(3)]
+    torch.cuda.synchronize()
+    assert len(_launch._COMPILED) >= before + 10 and not _launch._FAILED, (before, len(_launch._COMPILED))
+    for out in runs:
+        for i, (a, b) in enumerate(zip(out, ref)):
+            assert torch.equal(a, b), i

@@ -12,6 +12,7 @@ of every source, a norm, a projection, a softmax, a product and a sum, ~12 launc
 """
 import torch
 
+from . import _launch
 from ._host import next_pow2
 
 try:
@@ -72,7 +73,7 @@ def attn_res_mix(bank, partial, norm_weight, proj_weight, eps, BD=1024, num_warp
     part = partial.to(bank.dtype).contiguous() if partial is not None else bank  # mixed in the bank's dtype
     y = torch.empty(B, T, D, device=bank.device, dtype=bank.dtype)
     if B * T:
-        _attn_res_mix_kernel[(B * T,)](bank, part, norm_weight.contiguous(), proj_weight.reshape(-1).contiguous(), y,
-                                       n, D, float(eps), HAS_PARTIAL=partial is not None,
-                                       NP=next_pow2(n + 1), BD=BD, num_warps=num_warps)
+        _launch.launch(_attn_res_mix_kernel, (B * T,),
+                       (bank, part, norm_weight.contiguous(), proj_weight.reshape(-1).contiguous(), y, n, D,
+                        float(eps)), HAS_PARTIAL=partial is not None, NP=next_pow2(n + 1), BD=BD, num_warps=num_warps)
     return y

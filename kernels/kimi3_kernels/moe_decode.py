@@ -171,11 +171,11 @@ def route_topk(x, weight, bias, top_k, renormalize, scaling):
         return logits, wts, idx
     # many small programs: the router matrix (0.3 MB at 64 experts, 13 MB for K3's 896) is read at one token
     BE, BK = (2, 512) if E <= 128 else (8, 256)
-    _router_logits_kernel[(T, cdiv(E, BE))](x, weight, logits, E, D, BE=BE, BK=BK, num_warps=4)
+    _launch.launch(_router_logits_kernel, (T, cdiv(E, BE)), (x, weight, logits, E, D), BE=BE, BK=BK, num_warps=4)
     # one warp: the k rounds of max / argmax are warp shuffles, no block-wide barriers
-    _router_topk_kernel[(T,)](logits, bias.float().contiguous(), idx, wts, E, float(scaling), KTOP=top_k,
-                              K_POW2=next_pow2(top_k), E_POW2=next_pow2(E),
-                              RENORM=bool(renormalize and top_k > 1), num_warps=1)
+    _launch.launch(_router_topk_kernel, (T,), (logits, bias.float().contiguous(), idx, wts, E, float(scaling)),
+                   KTOP=top_k, K_POW2=next_pow2(top_k), E_POW2=next_pow2(E),
+                   RENORM=bool(renormalize and top_k > 1), num_warps=1)
     return logits, wts, idx
 
 
@@ -188,9 +188,9 @@ def glu_mul(gate, up, situ_beta=None, linear_beta=None):
     y = torch.empty_like(g)
     N = g.numel()
     if N:
-        _glu_mul_kernel[(cdiv(N, 1024),)](g, u, y, N, float(situ_beta or 1.), float(linear_beta or 1.),
-                                          SITU=situ_beta is not None, LINEAR_BETA=linear_beta is not None,
-                                          BLOCK=1024, num_warps=4)
+        _launch.launch(_glu_mul_kernel, (cdiv(N, 1024),),
+                       (g, u, y, N, float(situ_beta or 1.), float(linear_beta or 1.)), SITU=situ_beta is not None,
+                       LINEAR_BETA=linear_beta is not None, BLOCK=1024, num_warps=4)
     return y
 
 
@@ -210,8 +210,9 @@ def expert_gemv(x, w1, w3, w2, topk_idx, topk_weights, BN=16, BK=128):
     o = torch.empty(T * k, D, device=x.device, dtype=w1.dtype)
     if T == 0:
         return torch.empty(T, D, device=x.device, dtype=torch.float32)
-    _gate_up_kernel[(T * k, cdiv(I, BN))](x, w1, w3, idx, h, E, I, D, KTOP=k, BN=BN, BK=BK, num_warps=4)
-    _down_kernel[(T * k, cdiv(D, 2 * BN))](h, w2, idx, o, E, I, D, BN=2 * BN, BK=BK, num_warps=4)
+    _launch.launch(_gate_up_kernel, (T * k, cdiv(I, BN)), (x, w1, w3, idx, h, E, I, D), KTOP=k, BN=BN, BK=BK,
+                   num_warps=4)
+    _launch.launch(_down_kernel, (T * k, cdiv(D, 2 * BN)), (h, w2, idx, o, E, I, D), BN=2 * BN, BK=BK, num_warps=4)
     return combine_routes(o, topk_weights.float(), torch.float32)
 
 
@@ -241,10 +242,10 @@ def mlp_gemv(x, gate, up, down, BN=8, BN_DOWN=16, BK=128):
     x = x.to(gate.dtype).contiguous()
     h = torch.empty(1, I, device=x.device, dtype=gate.dtype)
     o = torch.empty(1, D, device=x.device, dtype=gate.dtype)
-    _gate_up_kernel[(1, cdiv(I, BN))](x, gate, up, x, h, 1, I, D, KTOP=1, BN=BN, BK=BK, ONE_EXPERT=True,
-                                      num_warps=4)
-    _down_kernel[(1, cdiv(D, BN_DOWN))](h, down, x, o, 1, I, D, BN=BN_DOWN, BK=BK, ONE_EXPERT=True,
-                                        num_warps=4)
+    _launch.launch(_gate_up_kernel, (1, cdiv(I, BN)), (x, gate, up, x, h, 1, I, D), KTOP=1, BN=BN, BK=BK,
+                   ONE_EXPERT=True, num_warps=4)
+    _launch.launch(_down_kernel, (1, cdiv(D, BN_DOWN)), (h, down, x, o, 1, I, D), BN=BN_DOWN, BK=BK, ONE_EXPERT=True,
+                   num_warps=4)
     return o
 
 
@@ -261,9 +262,9 @@ def combine_sorted(out, order, topk_idx, topk_weights, num_experts):
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     y = torch.empty(T, D, device=out.device, dtype=torch.float32)
     if T:
-        _combine_sorted_kernel[(T, cdiv(D, 1024))](out.contiguous(), inv, topk_idx.contiguous(),
-                                                   topk_weights.float().contiguous(), y, num_experts, D,
-                                                   KTOP=k, BN=1024, num_warps=4)
+        _launch.launch(_combine_sorted_kernel, (T, cdiv(D, 1024)),
+                       (out.contiguous(), inv, topk_idx.contiguous(), topk_weights.float().contiguous(), y,
+                        num_experts, D), KTOP=k, BN=1024, num_warps=4)
     return y
 
 

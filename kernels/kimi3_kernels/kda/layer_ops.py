@@ -16,6 +16,7 @@ Both kernels run under TRITON_INTERPRET=1 on CPU tensors (CI).
 import torch
 import torch.nn.functional as F
 
+from .. import _launch
 from ._utils import TRITON_AVAILABLE, cdiv, next_pow2
 
 if TRITON_AVAILABLE:
@@ -101,8 +102,8 @@ def short_conv_update(xs, states, weights):
     xs = [x.contiguous() for x in xs]
     ys = [torch.empty_like(x) for x in xs]
     BD = 128
-    _conv_update_kernel[(B, cdiv(D, BD), 3)](*xs, *states, *weights, *ys, D, T=T, W=W, WP=next_pow2(W),
-                                             BD=BD, num_warps=4)
+    _launch.launch(_conv_update_kernel, (B, cdiv(D, BD), 3), (*xs, *states, *weights, *ys, D), T=T, W=W,
+                   WP=next_pow2(W), BD=BD, num_warps=4)
     return tuple(ys)
 
 
@@ -140,8 +141,8 @@ def gated_rms_norm(x, gate, weight, eps):
     y = torch.empty_like(xc)
     N = xc.numel() // K
     ROWS = 16
-    _gated_norm_kernel[(cdiv(N, ROWS),)](xc, gc, weight.contiguous(), y, N, float(eps), K=K,
-                                         KP=next_pow2(K), ROWS=ROWS, num_warps=4)
+    _launch.launch(_gated_norm_kernel, (cdiv(N, ROWS),), (xc, gc, weight.contiguous(), y, N, float(eps)), K=K,
+                   KP=next_pow2(K), ROWS=ROWS, num_warps=4)
     return y
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _launch
 from ._utils import TRITON_AVAILABLE, cdiv, next_pow2
 
 if TRITON_AVAILABLE:
@@ -91,10 +92,11 @@ def fused_recurrent_fwd(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, in
     BK = next_pow2(K)
     BV = min(next_pow2(V), 16 if N * H < 256 else 32)
     if N > 0:
-        _fused_recurrent_kernel[(cdiv(V, BV) * N * H,)](
-            q, k, v, g, beta, A_log, dt_bias, o, initial_state if initial_state is not None else o,
-            ht if ht is not None else o, cu_seqlens if cu_seqlens is not None else o, T, scale,
-            float(lower_bound) if lower_bound is not None else 0.0,
+        _launch.launch(
+            _fused_recurrent_kernel, (cdiv(V, BV) * N * H,),
+            (q, k, v, g, beta, A_log, dt_bias, o, initial_state if initial_state is not None else o,
+             ht if ht is not None else o, cu_seqlens if cu_seqlens is not None else o, T, scale,
+             float(lower_bound) if lower_bound is not None else 0.0),
             H=H, K=K, V=V, BK=BK, BV=BV, USE_LB=lower_bound is not None, L2=use_l2,
             HAS_H0=initial_state is not None, STORE_FINAL=ht is not None, VARLEN=cu_seqlens is not None,
             num_warps=4 if BK * BV >= 4096 else 2, num_stages=1)
