@@ -178,3 +178,13 @@ def test_decode_kernels_direct_match_triton_on_gpu(monkeypatch):
     for out in runs:
         for i, (a, b) in enumerate(zip(out, ref)):
             assert torch.equal(a, b), i
+
+
+def test_launch_hooks_keep_tritons_path():
+    """Profilers set Triton's launch hooks: None or an empty HookChain means none is set."""
+    assert not _launch._hook_set(None)
+    assert not _launch._hook_set(SimpleNamespace(calls=[]))
+    assert _launch._hook_set(SimpleNamespace(calls=[print]))
+    assert _launch._hook_set(print)
+    if _launch._knobs is not None:  # this Triton as installed: no hooks, so direct launches are allowed
+        assert not _launch._hook_set(_launch._knobs.runtime.launch_enter_hook)

@@ -44,9 +44,14 @@ def _interpreter():
 
 def _switched_on():
     # what launch() checks at each call; the interpreter runs on CPU tensors, which never take the direct path
-    return (not _FAILED and _knobs is not None and _knobs.runtime.launch_enter_hook is None
-            and _knobs.runtime.launch_exit_hook is None
+    return (not _FAILED and _knobs is not None and not _hook_set(_knobs.runtime.launch_enter_hook)
+            and not _hook_set(_knobs.runtime.launch_exit_hook)
             and os.environ.get("KIMI3_DIRECT_LAUNCH", "1").strip() not in ("0", ""))
+
+
+def _hook_set(hook):
+    # None in older Triton versions; a HookChain (never None) with its list of calls in newer ones
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def enabled():
