@@ -61,6 +61,7 @@ def test_direct_after_first_launch(gpu):
     # grid padded to 3-D, the stream, the handles, no metadata or hooks, then every parameter in signature order
     # (the constexprs after the runtime arguments, FLAG at its default; num_warps is not a parameter)
     assert k.calls == [(5, 2, 1, 1234, "fn-handle", "meta", None, None, None, x, 32, 16, 7)]
+    assert _launch._DIRECT[0] >= 1
 
 
 @pytest.mark.parametrize("change", ["unaligned", "dtype", "int_one", "int_mod16", "int_64bit", "constexpr",
@@ -171,10 +172,10 @@ def test_decode_kernels_direct_match_triton_on_gpu(monkeypatch):
     monkeypatch.setenv("KIMI3_DIRECT_LAUNCH", "0")
     ref = step()
     monkeypatch.delenv("KIMI3_DIRECT_LAUNCH")
-    before = len(_launch._COMPILED)
+    before = _launch._DIRECT[0]
     runs = [step() for _ in range(3)]
     torch.cuda.synchronize()
-    assert len(_launch._COMPILED) >= before + 10 and not _launch._FAILED, (before, len(_launch._COMPILED))
+    assert _launch._DIRECT[0] >= before + 20 and not _launch._FAILED, (before, _launch._DIRECT[0])
     for out in runs:
         for i, (a, b) in enumerate(zip(out, ref)):
             assert torch.equal(a, b), i

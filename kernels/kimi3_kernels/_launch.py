@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 _COMPILED = {}  # key -> (compiled kernel, values of the parameters after the runtime arguments)
 _FAILED = []  # the error of a direct launch that failed: Triton's path from then on
+_DIRECT = [0]  # direct launches so far (kernel_status, tests)
 _MAX_ENTRIES = 4096
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")  # launch options, not kernel parameters
 
@@ -128,6 +129,7 @@ def launch(fn, grid, args, **constexprs):
     try:
         kernel.run(g[0], g[1], g[2], _stream(device), kernel.function, kernel.packed_metadata, None, None, None,
                    *args, *tail)
+        _DIRECT[0] += 1
     except Exception as ex:  # noqa: BLE001 - a launcher of another Triton version: its own path from now on
         _FAILED.append(repr(ex))
         _COMPILED.clear()
@@ -136,6 +138,7 @@ def launch(fn, grid, args, **constexprs):
 
 
 def status():
-    """What kernel_status() reports: whether direct launches are on, how many kernels they cover, any failure."""
-    return {"direct_launch": enabled(), "direct_launch_kernels": len(_COMPILED),
+    """What kernel_status() reports: whether direct launches are on, how many specialisations they cover, how many
+    launches went direct, and a failure if one happened."""
+    return {"direct_launch": enabled(), "direct_launch_kernels": len(_COMPILED), "direct_launches": _DIRECT[0],
             "direct_launch_error": _FAILED[0] if _FAILED else None}
