@@ -65,7 +65,7 @@ def test_direct_after_first_launch(gpu):
 
 
 @pytest.mark.parametrize("change", ["unaligned", "dtype", "int_one", "int_mod16", "int_64bit", "constexpr",
-                                    "option"])
+                                    "bool_constexpr", "option"])
 def test_new_specialisation_goes_through_triton(gpu, change):
     k = FakeKernel()
     fn = FakeJIT(k)
@@ -84,6 +84,10 @@ def test_new_specialisation_goes_through_triton(gpu, change):
         args = (x, 1 << 40)
     elif change == "constexpr":
         kw["BLOCK"] = 32
+    elif change == "bool_constexpr":  # True == 16 is False, but True == 1: compare with BLOCK=1 first
+        _launch.launch(fn, (1,), args, BLOCK=1, num_warps=4)
+        fn.jit_calls.pop()
+        kw["BLOCK"] = True
     else:
         kw["num_warps"] = 8
     _launch.launch(fn, (1,), args, **kw)

@@ -15,7 +15,8 @@ This key is finer than Triton's, so a cached kernel is always the one Triton wou
 Runtime arguments must be the kernel's leading parameters, in order; the constexprs follow them. Direct launches are
 off under the interpreter, while Triton's launch hooks are set (profilers), with KIMI3_DIRECT_LAUNCH=0 (read at each
 call, for A/B timing), and after any direct launch has failed. A failure is logged once; from then on every launch
-goes through Triton.
+goes through Triton. Triton settings changed after a kernel's first launch (its debug knobs, say) do not reach the
+cached kernels: set KIMI3_DIRECT_LAUNCH=0 for that.
 """
 
 import inspect
@@ -66,12 +67,13 @@ def _key(fn, device, constexprs, args):
     its entry exists. Arguments: each tensor's dtype and 16-byte alignment, each integer's value (shapes and
     strides: a handful of values per kernel), floats by type only."""
     return (fn, device, tuple(constexprs),
-            *[v if v.__class__ in _PLAIN else id(v) for v in constexprs.values()],
-            *[(a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else float if a.__class__ is float else a
-              for a in args])
+            *[v if v.__class__ in _PLAIN else ("bool", v) if v.__class__ is bool else id(v)
+              for v in constexprs.values()],
+            *[(a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else float if a.__class__ is float
+              else ("bool", a) if a.__class__ is bool else a for a in args])
 
 
-_PLAIN = (int, bool, float, str, type(None))
+_PLAIN = (int, float, str, type(None))  # bools apart: True == 1, but Triton compiles them as different types
 
 
 def _trailing(fn, n_args, constexprs):
