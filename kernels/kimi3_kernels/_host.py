@@ -1,6 +1,13 @@
-"""Integer helpers for launch grids and block sizes, in plain Python: since Triton 3.5 `triton.cdiv` and
-`triton.next_power_of_2` are constexpr functions whose host calls cost ~2.7 us each (their argument unwrapping),
-and an eager decode step computes hundreds of grids."""
+"""Host-side helpers for launches, in plain Python. Integer helpers for grids and block sizes: since Triton 3.5
+`triton.cdiv` and `triton.next_power_of_2` are constexpr functions whose host calls cost ~2.7 us each (their argument
+unwrapping), and an eager decode step computes hundreds of grids."""
+
+import os
+
+
+def interpreter_enabled():
+    """TRITON_INTERPRET set: Triton kernels run in its interpreter (on CPU tensors, in CI)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def cdiv(x: int, y: int) -> int:

@@ -12,7 +12,8 @@ reads the stream and launch metadata. On the H200's host that is 20-50 us per la
 - every constexpr and launch option, and the device.
 This key is finer than Triton's, so a cached kernel is always the one Triton would pick.
 
-Runtime arguments must be the kernel's leading parameters, in order; the constexprs follow them. Direct launches are
+`args` are the kernel's leading parameters, in order; the keywords give the ones after them (constexprs, or runtime
+ones passed by name, like the recurrent kernel's H) and launch options. Direct launches are
 off under the interpreter, while Triton's launch hooks are set (profilers), with KIMI3_DIRECT_LAUNCH=0 (read at each
 call, for A/B timing), and after any direct launch has failed. A failure is logged once; from then on every launch
 goes through Triton. Triton settings changed after a kernel's first launch (its debug knobs, say) do not reach the
@@ -24,6 +25,8 @@ import logging
 import os
 
 import torch
+
+from ._host import interpreter_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +43,6 @@ except ImportError:  # no Triton, or one without knobs (< 3.4, its launch hooks 
     _knobs = None
 
 
-def _interpreter():
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _switched_on():
     # what launch() checks at each call; the interpreter runs on CPU tensors, which never take the direct path
     return (not _FAILED and _knobs is not None and not _hook_set(_knobs.runtime.launch_enter_hook)
@@ -58,7 +57,7 @@ def _hook_set(hook):
 
 def enabled():
     """Whether launches may go straight to the compiled kernel (see the module docstring)."""
-    return _switched_on() and not _interpreter()
+    return _switched_on() and not interpreter_enabled()
 
 
 def _key(fn, device, constexprs, args):
@@ -104,9 +103,11 @@ def _device():
     return torch.cuda.current_device()
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's own launch path reads
+
+
 def _stream(device):
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    return _RAW_STREAM(device) if _RAW_STREAM is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 def launch(fn, grid, args, **constexprs):

@@ -40,7 +40,7 @@ import os
 import torch
 
 from . import _launch
-from ._host import cdiv, next_pow2
+from ._host import cdiv, interpreter_enabled, next_pow2
 
 try:
     import triton
@@ -54,10 +54,6 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
 
 ACTS = {None: 0, "silu": 1, "situ": 2}
 DUALS = {None: 0, "out": 1, "in": 2}
-
-
-def interpreter_enabled():
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def decode_mode(device):
