@@ -111,7 +111,7 @@ def main():
             bk_dn, _ = G.kperm_tile(Mr, E, D, INTER)
             h = mod._forward_triton(x, order, offsets, TOPK)  # warm + compile (the tables' checks too)
             up_rows = dict(a_rows=(order // TOPK).to(torch.int32))
-            xk, bk_up, nib_up, _ = mod._up_input(G, x, Mr, E)
+            xk, bk_up, nib_up = mod._up_input(G, x, Mr, E)
             hh = torch.randn(Mr, INTER, device=moe.DEV, dtype=torch.bfloat16)
 
             def full():

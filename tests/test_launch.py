@@ -2,6 +2,7 @@
 GPU: tests/test_mxfp4_wgmma.py compares direct and Triton launches bit for bit on an H200)."""
 
 import inspect
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -94,6 +95,38 @@ def test_new_specialisation_goes_through_triton(gpu, change):
     assert len(fn.jit_calls) == 2 and k.calls == []
     _launch.launch(fn, (1,), args, **kw)  # that specialisation now cached
     assert len(fn.jit_calls) == 2 and len(k.calls) == 1
+
+
+def test_bound_launcher_shares_launchs_cache(gpu):
+    # a launch plan's Launcher: its constexprs' key is built once; it and launch() with the same constexprs find
+    # each other's compiled kernels, and a new specialisation of the arguments still goes through Triton
+    k = FakeKernel()
+    fn = FakeJIT(k)
+    x = torch.zeros(64)
+    bound = _launch.Launcher(fn, BLOCK=16, num_warps=4)
+    bound((3,), (x, 32))
+    _launch.launch(fn, (2,), (x, 32), BLOCK=16, num_warps=4)
+    bound((5, 2), (x, 32))
+    assert len(fn.jit_calls) == 1
+    assert k.calls[-1] == (5, 2, 1, 1234, "fn-handle", "meta", None, None, None, x, 32, 16, 7) and len(k.calls) == 2
+    bound((1,), (x[1:], 32))
+    assert len(fn.jit_calls) == 2
+    assert _launch.Launcher(fn, BLOCK=16, num_warps=4)._ckey == bound._ckey
+    assert len({_launch.Launcher(fn, BLOCK=b, num_warps=4)._ckey for b in (16, 1, True, 32)}) == 4
+
+
+def test_env_reads_what_os_environ_holds(monkeypatch):
+    # the switches' reader (kimi3_kernels._host.env) answers as os.environ.get, set, changed, unset, non-ASCII
+    from kimi3_kernels._host import env
+
+    name = "KIMI3_TEST_ENV_READ"
+    monkeypatch.delenv(name, raising=False)
+    assert env(name) is None and env(name, "d") == "d"
+    for value in ("1", "", "64,32", "\u00e9t\u00e9"):
+        monkeypatch.setenv(name, value)
+        assert env(name) == os.environ.get(name) == value
+    monkeypatch.delenv(name)
+    assert env(name, "d") == "d"
 
 
 def test_failed_direct_launch_falls_back_for_good(gpu, caplog):

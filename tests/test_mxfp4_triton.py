@@ -302,15 +302,22 @@ def _module_checks(mxfp4, torch):
         ids, ok = Gm.route_expert_ids(idx, E)
         _, bad_ok = Gm.route_expert_ids(bad_idx - 2 * E * (bad_idx == E), E)  # a negative id
         out["route_expert_ids"] = [bool(torch.equal(ids.long(), idx.reshape(-1))), int(ok), int(bad_ok)]
+        # ... and with x in a tile's K order from the same launch (both orders), as permute_k gives it
+        out["route_expert_ids_x"] = [
+            bool(torch.equal(xp, Gm.permute_k(x0, 64, nib=nib)) and torch.equal(ids2, ids) and int(ok2))
+            for nib in (False, True) for ids2, ok2, xp in [Gm.route_expert_ids(idx, E, x0, 64, nib)]]
         # one route per program with K-permuted tiles (x and h copied into their K order)
         saved = dict(Gm._PERM_TILES)
         Gm._PERM_TILES.update({(16, "out"): (32, 64, 4, 1, 1), (16, None): (32, 32, 4, 1, 1)})
         try:
             with torch.no_grad():
                 out["module_gemm_kperm_unsorted_y"] = _rel(mod(x0, idx, tw), ref)
+            # the module's cached tile choice follows the tables (gate+up K-permuted at BK 64 now, plain before)
+            out["module_tiles_follow_tables"] = [mod._mlp_tiles(Gm, T * k, T * k, True, x0.device)[::2]]
         finally:
             Gm._PERM_TILES.clear()
             Gm._PERM_TILES.update(saved)
+        out["module_tiles_follow_tables"].append(mod._mlp_tiles(Gm, T * k, T * k, True, x0.device)[::2])
         # the default (variable unset): unsorted up to 32 routes without autograd; sorted above 32 routes or with
         # autograd. Top-2 here, so 16 tokens are 32 routes; (GEMM launches with expert_ids, all GEMM launches, sorts)
         os.environ.pop("KIMI3_MXFP4_UNSORTED_MAX_ROUTES")
@@ -366,6 +373,60 @@ def _module_checks(mxfp4, torch):
     return out
 
 
+def _plan_checks(G, torch):
+    """mxfp4_grouped_gemm's launch plans: made once per call signature, made again when a tile table or a switch
+    changes, never kept for a call that fails its checks."""
+    out = {}
+    gen = torch.Generator().manual_seed(5)
+    E, N, K = 3, 64, 64
+    wp = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, generator=gen)
+    ws = torch.randint(118, 128, (E, N, K // 32), dtype=torch.uint8, generator=gen)
+    x = torch.randn(6, K, generator=gen).bfloat16()
+    offs = torch.tensor([0, 2, 2, 6], dtype=torch.int32)
+    made = []
+    real = G._Plan
+
+    class Counting(real):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    G._Plan = Counting
+    saved = dict(G._PERM_TILES)
+    try:
+        G.clear_plans()
+        first = G.mxfp4_grouped_gemm(x, wp, ws, offs)
+        again = G.mxfp4_grouped_gemm(x, wp, ws, offs)
+        out["plan_reused"] = [len(made), bool(torch.equal(first, again))]
+        G._PERM_TILES[16, None] = (64, 128, 4, 4, 0)  # BN 128 -> 64: a new plan with the new tile
+        narrow = G.mxfp4_grouped_gemm(x, wp, ws, offs)
+        out["plan_table_change"] = [len(made), made[-1].steps[0][1].meta["BN"], bool(torch.equal(first, narrow))]
+        G._PERM_TILES.update(saved)
+        os.environ["KIMI3_MXFP4_SPLIT"] = "1"
+        split = G.mxfp4_grouped_gemm(x, wp, ws, offs)
+        out["plan_switch_change"] = [len(made), made[-1].steps[0][1].meta["SPLIT"], _rel(split, first)]
+        os.environ.pop("KIMI3_MXFP4_SPLIT")
+        G.mxfp4_grouped_gemm(x, wp, ws, offs)  # the tables as at first: a plan from them
+        rows = torch.tensor([5, 4, 3, 2, 1, 0], dtype=torch.int32)
+        gathered = G.mxfp4_grouped_gemm(x, wp, ws, offs, a_rows=rows)  # another signature: its own plan
+        ref = G.mxfp4_grouped_gemm(x[rows.long()].contiguous(), wp, ws, offs)
+        out["plan_gather"] = [len(made), _rel(gathered, ref)]
+        refused = []
+        for _ in range(2):
+            try:
+                G.mxfp4_grouped_gemm(x[:, :32], wp, ws, offs)
+            except ValueError as ex:
+                refused.append("columns" in str(ex))
+        out["plan_refused_twice"] = refused + [len(made)]
+    finally:
+        G._Plan = real
+        G._PERM_TILES.clear()
+        G._PERM_TILES.update(saved)
+        os.environ.pop("KIMI3_MXFP4_SPLIT", None)
+        G.clear_plans()
+    return out
+
+
 def _worker():
     _setup_path()
     import torch
@@ -394,6 +455,7 @@ def _worker():
     mxfp4._GEMM[:] = [G]
     res = {"note": note, "interpreter": G.interpreter_enabled(), "available_cpu": G.available("cpu")}
     res.update(_kernel_checks(G, R, torch))
+    res.update(_plan_checks(G, torch))
     res.update(_module_checks(mxfp4, torch))
     print("RESULT " + json.dumps(res))
 
@@ -419,6 +481,20 @@ def test_kernel_matches_reference(results):
     assert len(kernel) == 68, sorted(kernel)
     bad = {k: v for k, v in kernel.items() if not v < 1e-5}
     assert not bad, bad
+
+
+def test_launch_plans(results):
+    # one plan for repeated calls (same bits); a changed tile table or switch gives a new plan that uses it (BN 64,
+    # the parity split: same products, other accumulation order: < 1e-5); another signature has its own (the
+    # gathered rows equal the reference on gathered inputs bit for bit in this order: < 1e-6); a call refused by
+    # the checks is refused again and leaves no plan
+    assert results["plan_reused"] == [1, True]
+    assert results["plan_table_change"] == [2, 64, True]
+    n, split, err = results["plan_switch_change"]
+    assert (n, split) == (3, True) and err < 1e-5, results["plan_switch_change"]
+    n, err = results["plan_gather"]
+    assert n == 5 and err < 1e-6, results["plan_gather"]  # 4: the first tables again
+    assert results["plan_refused_twice"] == [True, True, 5]
 
 
 def test_block_prefix_matches_pytorch(results):
@@ -454,6 +530,10 @@ def test_module_triton_path_matches_dequantise_then_matmul(results):
     assert results["default_routes_32"] == [2, 2, 0], results
     assert results["default_routes_34"] == [0, 2, 1] and results["default_routes_32_grad"] == [0, 2, 1], results
     assert results["module_unsorted_refuses_bad_id"] and results["route_expert_ids"] == [True, 1, 0], results
+    assert results["route_expert_ids_x"] == [True, True]
+    # (bk_up, bk_dn, h_direct) while the tables give a K-permuted gate+up tile (down keeps its plain tile for one
+    # row per program: `default_config`), then after they are restored
+    assert results["module_tiles_follow_tables"] == [[64, 0, False], [0, 0, False]], results
     for name in ("gemm", "gemm_kperm"):
         assert results[f"module_{name}_unsorted_y"] < 1e-2, results
     # K-permuted operands in the module: the same products summed in another order, then rounded to bf16 (h and

@@ -21,12 +21,12 @@ cached kernels: set KIMI3_DIRECT_LAUNCH=0 for that.
 """
 
 import inspect
+import itertools
 import logging
-import os
 
 import torch
 
-from ._host import interpreter_enabled
+from ._host import env, interpreter_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _switched_on():
     # what launch() checks at each call; the interpreter runs on CPU tensors, which never take the direct path
     return (not _FAILED and _knobs is not None and not _hook_set(_knobs.runtime.launch_enter_hook)
             and not _hook_set(_knobs.runtime.launch_exit_hook)
-            and os.environ.get("KIMI3_DIRECT_LAUNCH", "1").strip() not in ("0", ""))
+            and env("KIMI3_DIRECT_LAUNCH", "1").strip() not in ("0", ""))
 
 
 def _hook_set(hook):
@@ -60,16 +60,30 @@ def enabled():
     return _switched_on() and not interpreter_enabled()
 
 
-def _key(fn, device, constexprs, args):
-    """Finer than Triton's specialisation. Constexprs: plain values as they are, others (Gluon layouts, whose hash
-    costs microseconds) by identity; the cache entry keeps those objects alive, so an identity is never reused while
-    its entry exists. Arguments: each tensor's dtype and 16-byte alignment, each integer's value (shapes and
-    strides: a handful of values per kernel), floats by type only."""
-    return (fn, device, tuple(constexprs),
-            *[v if v.__class__ in _PLAIN else ("bool", v) if v.__class__ is bool else id(v)
-              for v in constexprs.values()],
-            *[(a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else float if a.__class__ is float
-              else ("bool", a) if a.__class__ is bool else a for a in args])
+def _constexpr_key(fn, constexprs):
+    """A number for fn with these constexprs and options, the same for the same values: plain values as they are,
+    others (Gluon layouts, whose hash costs microseconds) by identity; the table keeps those objects alive, so an
+    identity is never reused while its entry exists. A number, not the tuple: a JITFunction's hash is Python code
+    (~1 us), and a plan's launcher hashes its key at every launch."""
+    key = (fn, tuple(constexprs),
+           *[v if v.__class__ in _PLAIN else ("bool", v) if v.__class__ is bool else id(v) for v in constexprs.values()])
+    number = _CKEYS.get(key)
+    if number is None:
+        if len(_CKEYS) >= _MAX_ENTRIES:  # numbers are never reused: a launcher made before still has its own
+            _CKEYS.clear()
+        number = _CKEYS[key] = (next(_NUMBERS), constexprs)
+    return number[0]
+
+
+_CKEYS = {}  # constexpr key -> (its number, the constexprs, kept alive)
+_NUMBERS = itertools.count()
+
+
+def _args_key(args):
+    """The arguments' part: each tensor's dtype and 16-byte alignment, each integer's value (shapes and strides: a
+    handful of values per kernel), floats by type only."""
+    return tuple([(a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else float if a.__class__ is float
+                  else ("bool", a) if a.__class__ is bool else a for a in args])
 
 
 _PLAIN = (int, float, str, type(None))  # bools apart: True == 1, but Triton compiles them as different types
@@ -110,34 +124,51 @@ def _stream(device):
     return _RAW_STREAM(device) if _RAW_STREAM is not None else torch.cuda.current_stream(device).cuda_stream
 
 
+class Launcher:
+    """fn with its constexprs and launch options bound: `Launcher(fn, **constexprs)(grid, args)` is
+    `launch(fn, grid, args, **constexprs)` with the constexprs' part of the key built once (callers that keep a
+    launch plan: ~20 constexprs of the packed GEMM are a few microseconds of host time per launch)."""
+
+    __slots__ = ("fn", "constexprs", "_ckey")
+
+    def __init__(self, fn, **constexprs):
+        self.fn, self.constexprs = fn, constexprs
+        self._ckey = _constexpr_key(fn, constexprs)
+
+    def __call__(self, grid, args):
+        fn, constexprs = self.fn, self.constexprs
+        if not (_on_gpu(args) and _switched_on()):
+            fn[grid](*args, **constexprs)
+            return
+        device = _device()
+        key = (self._ckey, device, _args_key(args))
+        entry = _COMPILED.get(key)
+        if entry is None:
+            kernel = fn[grid](*args, **constexprs)
+            tail = _trailing(fn, len(args), constexprs) if kernel is not None else None
+            if tail is not None and hasattr(kernel, "packed_metadata"):
+                if len(_COMPILED) >= _MAX_ENTRIES:  # integers that keep changing: start over rather than grow
+                    _COMPILED.clear()
+                _COMPILED[key] = (kernel, tail, constexprs)
+            return
+        kernel, tail, _ = entry
+        g = tuple(grid) + (1, 1)
+        try:
+            kernel.run(g[0], g[1], g[2], _stream(device), kernel.function, kernel.packed_metadata, None, None, None,
+                       *args, *tail)
+            _DIRECT[0] += 1
+        except Exception as ex:  # noqa: BLE001 - a launcher of another Triton version: its own path from now on
+            _FAILED.append(repr(ex))
+            _COMPILED.clear()
+            logger.warning("kimi3_kernels: direct kernel launches failed (%r); launching through Triton from now on",
+                           ex)
+            fn[grid](*args, **constexprs)
+
+
 def launch(fn, grid, args, **constexprs):
     """fn[grid](*args, **constexprs), straight to the compiled kernel once Triton has returned it for this
     specialisation. grid: a tuple of one to three ints."""
-    if not (_on_gpu(args) and _switched_on()):
-        fn[grid](*args, **constexprs)
-        return
-    device = _device()
-    key = _key(fn, device, constexprs, args)
-    entry = _COMPILED.get(key)
-    if entry is None:
-        kernel = fn[grid](*args, **constexprs)
-        tail = _trailing(fn, len(args), constexprs) if kernel is not None else None
-        if tail is not None and hasattr(kernel, "packed_metadata"):
-            if len(_COMPILED) >= _MAX_ENTRIES:  # integers that keep changing: start over rather than grow
-                _COMPILED.clear()
-            _COMPILED[key] = (kernel, tail, constexprs)
-        return
-    kernel, tail, _ = entry
-    g = tuple(grid) + (1, 1)
-    try:
-        kernel.run(g[0], g[1], g[2], _stream(device), kernel.function, kernel.packed_metadata, None, None, None,
-                   *args, *tail)
-        _DIRECT[0] += 1
-    except Exception as ex:  # noqa: BLE001 - a launcher of another Triton version: its own path from now on
-        _FAILED.append(repr(ex))
-        _COMPILED.clear()
-        logger.warning("kimi3_kernels: direct kernel launches failed (%r); launching through Triton from now on", ex)
-        fn[grid](*args, **constexprs)
+    Launcher(fn, **constexprs)(grid, args)
 
 
 def status():

@@ -35,12 +35,11 @@ dequantised at a time). Runs under TRITON_INTERPRET=1 on CPU tensors (small shap
 """
 
 import functools
-import os
 
 import torch
 
 from . import _launch
-from ._host import cdiv, interpreter_enabled, next_pow2
+from ._host import cdiv, env, interpreter_enabled, next_pow2
 
 try:
     import triton
@@ -64,7 +63,7 @@ def decode_mode(device):
     device = torch.device(device)
     if device.type != "cuda" or interpreter_enabled():
         return "portable"
-    mode = os.environ.get("KIMI3_MXFP4_DECODE", "ptx").strip().lower() or "ptx"
+    mode = env("KIMI3_MXFP4_DECODE", "ptx").strip().lower() or "ptx"
     if mode not in ("ptx", "portable"):
         raise ValueError(f"KIMI3_MXFP4_DECODE must be 'ptx' or 'portable', not {mode!r}")
     if mode == "ptx" and _capability(_index(device)) < (8, 0):
@@ -91,7 +90,7 @@ def wgmma_enabled(device=None):
     """Whether the forward tiles of one and two rows per expert (BM 16 / 32: up to ~1,000 tokens of K3) run the Gluon
     kernel with asynchronous wgmma (`mxfp4_wgmma`): an sm_90 GPU (the current one unless `device` is given), a
     Triton with Gluon, not the interpreter, and KIMI3_MXFP4_WGMMA not 0 (read at every call, for A/B timing)."""
-    if os.environ.get("KIMI3_MXFP4_WGMMA", "1").strip() in ("0", "") or interpreter_enabled() or not HAS_TRITON:
+    if env("KIMI3_MXFP4_WGMMA", "1").strip() in ("0", "") or interpreter_enabled() or not HAS_TRITON:
         return False
     if not _cuda_available():
         return False
@@ -114,7 +113,7 @@ def _env_split():
     # activation halves instead of interleaving them (for A/B timing; config={"SPLIT": 1} does the same per call).
     # The interleave is free in the MMA operand layout, and the strided activation loads cannot use cp.async:
     # sm_90 SASS of the split has more instructions per weight (bench/mxfp4_decode_check.py --count).
-    return os.environ.get("KIMI3_MXFP4_SPLIT", "0").strip() not in ("", "0")
+    return env("KIMI3_MXFP4_SPLIT", "0").strip() not in ("", "0")
 
 
 def available(device):
@@ -399,14 +398,25 @@ if HAS_TRITON:
         return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
-    def _route_ids_kernel(idx_ptr, ids_ptr, ok_ptr, M, E, BLOCK: tl.constexpr):
-        bad = tl.zeros([BLOCK], dtype=tl.int32)
-        for m0 in range(0, M, BLOCK):
-            m = m0 + tl.arange(0, BLOCK)
-            e = tl.load(idx_ptr + m, mask=m < M, other=0)
-            tl.store(ids_ptr + m, e.to(tl.int32), mask=m < M)
-            bad += ((e < 0) | (e >= E)).to(tl.int32)
-        tl.store(ok_ptr, (tl.sum(bad, 0) == 0).to(tl.int32))
+    def _route_ids_kernel(idx_ptr, ids_ptr, ok_ptr, M, E, x_ptr, order_ptr, xp_ptr, K, BLOCK: tl.constexpr,
+                          HAS_X: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program 0: the routes' expert ids and their range flag. Programs 1..T with HAS_X: row p-1 of x with its
+        columns in `order` (a `kperm_index`), the K-permuted input of the decode's gate+up GEMM."""
+        pid = tl.program_id(0)
+        if pid == 0:
+            bad = tl.zeros([BLOCK], dtype=tl.int32)
+            for m0 in range(0, M, BLOCK):
+                m = m0 + tl.arange(0, BLOCK)
+                e = tl.load(idx_ptr + m, mask=m < M, other=0)
+                tl.store(ids_ptr + m, e.to(tl.int32), mask=m < M)
+                bad += ((e < 0) | (e >= E)).to(tl.int32)
+            tl.store(ok_ptr, (tl.sum(bad, 0) == 0).to(tl.int32))
+        elif HAS_X:
+            row = (pid - 1).to(tl.int64) * K
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                src = tl.load(order_ptr + k, mask=k < K, other=0)
+                tl.store(xp_ptr + row + k, tl.load(x_ptr + row + src, mask=k < K), mask=k < K)
 
     @triton.jit
     def _block_prefix_kernel(lo_ptr, hi_ptr, bcum_ptr, E, BM: tl.constexpr, BLOCK: tl.constexpr):
@@ -706,7 +716,7 @@ _TAILS = {"out": (64, 32), None: (64,), "bwd": (64, 32), "wg": (16,)}
 
 def _env_tails(name, default):
     """The tail heights the environment variable `name` sets ('64,32'; 0: none), else `default`."""
-    v = os.environ.get(name)
+    v = env(name)
     if v is None:
         return default
     try:
@@ -782,16 +792,29 @@ def scales_fit_table_free(*scales):
     return all(int(s.max()) <= 128 for s in scales if s.numel())
 
 
-def route_expert_ids(topk_idx, num_experts):
+def route_expert_ids(topk_idx, num_experts, x=None, x_kperm=0, x_nib=False):
     """topk_idx [T, k] (any integer dtype) -> (int32 [T*k] the routes' experts, the `expert_ids` of
     `mxfp4_grouped_gemm`; int32 [1], 1 when every id lies in [0, num_experts)) in one launch: check the flag with
-    torch._assert_async, no host synchronisation (the comparisons in PyTorch take five launches)."""
+    torch._assert_async, no host synchronisation (the comparisons in PyTorch take five launches).
+    With x [T, K] and x_kperm=BK: (ids, flag, `permute_k(x, BK, nib=x_nib)`) from the same launch, the decode's
+    gate+up input in its tile's K order (one launch and ~10 us of host time less than `permute_k` apart)."""
     flat = topk_idx.reshape(-1).contiguous()
     buf = torch.empty(flat.numel() + 1, dtype=torch.int32, device=flat.device)  # one allocation: host time
     ids, ok = buf[:-1], buf[-1:]
     block = min(1024, next_pow2(max(flat.numel(), 16)))
-    _launch.launch(_route_ids_kernel, (1,), (flat, ids, ok, flat.numel(), num_experts), BLOCK=block)
-    return ids, ok
+    if x is None or not x_kperm:
+        _launch.launch(_route_ids_kernel, (1,), (flat, ids, ok, flat.numel(), num_experts, flat, flat, flat, 0),
+                       BLOCK=block, HAS_X=False, BLOCK_K=16)
+        return (ids, ok) if x is None else (ids, ok, x)
+    if x.dim() != 2 or x.shape[0] != topk_idx.shape[0]:
+        raise ValueError(f"x must be [T={topk_idx.shape[0]}, K], got {tuple(x.shape)}")
+    x = x.contiguous()
+    K = x.shape[1]
+    xp = torch.empty_like(x)
+    _launch.launch(_route_ids_kernel, (1 + x.shape[0],),
+                   (flat, ids, ok, flat.numel(), num_experts, x, kperm_index(K, x_kperm, x.device, x_nib), xp, K),
+                   BLOCK=block, HAS_X=True, BLOCK_K=min(1024, next_pow2(K)))
+    return ids, ok, xp
 
 
 def block_prefix(lo, hi, BM, block=1024):
@@ -849,91 +872,169 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     c_kperm=BK (c_nib): C's columns written in the order of `permute_k(C, BK, nib=c_nib)`, the `a_kperm` / `a_nib`
     input of the GEMM that reads C next (gate+up with the GLU fused, then down), instead of a copy in between; the
     Gluon tiles only (`kperm_tile`).
+    Launch plans: what this function works out from a call's shapes, strides and options (the checks, the tiles,
+    the tail launches, each kernel's constexprs) is kept per call signature (`_plan_key`), so a repeated call (every
+    decode step) only allocates C, splits the segments and launches: ~60 of the ~100 us of host time per call on
+    the H200's host (bench/moe_host.py). The switches read at each call (KIMI3_MXFP4_*, TRITON_INTERPRET,
+    `wgmma_enabled`) and the tile tables are part of the signature (`tile_state`); after patching this module's
+    functions, `clear_plans()`. Calls with a `config` are planned afresh every time.
     """
-    E, N, K = _shapes(a, w_packed, w_scale, trans_w)
-    if K % 32 or N % 32:
-        raise ValueError("MXFP4 grouped GEMM needs N and K to be multiples of 32")
-    if (expert_offsets is None) == (expert_ids is None):
-        raise ValueError("give the rows' experts as exactly one of expert_offsets or expert_ids")
-    if expert_ids is not None and (trans_w or dual == "in"):
-        raise ValueError("expert_ids (one row per program) is for the forward layouts")
-    M = (a_rows.numel() if a_rows is not None else expert_ids.numel() if expert_ids is not None
-         else a.shape[0] * a_row_div)
-    if act is not None and dual != "out":
-        raise ValueError("a fused activation needs dual='out'")
-    ncols = 2 * N if (dual == "out" and act is None) else N
-    # rows of other ranks' experts (expert_ids >= E): the kernel writes zeros there (one launch less than filling)
-    c = torch.empty(num_c_rows if num_c_rows is not None else M, ncols, dtype=out_dtype, device=a.device)
-    if M == 0:
-        return c
-    # one row per program with expert_ids: the tiles of one row per expert (BM=16)
-    cfg = dict(default_config(M, M if expert_ids is not None else E, N, K, dual, trans_w,
-                              row_expert=expert_ids is not None))
-    if config:
-        if {"BM", "BN", "BK"} & set(config):  # a tile of the caller's own: plain K order, one launch unless asked
-            cfg.update(PERM=0, TAIL=())
-        cfg.update(config)
-    if cfg.get("DEQ", 0) == 1 and (trans_w or dual == "in"):
-        cfg["DEQ"] = 0
-    if a_kperm:
-        if trans_w:
-            raise ValueError("a_kperm is for forward GEMMs (trans_w=False)")
-        kperm_index(K, a_kperm)
-        if config and config.get("BK", a_kperm) != a_kperm:
-            raise ValueError(f"a_kperm={a_kperm} needs a tile with BK={a_kperm}, got BK={config['BK']}")
-        if cfg["BK"] != a_kperm or not cfg.get("PERM"):  # the default tile is not K-permuted at this BK
-            BN, _, warps, stages = _PERM_TILES.get((cfg["BM"], dual), _TILES[cfg["BM"]])[:4]
-            cfg.update(BN=BN, BK=a_kperm, num_warps=warps, num_stages=stages)
-        cfg.update(PERM=1, DEQ=0, SPLIT=0)  # the other K paths read the columns in stored order
-    if c_kperm:
-        if act is None or not cfg.get("WG"):
-            raise ValueError("c_kperm: C in another GEMM's K order needs the GLU fused and a Gluon tile (WG=1; "
-                             f"`kperm_tile`), got act={act!r}, tile {cfg}")
-        cfg["c_pos"] = kperm_position(N, c_kperm, a.device, c_nib)
-    if a_nib:
-        if not a_kperm or not cfg.get("WG"):
-            raise ValueError("a_nib: activations in the table-free decode's order need a_kperm and a Gluon tile "
-                             f"(WG=1; `kperm_tile`), got a_kperm={a_kperm}, tile {cfg}")
-        cfg["NIB"] = 1
-    a = a.contiguous()
-    if a2 is not None:
-        a2 = a2.contiguous()
-        if a2.shape != a.shape:
+    opts = (trans_w, num_c_rows, dual, act, tuple(act_params), out_dtype, a_kperm, a_row_div, a_nib, c_kperm, c_nib)
+    key = None if config else _plan_key(a, w_packed, w_scale, expert_offsets, a_rows, c_rows, a2, b_packed, b_scale,
+                                        expert_ids, opts)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _Plan(a, w_packed, w_scale, expert_offsets, a_rows, c_rows, a2, b_packed, b_scale, expert_ids, opts,
+                     config)
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:  # shapes that keep changing: start over rather than grow
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan(a, w_packed, w_scale, expert_offsets, a_rows, c_rows, a2, b_packed, b_scale, expert_ids)
+
+
+_PLANS = {}  # `_plan_key` -> _Plan
+_MAX_PLANS = 1024
+
+
+def clear_plans():
+    """Forget `mxfp4_grouped_gemm`'s launch plans (after patching this module's functions: the plans keep what
+    they returned)."""
+    _PLANS.clear()
+
+
+def _tables():
+    return _TILES, _PERM_TILES, _WGMMA_TILES, _WGMMA_ROW_TILES, _TAILS
+
+
+_TABLES_SEEN = [None, 0]  # a copy of the tile tables as last seen, and how many times they have changed
+
+
+def tile_state(device):
+    """A value that changes whenever something the tile choice reads changes: the switches read at each call
+    (KIMI3_MXFP4_*, TRITON_INTERPRET, `wgmma_enabled`, the weight decode of `device`) and the tile tables, which
+    tests and bench/moe_tiles.py change in place. Launch plans and callers that cache what `kperm_tile` says key
+    on it."""
+    tables = _tables()
+    if tables != _TABLES_SEEN[0]:
+        _TABLES_SEEN[:] = [tuple(dict(t) for t in tables), _TABLES_SEEN[1] + 1]
+    return (_TABLES_SEEN[1], interpreter_enabled(), wgmma_enabled(), decode_mode(device), _env_split(),
+            env("KIMI3_MXFP4_TAIL"), env("KIMI3_MXFP4_TAIL_BWD"), env("KIMI3_MXFP4_WG_TAIL"))
+
+
+def _plan_key(a, w_packed, w_scale, expert_offsets, a_rows, c_rows, a2, b_packed, b_scale, expert_ids, opts):
+    """Everything a plan depends on: shapes, strides and dtypes that the checks and tiles read, which optional
+    tensors are given (their dtypes and alignment are the kernel launcher's business), the options and switches."""
+    return (a.shape, a.dtype, a.device, w_packed.shape, w_packed.stride(), w_packed.dtype, w_scale.shape,
+            w_scale.stride(), None if b_packed is None else (b_packed.shape, b_packed.stride()),
+            None if b_scale is None else (b_scale.shape, b_scale.stride()), None if a2 is None else a2.shape,
+            -1 if a_rows is None else a_rows.numel(), -1 if expert_ids is None else expert_ids.numel(),
+            expert_offsets is None, c_rows is None, opts, tile_state(a.device))
+
+
+class _Plan:
+    """The launches of one call signature of `mxfp4_grouped_gemm`: the checks, the tile, the tail launches and
+    their kernels, worked out once."""
+
+    def __init__(self, a, w_packed, w_scale, expert_offsets, a_rows, c_rows, a2, b_packed, b_scale, expert_ids, opts,
+                 config):
+        trans_w, num_c_rows, dual, act, act_params, out_dtype, a_kperm, a_row_div, a_nib, c_kperm, c_nib = opts
+        E, N, K = _shapes(a, w_packed, w_scale, trans_w)
+        if K % 32 or N % 32:
+            raise ValueError("MXFP4 grouped GEMM needs N and K to be multiples of 32")
+        if (expert_offsets is None) == (expert_ids is None):
+            raise ValueError("give the rows' experts as exactly one of expert_offsets or expert_ids")
+        if expert_ids is not None and (trans_w or dual == "in"):
+            raise ValueError("expert_ids (one row per program) is for the forward layouts")
+        M = (a_rows.numel() if a_rows is not None else expert_ids.numel() if expert_ids is not None
+             else a.shape[0] * a_row_div)
+        if act is not None and dual != "out":
+            raise ValueError("a fused activation needs dual='out'")
+        ncols = 2 * N if (dual == "out" and act is None) else N
+        # rows of other ranks' experts (expert_ids >= E): the kernel writes zeros there (one launch less than filling)
+        self.c_shape, self.out_dtype = (num_c_rows if num_c_rows is not None else M, ncols), out_dtype
+        self.steps = []
+        if M == 0:
+            return
+        # one row per program with expert_ids: the tiles of one row per expert (BM=16)
+        cfg = dict(default_config(M, M if expert_ids is not None else E, N, K, dual, trans_w,
+                                  row_expert=expert_ids is not None))
+        if config:
+            if {"BM", "BN", "BK"} & set(config):  # a tile of the caller's own: plain K order, one launch unless asked
+                cfg.update(PERM=0, TAIL=())
+            cfg.update(config)
+        if cfg.get("DEQ", 0) == 1 and (trans_w or dual == "in"):
+            cfg["DEQ"] = 0
+        if a_kperm:
+            if trans_w:
+                raise ValueError("a_kperm is for forward GEMMs (trans_w=False)")
+            kperm_index(K, a_kperm)
+            if config and config.get("BK", a_kperm) != a_kperm:
+                raise ValueError(f"a_kperm={a_kperm} needs a tile with BK={a_kperm}, got BK={config['BK']}")
+            if cfg["BK"] != a_kperm or not cfg.get("PERM"):  # the default tile is not K-permuted at this BK
+                BN, _, warps, stages = _PERM_TILES.get((cfg["BM"], dual), _TILES[cfg["BM"]])[:4]
+                cfg.update(BN=BN, BK=a_kperm, num_warps=warps, num_stages=stages)
+            cfg.update(PERM=1, DEQ=0, SPLIT=0)  # the other K paths read the columns in stored order
+        if c_kperm:
+            if act is None or not cfg.get("WG"):
+                raise ValueError("c_kperm: C in another GEMM's K order needs the GLU fused and a Gluon tile (WG=1; "
+                                 f"`kperm_tile`), got act={act!r}, tile {cfg}")
+            cfg["c_pos"] = kperm_position(N, c_kperm, a.device, c_nib)
+        if a_nib:
+            if not a_kperm or not cfg.get("WG"):
+                raise ValueError("a_nib: activations in the table-free decode's order need a_kperm and a Gluon tile "
+                                 f"(WG=1; `kperm_tile`), got a_kperm={a_kperm}, tile {cfg}")
+            cfg["NIB"] = 1
+        if a2 is not None and a2.shape != a.shape:
             raise ValueError("a2 must have the shape of a")
-    b_packed = w_packed if b_packed is None else b_packed
-    b_scale = w_scale if b_scale is None else b_scale
-    if dual is not None and (b_packed.shape != w_packed.shape or b_packed.stride() != w_packed.stride()
-                             or b_scale.stride() != w_scale.stride()):
-        raise ValueError("the two weights of a dual GEMM must have the same shape and strides")
-    beta1, beta2 = act_params if act == "situ" else (1.0, 1.0)
-    ids = expert_ids if expert_ids is not None else a  # a placeholder where not read
-    head = (a, a2 if a2 is not None else a, a_rows if a_rows is not None else ids, a.stride(0),
-            w_packed, w_scale, b_packed, b_scale, w_packed.stride(0), w_packed.stride(1), w_scale.stride(0),
-            w_scale.stride(1))
-    rest = (c, c_rows if c_rows is not None else ids, c.stride(0),
-            N, K, E, float(beta1), float(beta2 if beta2 is not None else 1.0))
-    e_chunk = min(1024, next_pow2(E))
-    meta = dict(
-        E_CHUNK=e_chunk, NUM_E_CHUNKS=cdiv(E, e_chunk),
-        TRANS_W=bool(trans_w), DUAL=DUALS[dual], ACT=ACTS[act], LINEAR_UP=(act == "situ" and beta2 is None),
-        GATHER_A=a_rows is not None, A_DIV=int(a_row_div), SCATTER_C=c_rows is not None,
-        OP_F32=interpreter_enabled(), ROW_EXPERT=expert_ids is not None,
-        PTX=decode_mode(a.device) == "ptx", A_KPERM=bool(a_kperm))
-    if expert_ids is not None:
-        _run(cfg, head, (ids, ids, ids), rest, M, N, K, meta, config)
+        b_packed = w_packed if b_packed is None else b_packed
+        b_scale = w_scale if b_scale is None else b_scale
+        if dual is not None and (b_packed.shape != w_packed.shape or b_packed.stride() != w_packed.stride()
+                                 or b_scale.stride() != w_scale.stride()):
+            raise ValueError("the two weights of a dual GEMM must have the same shape and strides")
+        beta1, beta2 = act_params if act == "situ" else (1.0, 1.0)
+        self.w_strides = (w_packed.stride(0), w_packed.stride(1), w_scale.stride(0), w_scale.stride(1))
+        self.scalars = (N, K, E, float(beta1), float(beta2 if beta2 is not None else 1.0))
+        e_chunk = min(1024, next_pow2(E))
+        meta = dict(
+            E_CHUNK=e_chunk, NUM_E_CHUNKS=cdiv(E, e_chunk),
+            TRANS_W=bool(trans_w), DUAL=DUALS[dual], ACT=ACTS[act], LINEAR_UP=(act == "situ" and beta2 is None),
+            GATHER_A=a_rows is not None, A_DIV=int(a_row_div), SCATTER_C=c_rows is not None,
+            OP_F32=interpreter_enabled(), ROW_EXPERT=expert_ids is not None,
+            PTX=decode_mode(a.device) == "ptx", A_KPERM=bool(a_kperm))
+        if expert_ids is not None:
+            self.steps.append((0, _GemmLaunch(cfg, M, N, K, meta, config)))
+            return
+        nblocks = min(E, M) + cdiv(M, cfg["BM"])
+        # full BM-row blocks (and last blocks longer than the first tail height) first, then each expert's short
+        # last block in the tiles of the largest tail height it fits (one block per expert in each tail launch)
+        for t in sorted(_tails(cfg.get("TAIL", ())), reverse=True):
+            if not 0 < t < cfg["BM"]:
+                continue
+            self.steps.append((t, _GemmLaunch(cfg, nblocks, N, K, meta, config)))
+            cfg, nblocks = _tail_config(cfg, t, dual, trans_w, config), min(E, M)
+        self.steps.append((0, _GemmLaunch(cfg, nblocks, N, K, meta, config)))
+
+    def __call__(self, a, w_packed, w_scale, expert_offsets, a_rows, c_rows, a2, b_packed, b_scale, expert_ids):
+        c = torch.empty(self.c_shape, dtype=self.out_dtype, device=a.device)
+        if not self.steps:
+            return c
+        a = a.contiguous()
+        ids = expert_ids if expert_ids is not None else a  # a placeholder where not read
+        head = (a, a if a2 is None else a2.contiguous(), ids if a_rows is None else a_rows, a.stride(0), w_packed,
+                w_scale, w_packed if b_packed is None else b_packed, w_scale if b_scale is None else b_scale,
+                *self.w_strides)
+        rest = (c, ids if c_rows is None else c_rows, c.stride(0), *self.scalars)
+        if expert_ids is not None:
+            self.steps[0][1](head, ids, ids, ids, rest)
+            return c
+        lo, hi = expert_offsets[:-1], expert_offsets[1:]
+        for t, launch in self.steps[:-1]:  # each tail launch covers [the split, hi) of its segments
+            mid = tail_split(lo, hi, launch.BM, t)
+            launch(head, lo, mid, ids, rest)
+            lo = mid
+        self.steps[-1][1](head, lo, hi, ids, rest)
         return c
-    lo, hi = expert_offsets[:-1], expert_offsets[1:]
-    nblocks = min(E, M) + cdiv(M, cfg["BM"])
-    # full BM-row blocks (and last blocks longer than the first tail height) first, then each expert's short last
-    # block in the tiles of the largest tail height it fits (one block per expert in each tail launch)
-    for t in sorted(_tails(cfg.get("TAIL", ())), reverse=True):
-        if not 0 < t < cfg["BM"]:
-            continue
-        mid = tail_split(lo, hi, cfg["BM"], t)
-        _run(cfg, head, (lo, mid, ids), rest, nblocks, N, K, meta, config)
-        lo, cfg, nblocks = mid, _tail_config(cfg, t, dual, trans_w, config), min(E, M)
-    _run(cfg, head, (lo, hi, ids), rest, nblocks, N, K, meta, config)
-    return c
 
 
 def _tails(v):
@@ -958,41 +1059,49 @@ def _tail_config(cfg, BM, dual, trans_w, config):
     return dict(cfg, BM=BM, BN=BN, num_warps=warps, num_stages=stages)
 
 
-def _run(cfg, head, seg, rest, nblocks, N, K, meta, config):
-    """One launch of tile cfg over nblocks row blocks (an upper bound: programs past the real count return at
-    once) times the n-tiles. seg = (lo, hi, expert_ids): sorted segments lo[e] <= m < hi[e], whose block prefix
-    sum is formed once the kernel is chosen (a refused launch launches nothing), or the ids of ROW_EXPERT."""
-    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
-    trans_w = meta["TRANS_W"]
-    grid = (nblocks * cdiv(N, BN),)
-    meta = dict(
-        meta, BM=BM, BN=BN, BK=BK, SPLIT=bool(int(cfg.get("SPLIT", _env_split()))),
-        PERM=bool(int(cfg.get("PERM", 0))) and not trans_w and BK >= 32,
-        # whole tiles in the forward layout: loads without masks (the other layouts keep theirs)
-        EVEN=not trans_w and K % BK == 0 and N % BN == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    gluon = False
-    if int(cfg.get("WG", 0)):
-        from . import mxfp4_wgmma
+class _GemmLaunch:
+    """One launch of a plan: tile cfg over nblocks row blocks (an upper bound: programs past the real count return
+    at once) times the n-tiles. Called with sorted segments lo[e] <= m < hi[e], whose block prefix sum is formed
+    per call, or the ids of ROW_EXPERT."""
 
-        gluon = mxfp4_wgmma.supported(meta, cfg, N, K)
-        # NIB, c_pos: no other kernel reads / writes those K orders
-        if not gluon and ((config and config.get("WG")) or cfg.get("NIB") or cfg.get("c_pos") is not None):
-            raise ValueError(f"the wgmma kernel does not compute this launch (tile {cfg})")
-    lo, hi, eid = seg
-    args = head + (lo, hi, eid if meta["ROW_EXPERT"] else block_prefix(lo, hi, BM), eid) + rest
-    if gluon:
-        mxfp4_wgmma.launch(nblocks, args, meta, cfg)
-        return
-    if int(cfg.get("DEQ", 0)) == 1:
-        try:
-            _launch_gemm(grid, args, meta, DEQ=1)
+    def __init__(self, cfg, nblocks, N, K, meta, config):
+        BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+        trans_w = meta["TRANS_W"]
+        self.BM, self.row_expert, self.config = BM, meta["ROW_EXPERT"], config
+        self.meta = dict(
+            meta, BM=BM, BN=BN, BK=BK, SPLIT=bool(int(cfg.get("SPLIT", _env_split()))),
+            PERM=bool(int(cfg.get("PERM", 0))) and not trans_w and BK >= 32,
+            # whole tiles in the forward layout: loads without masks (the other layouts keep theirs)
+            EVEN=not trans_w and K % BK == 0 and N % BN == 0,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        gluon = False
+        if int(cfg.get("WG", 0)):
+            from . import mxfp4_wgmma
+
+            gluon = mxfp4_wgmma.supported(self.meta, cfg, N, K)
+            # NIB, c_pos: no other kernel reads / writes those K orders
+            if not gluon and ((config and config.get("WG")) or cfg.get("NIB") or cfg.get("c_pos") is not None):
+                raise ValueError(f"the wgmma kernel does not compute this launch (tile {cfg})")
+        self.grid, self.deq, self.kernel = (nblocks * cdiv(N, BN),), int(cfg.get("DEQ", 0)), None
+        self.run = mxfp4_wgmma.prepare(nblocks, self.meta, cfg, N) if gluon else self._run_triton
+
+    def __call__(self, head, lo, hi, eid, rest):
+        self.run(head + (lo, hi, eid if self.row_expert else block_prefix(lo, hi, self.BM), eid) + rest)
+
+    def _run_triton(self, args):
+        if self.kernel is not None:
+            self.kernel(self.grid, args)
             return
-        except Exception:  # tl.dot_scaled not supported by this Triton/GPU: in-register dequantisation instead
-            if config and config.get("DEQ") == 1:
-                raise
-            _DOT_SCALED["ok"] = False
-    _launch_gemm(grid, args, meta, DEQ=0)
+        if self.deq == 1:
+            try:
+                self.kernel = _launch_gemm(self.grid, args, self.meta, DEQ=1)
+                return
+            except Exception:  # tl.dot_scaled not supported by this Triton/GPU: in-register dequantisation instead
+                if self.config and self.config.get("DEQ") == 1:
+                    raise
+                _DOT_SCALED["ok"] = False
+                self.deq = 0
+        self.kernel = _launch_gemm(self.grid, args, self.meta, DEQ=0)
 
 
 _STAGES_THAT_FIT = {}  # (specialisation) -> num_stages that compiled within the GPU's shared memory
@@ -1001,14 +1110,16 @@ _STAGES_THAT_FIT = {}  # (specialisation) -> num_stages that compiled within the
 def _launch_gemm(grid, args, meta, DEQ):
     """Launch with the configured pipeline depth, or the deepest that fits in shared memory: the default tiles were
     chosen on forward GEMMs, and the backward's layouts (trans_w, dual="in") of the same tile need more (seen on the
-    H200 at BM=128: 237,568 > 232,448 bytes). Out-of-resources is raised at compile time, before anything runs."""
+    H200 at BM=128: 237,568 > 232,448 bytes). Out-of-resources is raised at compile time, before anything runs.
+    Returns the launcher that worked, for the plan's later calls."""
     key = tuple(sorted((k, v) for k, v in meta.items() if k != "num_stages")) + (DEQ,)
     stages = _STAGES_THAT_FIT.get(key, meta["num_stages"])
     while True:
+        kernel = _launch.Launcher(_mxfp4_grouped_gemm_kernel, DEQ=DEQ, **dict(meta, num_stages=stages))
         try:
-            _launch.launch(_mxfp4_grouped_gemm_kernel, grid, args, DEQ=DEQ, **dict(meta, num_stages=stages))
+            kernel(grid, args)
             _STAGES_THAT_FIT[key] = stages
-            return
+            return kernel
         except Exception as ex:  # triton.runtime.errors.OutOfResources (its module moved between versions)
             if type(ex).__name__ != "OutOfResources" or stages <= 1:
                 raise

@@ -15,7 +15,7 @@ module's default then), a decode without tables (`_e2m1_shift_ptx`) with the act
 (`mxfp4_gemm.kperm_index(..., nib=True)`): the same products, summed in another order.
 
 GPU only (Gluon has no interpreter: tests/test_mxfp4_wgmma.py compiles it for sm_90 on the CPU and checks the
-SASS, and compares outputs on an H200); `mxfp4_gemm.mxfp4_grouped_gemm` picks it (`default_config`, `_run`) and
+SASS, and compares outputs on an H200); `mxfp4_gemm.mxfp4_grouped_gemm` picks it (`default_config`, `_GemmLaunch`) and
 keeps the Triton kernel for every other layout.
 """
 
@@ -331,7 +331,7 @@ if HAS_GLUON:
 
 
 def supported(meta, cfg, N, K):
-    """Whether a launch of `mxfp4_gemm._run` (its meta and tile) is one this kernel computes."""
+    """Whether a launch of `mxfp4_gemm._GemmLaunch` (its meta and tile) is one this kernel computes."""
     pair = _pair(meta, cfg)
     return (HAS_GLUON and not meta["TRANS_W"] and meta["DUAL"] in (0, 1)
             and meta["PTX"] and meta["A_KPERM"] and meta["EVEN"] and meta["PERM"]
@@ -345,21 +345,27 @@ def _pair(meta, cfg):
     return int(bool(cfg.get("PAIR")) and meta["DUAL"] == 0)
 
 
-def launch(nblocks, args, meta, cfg):
-    """Launch over nblocks row blocks with `mxfp4_gemm._run`'s arguments (the Triton kernel's, in its order)."""
-    (a, _a2, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, eid, c, c_rows, stride_cm,
-     N, K, E, beta1, beta2) = args
+def prepare(nblocks, meta, cfg, N):
+    """The launch over nblocks row blocks of `mxfp4_gemm`'s tile cfg and meta, bound once: a function of
+    the Triton kernel's arguments, in its order (`mxfp4_gemm._GemmLaunch`), which `mxfp4_gemm`'s launch plans keep."""
     c_pos = cfg.get("c_pos")
     BN, pair = cfg["BN"], _pair(meta, cfg)
-    if pair:  # the second tile's rows as the `b` weight
-        b, bs = w[:, BN:], ws[:, BN:]
-    _launch.launch(
-        mxfp4_wgmma_kernel, (nblocks * (N // (BN * (1 + pair))),),
-        (a, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, eid, c, c_rows, stride_cm,
-         c_pos if c_pos is not None else eid, N, K, E, beta1, beta2),
-        BM=cfg["BM"], BN=BN, BK=cfg["BK"], STAGES=int(cfg["num_stages"]),
+    grid = (nblocks * (N // (BN * (1 + pair))),)
+    kernel = _launch.Launcher(
+        mxfp4_wgmma_kernel, BM=cfg["BM"], BN=BN, BK=cfg["BK"], STAGES=int(cfg["num_stages"]),
         E_CHUNK=meta["E_CHUNK"], NUM_E_CHUNKS=meta["NUM_E_CHUNKS"], DUAL=meta["DUAL"], PAIR=pair,
         TWO=meta["DUAL"] or pair, ACT=meta["ACT"],
         LINEAR_UP=meta["LINEAR_UP"], GATHER_A=meta["GATHER_A"], A_DIV=meta["A_DIV"], SCATTER_C=meta["SCATTER_C"],
         P_LAYOUT=byte_layout(BN, cfg["BK"], cfg["num_warps"]), NIB=int(cfg.get("NIB", 0)),
         ROW_EXPERT=meta["ROW_EXPERT"], C_PERM=c_pos is not None, num_warps=cfg["num_warps"])
+
+    def run(args):
+        (a, _a2, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, eid, c, c_rows, stride_cm,
+         N, K, E, beta1, beta2) = args
+        if pair:  # the second tile's rows as the `b` weight
+            b, bs = w[:, BN:], ws[:, BN:]
+        kernel(grid, (a, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, eid, c, c_rows, stride_cm,
+                      c_pos if c_pos is not None else eid, N, K, E, beta1, beta2))
+
+    return run
+

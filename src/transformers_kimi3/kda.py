@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kda_reference import naive_chunk_kda, naive_recurrent_kda
-from .kernel_switch import inference_kernels_enabled
+from .kernel_switch import env, inference_kernels_enabled
 from .mxfp4 import _on_device
 from .norms import Kimi3GatedRMSNorm
 
@@ -72,7 +72,7 @@ def kernel_status(device=None, requested=None):
 
 
 def resolve_backend(device, requested=None, announce=True):
-    requested = requested or os.environ.get("KIMI3_KDA_BACKEND") or None
+    requested = requested or env("KIMI3_KDA_BACKEND") or None
     if requested is not None and requested not in BACKENDS:
         raise ValueError(f"Unknown KDA backend {requested!r}; choose one of {BACKENDS}")
     on_cuda = device.type == "cuda"

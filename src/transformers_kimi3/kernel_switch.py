@@ -8,6 +8,12 @@ recurrent kernels (`kda_backend` / KIMI3_KDA_BACKEND) and the packed MXFP4 GEMMs
 """
 import os
 
+try:  # os.environ.get's answer at a fraction of its cost (the switches are read at every decode step, per layer)
+    from kimi3_kernels._host import env
+except ImportError:  # remote code without our kernels package
+    def env(name, default=None):
+        return os.environ.get(name, default)
+
 
 def inference_kernels_enabled():
-    return os.environ.get("KIMI3_INFERENCE_KERNELS", "1") != "0"
+    return env("KIMI3_INFERENCE_KERNELS", "1") != "0"

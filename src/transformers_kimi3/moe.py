@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernel_switch import inference_kernels_enabled
+from .kernel_switch import env, inference_kernels_enabled
 from .mxfp4 import PackedMXFP4Experts, _on_device
 from .norms import Kimi3RMSNorm
 
@@ -28,7 +28,7 @@ def gemv_max_routes():
     importable."""
     # 64 (batch 8 at top-8): the GEMVs beat the grouped GEMM at 1, 2 and 8 tokens on the H200, 45 vs 122 us at one
     # token and 178 vs 290 us at eight, CUDA-graph-replayed (bench/moe_decode.py, bench/results/moe_decode_h200.json)
-    return int(os.environ.get("KIMI3_MOE_GEMV_MAX_ROUTES", "64")) if _moe_decode is not None else None
+    return int(env("KIMI3_MOE_GEMV_MAX_ROUTES", "64")) if _moe_decode is not None else None
 
 
 KERNELS_ON_CPU = False  # tests: run the moe_decode kernels on CPU tensors under TRITON_INTERPRET=1

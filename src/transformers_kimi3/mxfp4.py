@@ -14,13 +14,12 @@ This module has:
 """
 
 import contextlib
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernel_switch import inference_kernels_enabled
+from .kernel_switch import env, inference_kernels_enabled
 
 GROUP_SIZE = 32
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -216,7 +215,7 @@ def unsorted_max_routes():
     turns it off). Default 32 routes (2 tokens at K3's top-16): bench/moe.py on the H200 (e2a41d4, CUDA-graph full
     forward at K3 shapes, top-16 of 896 experts), unsorted vs sorted: 1 token 0.1873 vs 0.2235 ms, 2 tokens 0.3166
     vs 0.3572, but 8 tokens 1.1265 vs 1.0956 and 16 tokens 2.1984 vs 2.0417; outputs within 1.5e-5 relative."""
-    return int(os.environ.get("KIMI3_MXFP4_UNSORTED_MAX_ROUTES", "32"))
+    return int(env("KIMI3_MXFP4_UNSORTED_MAX_ROUTES", "32"))
 
 
 def kernel_path(device):
@@ -245,7 +244,7 @@ def kernel_status(device="cuda" if torch.cuda.is_available() else "cpu"):
                                           and g.wgmma_enabled(device)),
         # ... decoding without tables, for experts whose scale exponents are all <= 128 (checked per module)
         "table_free_decode": bool(path == "triton" and hasattr(g, "wgmma_enabled") and g.wgmma_enabled(device)
-                                  and os.environ.get("KIMI3_MXFP4_TABLE_FREE", "1").strip() not in ("0", "")),
+                                  and env("KIMI3_MXFP4_TABLE_FREE", "1").strip() not in ("0", "")),
         "unsorted_max_routes": unsorted_max_routes() if path == "triton" else None,
         # prefill above this many routed rows per expert: experts decoded to bf16 in chunks + torch._grouped_mm
         "dequantized_grouped_mm_min_rows_per_expert": PackedMXFP4Experts.DEQUANT_MIN_ROWS_PER_EXPERT
@@ -340,6 +339,7 @@ class PackedMXFP4Experts(nn.Module):
         self.glu_act = glu_act
         self._fused = fused_act_spec(glu_act)
         self._table_free_key, self._table_free = None, False  # `_table_free_ok`'s answer and the buffers it is for
+        self._tiles = {}  # `_mlp_tiles`
         u8 = dict(dtype=torch.uint8, device=device)
         for name, (rows, cols) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
             self.register_buffer(f"{name}_packed", torch.zeros(E, rows, cols // 2, **u8))
@@ -506,35 +506,61 @@ class PackedMXFP4Experts(nn.Module):
         """[T*k, D] fp32 outputs of the routes in topk_idx's order: row m = (token m // k, slot m % k). The kernels
         read each route's expert themselves, so nothing is sorted, gathered or scattered: the packed GEMM one route
         per program."""
-        eids, ok = _gemm_module().route_expert_ids(topk_idx, self.num_experts)
-        torch._assert_async(ok, "topk_idx holds out-of-range experts")
-        M = eids.numel()
+        G = _gemm_module()
+        M = topk_idx.numel()
         # one route per program: the mxfp4_grouped_gemm tiles of one row per expert, whatever the expert count
-        return self._expert_mlp(x.contiguous(), None, M, M, dict(expert_ids=eids, a_row_div=topk_idx.shape[1]),
+        tiles = self._mlp_tiles(G, M, M, True, x.device)
+        bk_up, nib_up = tiles[:2]
+        if bk_up and hasattr(G, "tile_state"):  # the ids and x in the gate+up tile's K order from one launch
+            eids, ok, x = G.route_expert_ids(topk_idx, self.num_experts, x, bk_up, nib_up)
+        else:
+            eids, ok = G.route_expert_ids(topk_idx, self.num_experts)
+            x = G.permute_k(x, bk_up, nib=nib_up) if bk_up else x.contiguous()
+        torch._assert_async(ok, "topk_idx holds out-of-range experts")
+        return self._expert_mlp(x, None, tiles, dict(expert_ids=eids, a_row_div=topk_idx.shape[1]),
                                 dict(expert_ids=eids))
 
     def _forward_triton(self, x, order, offsets, k):
         x = x.contiguous()
         if self._dequantized_path(x, order.numel()):
             return self._forward_dequantized(x, order, offsets, k)
+        G = _gemm_module()
         M = order.numel()
-        return self._expert_mlp(x, offsets, M, self.num_experts, dict(a_rows=(order // k).to(torch.int32)),
+        tiles = self._mlp_tiles(G, M, self.num_experts, False, x.device)
+        x = G.permute_k(x, tiles[0], nib=tiles[1]) if tiles[0] else x
+        return self._expert_mlp(x, offsets, tiles, dict(a_rows=(order // k).to(torch.int32)),
                                 dict(c_rows=order.to(torch.int32), num_c_rows=M))
 
-    def _expert_mlp(self, x, offsets, M, E, up_rows, down_rows):
-        """down(GLU(gate, up)) of M routed rows through the packed GEMMs; `up_rows` / `down_rows` say how rows map
-        to experts, inputs and outputs (the kernels' keyword arguments), E the expert count the default tiles are
-        chosen for."""
+    def _mlp_tiles(self, G, M, E, one_row, device):
+        """(bk_up, nib_up, bk_dn, nib_dn, h_direct) for M routed rows over E experts (one_row: one row per program,
+        `expert_ids`): the K order each default tile reads (`kperm_tile`: its BK if it takes pre-permuted
+        activations, else 0; nib: the order of the Gluon kernel's table-free decode) and whether gate+up writes h
+        straight in the down tile's order. Cached per call shape and `tile_state`: a decode step asks once."""
+        state = G.tile_state(device) if hasattr(G, "tile_state") else None
+        key = (M, E, one_row, self._table_free_ok(), state)
+        tiles = self._tiles.get(key) if state is not None else None
+        if tiles is None:
+            I, D = self.intermediate_size, self.hidden_size
+            bk_up, wg_up = G.kperm_tile(M, E, I, D, "out", row_expert=one_row)
+            bk_dn, wg_dn = G.kperm_tile(M, E, D, I, row_expert=one_row)
+            # the table-free decode is the Gluon tiles' (where every scale exponent is <= 128)
+            nib_up, nib_dn = bool(bk_up) and wg_up and key[3], bool(bk_dn) and wg_dn and key[3]
+            # where both GEMMs are Gluon tiles, gate+up writes h straight in the down tile's K order (no copy)
+            h_direct = self._fused is not None and bool(bk_dn) and wg_dn and wg_up and hasattr(G, "kperm_position")
+            tiles = (bk_up, nib_up, bk_dn, nib_dn, h_direct)
+            if state is not None:
+                if len(self._tiles) >= 256:  # row counts that keep changing (prefill lengths): start over
+                    self._tiles.clear()
+                self._tiles[key] = tiles
+        return tiles
+
+    def _expert_mlp(self, x, offsets, tiles, up_rows, down_rows):
+        """down(GLU(gate, up)) of the routed rows through the packed GEMMs; x in the K order of `tiles`
+        (`_mlp_tiles`), whose activations (x, then h) the K-permuted tiles load contiguously instead of gathering
+        pairs of columns in every n-tile; `up_rows` / `down_rows` say how rows map to experts, inputs and outputs
+        (the kernels' keyword arguments)."""
         G = _gemm_module()
-        # where the default tiles take K-permuted operands, the activations (x, then h) are copied into that order
-        # once, so the tiles load them contiguously instead of gathering pairs of columns in every n-tile
-        I, D = self.intermediate_size, self.hidden_size
-        one_row = offsets is None  # one row per program (expert_ids): its own default tiles
-        x, bk_up, nib_up, wg_up = self._up_input(G, x, M, E, one_row)
-        bk_dn, wg_dn = G.kperm_tile(M, E, D, I, row_expert=one_row)
-        nib_dn = bool(bk_dn) and wg_dn and self._table_free_ok()
-        # where both GEMMs are Gluon tiles, gate+up writes h straight in the down tile's K order (no copy between)
-        h_direct = self._fused is not None and bool(bk_dn) and wg_dn and wg_up and hasattr(G, "kperm_position")
+        bk_up, nib_up, bk_dn, nib_dn, h_direct = tiles
         # the GLU runs in the gate+up epilogue whenever the kernel knows it: K3's SiTU too, at every tile height
         # since the K-permuted BM=128 tiles (H200, 19b363b: 16,384 tokens 63.2 ms fused vs 83.2 ms unfused)
         up = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, dual="out", a_kperm=bk_up, a_nib=nib_up,
@@ -545,6 +571,7 @@ class PackedMXFP4Experts(nn.Module):
                                      c_kperm=bk_dn if h_direct else 0, c_nib=nib_dn, **up)
         else:
             gu = G.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, **up)
+            I = self.intermediate_size
             h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
         if bk_dn and not h_direct:
             h = G.permute_k(h, bk_dn, nib=nib_dn)
@@ -552,23 +579,21 @@ class PackedMXFP4Experts(nn.Module):
                                     **down_rows)
 
     def _up_input(self, G, x, M, E, one_row=False):
-        """(x, a_kperm, a_nib, gluon) for the gate+up GEMM of M rows: x copied into the K order of the default tile
-        where it takes pre-permuted activations (a_kperm = its BK; a_nib: the order of the Gluon kernel's table-free
-        decode), else x as given (a_kperm = 0); gluon: that tile is the Gluon kernel's."""
-        I, D = self.intermediate_size, self.hidden_size
-        bk, wg = G.kperm_tile(M, E, I, D, "out", row_expert=one_row)
-        nib = bool(bk) and wg and self._table_free_ok()
-        return (G.permute_k(x, bk, nib=nib) if bk else x), bk, nib, wg
+        """(x, a_kperm, a_nib) for the gate+up GEMM of M rows: x copied into the K order of its default tile
+        where it takes pre-permuted activations (`_mlp_tiles`), else x as given (a_kperm = 0)."""
+        bk, nib = self._mlp_tiles(G, M, E, one_row, x.device)[:2]
+        return (G.permute_k(x, bk, nib=nib) if bk else x), bk, nib
 
     def _table_free_ok(self):
         """Whether every scale exponent is <= 128, the range of the Gluon kernel's table-free decode (K3's
         checkpoint: about 2^-8, exponent ~119). Checked once per version of the scale buffers (a host sync); while
         a CUDA graph is being captured an unchecked version gets the table decode instead. KIMI3_MXFP4_TABLE_FREE=0
         (read at every call, for A/B timing) keeps the table decode."""
-        if os.environ.get("KIMI3_MXFP4_TABLE_FREE", "1").strip() in ("0", ""):
+        if env("KIMI3_MXFP4_TABLE_FREE", "1").strip() in ("0", ""):
             return False
-        scales = (self.w1_scale, self.w3_scale, self.w2_scale)
-        key = tuple((s.data_ptr(), s._version) for s in scales)
+        b = self._buffers  # not through Module.__getattr__: this runs at every decode step
+        scales = (b["w1_scale"], b["w3_scale"], b["w2_scale"])
+        key = [(s.data_ptr(), s._version) for s in scales]
         if self._table_free_key != key:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return False
@@ -585,7 +610,7 @@ class PackedMXFP4Experts(nn.Module):
         dh_unw = G.mxfp4_grouped_gemm(dy, self.w2_packed, self.w2_scale, offsets, trans_w=True, a_rows=tok)
         # recompute the pre-activations instead of keeping [M, 2I] fp32 alive between forward and backward, with x
         # in the K order of the forward's tiles where they take it (as _expert_mlp does)
-        xk, bk_up, nib_up, _ = self._up_input(G, x.contiguous(), order.numel(), self.num_experts)
+        xk, bk_up, nib_up = self._up_input(G, x.contiguous(), order.numel(), self.num_experts)
         gu = G.mxfp4_grouped_gemm(xk, self.w1_packed, self.w1_scale, offsets, a_rows=tok, dual="out",
                                   b_packed=self.w3_packed, b_scale=self.w3_scale, a_kperm=bk_up, a_nib=nib_up)
         with torch.enable_grad():

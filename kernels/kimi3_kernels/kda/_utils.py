@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .._host import cdiv, next_pow2  # noqa: F401  (re-exported for the kda modules)
+from .._host import cdiv, env, interpreter_enabled, next_pow2  # noqa: F401  (re-exported for the kda modules)
 
 try:  # Triton is optional: the package must import without it
     import triton  # noqa: F401
@@ -37,8 +37,7 @@ def state_scan_tile(programs_at_64: int, device) -> tuple[int, int]:
 
 
 def interpret_mode() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return interpreter_enabled()
 
 
 class SeqInfo:
@@ -160,9 +159,8 @@ def launch_config(name: str):
     """(tile, num_warps, num_stages) of chunk kernel `name`: LAUNCH_DEFAULTS, or what KIMI3_KDA_LAUNCH says, e.g.
     KIMI3_KDA_LAUNCH="intra_fwd=32:2:1,state_fwd=:4:" (an empty field keeps the default). Read at every call, so
     bench/kda.py --sections tune can time the options in one process."""
-    import os
     tile, warps, stages = LAUNCH_DEFAULTS[name]
-    spec = os.environ.get("KIMI3_KDA_LAUNCH", "").strip()
+    spec = env("KIMI3_KDA_LAUNCH", "").strip()
     for item in filter(None, (s.strip() for s in spec.split(","))):
         key, _, vals = item.partition("=")
         fields = vals.split(":")

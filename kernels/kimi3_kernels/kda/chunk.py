@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, SeqInfo, interpret_mode, require_triton
+from ._utils import CHUNK_SIZE, SeqInfo, env, interpret_mode, require_triton
 
 
 def _flat(x):
@@ -34,8 +34,7 @@ def _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens):
 def _save_fwd():
     # Default since the H200 sweep of 2026-11-30: forward+backward 18.6 vs 23.4 ms (H=32, T=16K) and 38.2 vs
     # 47.4 ms (H=96, K3 gate) with no higher peak there. KIMI3_KDA_SAVE_FWD=0 recomputes in the backward instead.
-    import os
-    return os.environ.get("KIMI3_KDA_SAVE_FWD", "1") == "1"
+    return env("KIMI3_KDA_SAVE_FWD", "1") == "1"
 
 
 class ChunkKDAFunction(torch.autograd.Function):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, launch_config, next_pow2, state_scan_tile
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, env, launch_config, next_pow2, state_scan_tile
 from .chunk_fwd import DENSE_MAX_SPAN, SAFE_LOWER_BOUND, _prec
 
 if TRITON_AVAILABLE:
@@ -326,8 +326,7 @@ def _main_bwd_ksplit(BK):
     """KIMI3_KDA_MAIN_BWD_KSPLIT=KS (default 2): _main_bwd_kernel's K columns in KS slices, one program each beside the
     V-side one. On the H200 at 32:4:2 (4f6ee34) KS=4 took 8.40 against 7.29 ms per call at H=96 T=16K; KS=1 spills
     (sm_90: 2,968 bytes of stack per thread at 4 warps). Slices stay >= 16 wide."""
-    import os
-    ks = int(os.environ.get("KIMI3_KDA_MAIN_BWD_KSPLIT", "2"))
+    ks = int(env("KIMI3_KDA_MAIN_BWD_KSPLIT", "2"))
     while ks > 1 and (BK % ks or BK // ks < 16):
         ks //= 2
     return max(ks, 1)

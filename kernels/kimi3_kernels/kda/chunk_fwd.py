@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, launch_config, next_pow2, state_scan_tile
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, env, launch_config, next_pow2, state_scan_tile
 
 # K3's bound (-5): 15 steps inside a 16-row sub-tile stay above -75 nats, so exp(+span) < 4e32.
 SAFE_LOWER_BOUND = -5.5
@@ -434,8 +434,7 @@ def _diag_inv(safe):
     at H=32 / 96, T=16K 4.77 / 11.53 -> 4.00 / 10.02 ms (9b619ae); 2 against 1, per-call CUDA time of the diagonal
     stage at H=96 T=16K, K3 gate 875 -> 855 us, but at H=32 with the per-column loop of an unbounded gate 412 -> 469
     us (359a6df)."""
-    import os
-    mode = os.environ.get("KIMI3_KDA_DIAG_INV", "").strip() or ("2" if safe else "1")
+    mode = env("KIMI3_KDA_DIAG_INV", "").strip() or ("2" if safe else "1")
     if mode not in ("0", "1", "2"):
         raise ValueError(f"KIMI3_KDA_DIAG_INV must be 0, 1 or 2, got {mode!r}")
     return int(mode)
