@@ -116,17 +116,22 @@ def test_bound_launcher_shares_launchs_cache(gpu):
 
 
 def test_env_reads_what_os_environ_holds(monkeypatch):
-    # the switches' reader (kimi3_kernels._host.env) answers as os.environ.get, set, changed, unset, non-ASCII
-    from kimi3_kernels._host import env
+    # the switches' readers (kimi3_kernels._host) answer as os.environ.get, set, changed, unset, non-ASCII;
+    # env_values' raw values (cache keys) differ exactly where the values do
+    from kimi3_kernels._host import env, env_values
 
-    name = "KIMI3_TEST_ENV_READ"
+    name, other = "KIMI3_TEST_ENV_READ", "KIMI3_TEST_ENV_OTHER"
     monkeypatch.delenv(name, raising=False)
-    assert env(name) is None and env(name, "d") == "d"
+    monkeypatch.delenv(other, raising=False)
+    assert env(name) is None and env(name, "d") == "d" and env_values((name, other)) == (None, None)
+    seen = set()
     for value in ("1", "", "64,32", "\u00e9t\u00e9"):
         monkeypatch.setenv(name, value)
         assert env(name) == os.environ.get(name) == value
+        seen.add(env_values((name, other)))
+    assert len(seen) == 4 and all(v[1] is None for v in seen)
     monkeypatch.delenv(name)
-    assert env(name, "d") == "d"
+    assert env(name, "d") == "d" and env_values((name, other)) == (None, None)
 
 
 def test_failed_direct_launch_falls_back_for_good(gpu, caplog):

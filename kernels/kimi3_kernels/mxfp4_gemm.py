@@ -39,7 +39,7 @@ import functools
 import torch
 
 from . import _launch
-from ._host import cdiv, env, interpreter_enabled, next_pow2
+from ._host import cdiv, env, env_values, interpreter_enabled, next_pow2
 
 try:
     import triton
@@ -911,15 +911,19 @@ _TABLES_SEEN = [None, 0]  # a copy of the tile tables as last seen, and how many
 
 
 def tile_state(device):
-    """A value that changes whenever something the tile choice reads changes: the switches read at each call
-    (KIMI3_MXFP4_*, TRITON_INTERPRET, `wgmma_enabled`, the weight decode of `device`) and the tile tables, which
-    tests and bench/moe_tiles.py change in place. Launch plans and callers that cache what `kperm_tile` says key
-    on it."""
+    """A value that changes whenever something the tile choice for tensors on `device` reads changes: the tile
+    tables (tests and bench/moe_tiles.py change them in place), the variables read at each call (KIMI3_MXFP4_*,
+    TRITON_INTERPRET) and `wgmma_enabled` (tests replace it). Launch plans, and callers that cache what `kperm_tile`
+    says, key on it. Its GPU queries are per device and fixed (the current device is the tensors': Triton launches
+    there)."""
     tables = _tables()
     if tables != _TABLES_SEEN[0]:
         _TABLES_SEEN[:] = [tuple(dict(t) for t in tables), _TABLES_SEEN[1] + 1]
-    return (_TABLES_SEEN[1], interpreter_enabled(), wgmma_enabled(), decode_mode(device), _env_split(),
-            env("KIMI3_MXFP4_TAIL"), env("KIMI3_MXFP4_TAIL_BWD"), env("KIMI3_MXFP4_WG_TAIL"))
+    return _TABLES_SEEN[1], env_values(_SWITCHES), wgmma_enabled, device
+
+
+_SWITCHES = ("TRITON_INTERPRET", "KIMI3_MXFP4_WGMMA", "KIMI3_MXFP4_DECODE", "KIMI3_MXFP4_SPLIT", "KIMI3_MXFP4_TAIL",
+             "KIMI3_MXFP4_TAIL_BWD", "KIMI3_MXFP4_WG_TAIL")
 
 
 def _plan_key(a, w_packed, w_scale, expert_offsets, a_rows, c_rows, a2, b_packed, b_scale, expert_ids, opts):
