@@ -61,21 +61,21 @@ def enabled():
 
 
 def _constexpr_key(fn, constexprs):
-    """A number for fn with these constexprs and options, the same for the same values: plain values as they are,
-    others (Gluon layouts, whose hash costs microseconds) by identity; the table keeps those objects alive, so an
-    identity is never reused while its entry exists. A number, not the tuple: a JITFunction's hash is Python code
-    (~1 us), and a plan's launcher hashes its key at every launch."""
-    key = (fn, tuple(constexprs),
+    """A number for fn with these constexprs and options, the same for the same values: plain values as they are;
+    fn and the others (Gluon layouts) by identity, since their hashes are Python code (~1 us; microseconds for a
+    layout). The table keeps those objects alive, so an identity is never reused while its entry exists. A plan's
+    launcher keeps the number and hashes only that at each launch."""
+    key = (id(fn), tuple(constexprs),
            *[v if v.__class__ in _PLAIN else ("bool", v) if v.__class__ is bool else id(v) for v in constexprs.values()])
     number = _CKEYS.get(key)
     if number is None:
         if len(_CKEYS) >= _MAX_ENTRIES:  # numbers are never reused: a launcher made before still has its own
             _CKEYS.clear()
-        number = _CKEYS[key] = (next(_NUMBERS), constexprs)
+        number = _CKEYS[key] = (next(_NUMBERS), fn, constexprs)
     return number[0]
 
 
-_CKEYS = {}  # constexpr key -> (its number, the constexprs, kept alive)
+_CKEYS = {}  # constexpr key -> (its number, the kernel and constexprs, kept alive for the identities in the key)
 _NUMBERS = itertools.count()
 
 
