@@ -66,7 +66,8 @@ def _constexpr_key(fn, constexprs):
     layout). The table keeps those objects alive, so an identity is never reused while its entry exists. A plan's
     launcher keeps the number and hashes only that at each launch."""
     key = (id(fn), tuple(constexprs),
-           *[v if v.__class__ in _PLAIN else ("bool", v) if v.__class__ is bool else id(v) for v in constexprs.values()])
+           *[v if v.__class__ in _PLAIN else ("bool", v) if v.__class__ is bool else id(v)
+             for v in constexprs.values()])
     number = _CKEYS.get(key)
     if number is None:
         if len(_CKEYS) >= _MAX_ENTRIES:  # numbers are never reused: a launcher made before still has its own

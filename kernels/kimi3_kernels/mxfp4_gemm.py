@@ -872,12 +872,12 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     c_kperm=BK (c_nib): C's columns written in the order of `permute_k(C, BK, nib=c_nib)`, the `a_kperm` / `a_nib`
     input of the GEMM that reads C next (gate+up with the GLU fused, then down), instead of a copy in between; the
     Gluon tiles only (`kperm_tile`).
-    Launch plans: what this function works out from a call's shapes, strides and options (the checks, the tiles,
-    the tail launches, each kernel's constexprs) is kept per call signature (`_plan_key`), so a repeated call (every
-    decode step) only allocates C, splits the segments and launches: ~60 of the ~100 us of host time per call on
-    the H200's host (bench/moe_host.py). The switches read at each call (KIMI3_MXFP4_*, TRITON_INTERPRET,
-    `wgmma_enabled`) and the tile tables are part of the signature (`tile_state`); after patching this module's
-    functions, `clear_plans()`. Calls with a `config` are planned afresh every time.
+    Launch plans: what this function works out from a call's shapes, strides and options (the checks, the tiles, the
+    tail launches, each kernel's constexprs) is kept per call signature (`_plan_key`), so a repeated call (every
+    decode step) only allocates C, splits the segments and launches (the decode's gate+up call: 63-91 -> 34-39 us of
+    host time on the H200's host, bench/results/moe_host_plans_h200.jsonl). The switches read at each call
+    (KIMI3_MXFP4_*, TRITON_INTERPRET, `wgmma_enabled`) and the tile tables are part of the signature (`tile_state`);
+    after patching this module's functions, `clear_plans()`. Calls with a `config` are planned afresh every time.
     """
     opts = (trans_w, num_c_rows, dual, act, tuple(act_params), out_dtype, a_kperm, a_row_div, a_nib, c_kperm, c_nib)
     key = None if config else _plan_key(a, w_packed, w_scale, expert_offsets, a_rows, c_rows, a2, b_packed, b_scale,
