@@ -150,9 +150,9 @@ class Launcher:
             if tail is not None and hasattr(kernel, "packed_metadata"):
                 if len(_COMPILED) >= _MAX_ENTRIES:  # integers that keep changing: start over rather than grow
                     _COMPILED.clear()
-                _COMPILED[key] = (kernel, tail, constexprs)
+                _COMPILED[key] = (kernel, tail)
             return
-        kernel, tail, _ = entry
+        kernel, tail = entry
         g = tuple(grid) + (1, 1)
         try:
             kernel.run(g[0], g[1], g[2], _stream(device), kernel.function, kernel.packed_metadata, None, None, None,

@@ -796,16 +796,16 @@ def route_expert_ids(topk_idx, num_experts, x=None, x_kperm=0, x_nib=False):
     """topk_idx [T, k] (any integer dtype) -> (int32 [T*k] the routes' experts, the `expert_ids` of
     `mxfp4_grouped_gemm`; int32 [1], 1 when every id lies in [0, num_experts)) in one launch: check the flag with
     torch._assert_async, no host synchronisation (the comparisons in PyTorch take five launches).
-    With x [T, K] and x_kperm=BK: (ids, flag, `permute_k(x, BK, nib=x_nib)`) from the same launch, the decode's
+    With x [T, K] (and x_kperm=BK): (ids, flag, `permute_k(x, BK, nib=x_nib)`) from the same launch, the decode's
     gate+up input in its tile's K order (one launch and ~10 us of host time less than `permute_k` apart)."""
     flat = topk_idx.reshape(-1).contiguous()
     buf = torch.empty(flat.numel() + 1, dtype=torch.int32, device=flat.device)  # one allocation: host time
     ids, ok = buf[:-1], buf[-1:]
     block = min(1024, next_pow2(max(flat.numel(), 16)))
-    if x is None or not x_kperm:
+    if x is None:
         _launch.launch(_route_ids_kernel, (1,), (flat, ids, ok, flat.numel(), num_experts, flat, flat, flat, 0),
                        BLOCK=block, HAS_X=False, BLOCK_K=16)
-        return (ids, ok) if x is None else (ids, ok, x)
+        return ids, ok
     if x.dim() != 2 or x.shape[0] != topk_idx.shape[0]:
         raise ValueError(f"x must be [T={topk_idx.shape[0]}, K], got {tuple(x.shape)}")
     x = x.contiguous()
@@ -929,7 +929,7 @@ _SWITCHES = ("TRITON_INTERPRET", "KIMI3_MXFP4_WGMMA", "KIMI3_MXFP4_DECODE", "KIM
 def _plan_key(a, w_packed, w_scale, expert_offsets, a_rows, c_rows, a2, b_packed, b_scale, expert_ids, opts):
     """Everything a plan depends on: shapes, strides and dtypes that the checks and tiles read, which optional
     tensors are given (their dtypes and alignment are the kernel launcher's business), the options and switches."""
-    return (a.shape, a.dtype, a.device, w_packed.shape, w_packed.stride(), w_packed.dtype, w_scale.shape,
+    return (a.shape, a.dtype, w_packed.shape, w_packed.stride(), w_packed.dtype, w_scale.shape,
             w_scale.stride(), None if b_packed is None else (b_packed.shape, b_packed.stride()),
             None if b_scale is None else (b_scale.shape, b_scale.stride()), None if a2 is None else a2.shape,
             -1 if a_rows is None else a_rows.numel(), -1 if expert_ids is None else expert_ids.numel(),

@@ -535,24 +535,25 @@ class PackedMXFP4Experts(nn.Module):
         """(bk_up, nib_up, bk_dn, nib_dn, h_direct) for M routed rows over E experts (one_row: one row per program,
         `expert_ids`): the K order each default tile reads (`kperm_tile`: its BK if it takes pre-permuted
         activations, else 0; nib: the order of the Gluon kernel's table-free decode) and whether gate+up writes h
-        straight in the down tile's order. Cached per call shape and `tile_state`: a decode step asks once."""
+        straight in the down tile's order. The tile choice is cached per call shape and `tile_state` (a decode step
+        asks once); the table-free check has its own cache (`_table_free_ok`)."""
         state = G.tile_state(device) if hasattr(G, "tile_state") else None
-        key = (M, E, one_row, self._table_free_ok(), state)
+        key = (M, E, one_row, state)
         tiles = self._tiles.get(key) if state is not None else None
         if tiles is None:
             I, D = self.intermediate_size, self.hidden_size
-            bk_up, wg_up = G.kperm_tile(M, E, I, D, "out", row_expert=one_row)
-            bk_dn, wg_dn = G.kperm_tile(M, E, D, I, row_expert=one_row)
-            # the table-free decode is the Gluon tiles' (where every scale exponent is <= 128)
-            nib_up, nib_dn = bool(bk_up) and wg_up and key[3], bool(bk_dn) and wg_dn and key[3]
-            # where both GEMMs are Gluon tiles, gate+up writes h straight in the down tile's K order (no copy)
-            h_direct = self._fused is not None and bool(bk_dn) and wg_dn and wg_up and hasattr(G, "kperm_position")
-            tiles = (bk_up, nib_up, bk_dn, nib_dn, h_direct)
+            tiles = G.kperm_tile(M, E, I, D, "out", row_expert=one_row), G.kperm_tile(M, E, D, I, row_expert=one_row)
             if state is not None:
                 if len(self._tiles) >= 256:  # row counts that keep changing (prefill lengths): start over
                     self._tiles.clear()
                 self._tiles[key] = tiles
-        return tiles
+        (bk_up, wg_up), (bk_dn, wg_dn) = tiles
+        # the table-free decode is the Gluon tiles' (where every scale exponent is <= 128: checked where one runs)
+        free = (wg_up or wg_dn) and self._table_free_ok()
+        nib_up, nib_dn = bool(bk_up) and wg_up and free, bool(bk_dn) and wg_dn and free
+        # where both GEMMs are Gluon tiles, gate+up writes h straight in the down tile's K order (no copy)
+        h_direct = self._fused is not None and bool(bk_dn) and wg_dn and wg_up and hasattr(G, "kperm_position")
+        return bk_up, nib_up, bk_dn, nib_dn, h_direct
 
     def _expert_mlp(self, x, offsets, tiles, up_rows, down_rows):
         """down(GLU(gate, up)) of the routed rows through the packed GEMMs; x in the K order of `tiles`

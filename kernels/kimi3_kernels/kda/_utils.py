@@ -36,10 +36,6 @@ def state_scan_tile(programs_at_64: int, device) -> tuple[int, int]:
     return (64, 2) if programs_at_64 >= sms else (32, 3)
 
 
-def interpret_mode() -> bool:
-    return interpreter_enabled()
-
-
 class SeqInfo:
     """Flattened packing of a batch: sequences along one token axis.
 

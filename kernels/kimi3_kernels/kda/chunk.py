@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, SeqInfo, env, interpret_mode, require_triton
+from ._utils import CHUNK_SIZE, SeqInfo, env, interpreter_enabled, require_triton
 
 
 def _flat(x):
@@ -52,7 +52,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         h0 = initial_state.contiguous().float() if initial_state is not None else None
         # intermediates (normalised q/k, W, U, ...) are kept in the input dtype; the Triton CPU interpreter
         # cannot multiply bf16 matrices, so it keeps them in fp32
-        inter = torch.float32 if (interpret_mode() or q.dtype == torch.float32) else q.dtype
+        inter = torch.float32 if (interpreter_enabled() or q.dtype == torch.float32) else q.dtype
         qn, kn, gc, bs, rq, rk = prep_fwd(qf, kf, gf, bf, A_log_c, dt_c, lower_bound, use_l2, info, inter)
         # KIMI3_KDA_SAVE_FWD=1 (default) keeps what the backward needs (per-chunk M, P, W, U, ..., the chunk states and
         # v_new) instead of recomputing it: less time, ~(2 * 64 * 4 + 8 K) bytes per token and head more memory.
