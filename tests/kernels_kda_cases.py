@@ -603,6 +603,69 @@ def test_mlp_gemv(dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_linears(dtype, M):
+    """Up to six (input, weight) pairs in one launch against F.linear in fp64: weights of 1 to 130 rows (not
+    multiples of the 32-row tiles), K = 200 (not a multiple of the 128-wide steps), inputs shared or not."""
+    from kimi3_kernels.linears import MAX_ROWS, linears
+
+    gen = torch.Generator().manual_seed(M)
+    K = 200
+    ws = [torch.randn(n, K, generator=gen).to(dtype) for n in (130, 1, 33, 64, 5, 32)]
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    xs = [x, x, x] + [torch.randn(M, K, generator=gen).to(dtype) for _ in range(3)]
+    for n in (1, 2, 6):
+        ys = linears(xs[:n], ws[:n])
+        assert len(ys) == n
+        for y, xi, w in zip(ys, xs, ws):
+            exact = torch.nn.functional.linear(xi.double(), w.double())
+            assert y.dtype == dtype and y.shape == (M, w.shape[0]) and y.is_contiguous()
+            if dtype == torch.float32:  # fp32 sums of fp32 products, another order
+                assert rel(y, exact) < 1e-6
+            else:  # one rounding of the fp32 sum (the interpreter truncates it: within an ulp)
+                assert bf16_ulps(y, exact) <= 1.01
+    with pytest.raises(ValueError, match="at most"):
+        linears([torch.zeros(MAX_ROWS + 1, K, dtype=dtype)], ws[:1])
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        linears([x, x[:, :-1]], ws[:2])
+    with pytest.raises(ValueError, match="one dtype"):
+        linears([x], [ws[0].double()])
+    with pytest.raises(ValueError, match="contiguous"):
+        linears([x], [torch.randn(K, 8).to(dtype).t()])
+    with pytest.raises(ValueError, match="pairs"):
+        linears([x] * 7, ws + ws[:1])
+
+
+def test_plain_weights_only_for_plain_linears(monkeypatch):
+    """The decode's fused projections stand in only for plain nn.Linear calls: not for subclasses (quantised, LoRA),
+    hooks, a replaced forward (Accelerate), a bias, another dtype, too many rows, or with KIMI3_FUSED_LINEARS=0."""
+    sys.path.insert(0, os.path.join(ROOT, "src"))
+    from transformers_kimi3 import kda as kda_layer
+
+    x = torch.zeros(1, 1, 8)
+    mods = [torch.nn.Linear(8, 4, bias=False) for _ in range(3)]
+    assert [w is m.weight for w, m in zip(kda_layer._plain_weights(mods, x, 1), mods)] == [True] * 3
+    assert kda_layer._plain_weights(mods, x, kda_layer._linears.MAX_ROWS + 1) is None
+    assert kda_layer._plain_weights(mods, x.double(), 1) is None
+
+    class Sub(torch.nn.Linear):
+        pass
+
+    assert kda_layer._plain_weights(mods + [Sub(8, 4, bias=False)], x, 1) is None
+    assert kda_layer._plain_weights(mods + [torch.nn.Linear(8, 4)], x, 1) is None
+    hooked = torch.nn.Linear(8, 4, bias=False)
+    handle = hooked.register_forward_hook(lambda *a: None)
+    assert kda_layer._plain_weights(mods + [hooked], x, 1) is None
+    handle.remove()
+    assert kda_layer._plain_weights(mods + [hooked], x, 1) is not None
+    hooked.forward = lambda t: t  # what accelerate's add_hook_to_module does
+    assert kda_layer._plain_weights(mods + [hooked], x, 1) is None
+    monkeypatch.setenv("KIMI3_FUSED_LINEARS", "0")
+    assert kda_layer._plain_weights(mods, x, 1) is None
+
+
+@needs_triton
 def test_combine_sorted():
     """The grouped-GEMM (prefill) combine: expert-sorted bf16 rows, weighted per token in fp32, against the model's
     unsort + mask + weighted sum; a route to another rank's expert (index E) has a NaN row that must not leak."""
@@ -805,6 +868,9 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
     monkeypatch.setattr(kda_layer._triton_kda, "short_conv", lambda *a: convs.append(1) or real_conv(*a))
     monkeypatch.setattr(kda_layer.Kimi3DeltaAttention, "_fused_decode",
                         lambda self, *a, _f=kda_layer.Kimi3DeltaAttention._fused_decode: fused.append(1) or _f(self, *a))
+    projected = []
+    real_linears = kda_layer._linears.linears
+    monkeypatch.setattr(kda_layer._linears, "linears", lambda *a: projected.append(len(a[0])) or real_linears(*a))
     logits = {}
     # the general path with a dynamic cache; the fused one with a dynamic and with a static cache (its buffers are
     # updated in place, as a captured graph needs)
@@ -820,6 +886,10 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
         logits[run] = out
     n_kda = len(model.config.linear_attn_config["kda_layers"])
     assert len(fused) == 2 * n_kda * len(steps)  # every KDA layer of every step after the prefill went fused
+    # ... with its projections in two launches: the six that read x, then the gates' second halves (one with K3's
+    # full-rank output gate, two with Kimi Linear's low-rank one)
+    full = hasattr(next(m for m in model.modules() if isinstance(m, kda_layer.Kimi3DeltaAttention)), "g_proj")
+    assert projected == [6, 1 if full else 2] * (2 * n_kda * len(steps)) and full == (kind == "k3")
     assert len(convs) == 2 * n_kda * 3  # the prefills' q/k/v convs: one kernel launch each
     assert bool(mixes) == (kind == "k3")  # AttnRes (K3 only) mixed by the kernel in the fused runs
     n_moe = sum(hasattr(layer, "block_sparse_moe") for layer in model.model.layers)

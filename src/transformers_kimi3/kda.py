@@ -30,6 +30,11 @@ try:
 except Exception as e:  # noqa: BLE001 - absent or broken kernels must not stop the remote code from loading
     _triton_kda, _TRITON_OK, _KERNEL_IMPORT_ERROR = None, False, f"{type(e).__name__}: {e}"
 
+try:  # optional: several decode projections in one launch
+    from kimi3_kernels import linears as _linears
+except Exception:  # noqa: BLE001 - as above
+    _linears = None
+
 _FLA = {}
 
 
@@ -200,6 +205,25 @@ class Kimi3ShortConv(nn.Conv1d):
         return causal_conv(x, self.weight, state, seq_idx)
 
 
+def _plain_weights(mods, x, rows):
+    """The weights of these modules, if one `kimi3_kernels.linears` launch may stand in for their calls: each a
+    plain bias-free nn.Linear (not a subclass: quantised or LoRA layers compute something else) with no hooks and no
+    replaced forward (Accelerate's offloading), its weight an ordinary contiguous tensor in x's dtype on x's device;
+    few rows. Else None. KIMI3_FUSED_LINEARS=0 turns it off (A/B timing)."""
+    if (_linears is None or rows > _linears.MAX_ROWS or env("KIMI3_FUSED_LINEARS", "1") == "0"
+            or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks):
+        return None
+    ws = []
+    for m in mods:
+        w = m._parameters.get("weight")
+        if (type(m) is not nn.Linear or w is None or m._parameters.get("bias") is not None or m._forward_hooks
+                or m._forward_pre_hooks or "forward" in m.__dict__ or type(w) is not nn.Parameter
+                or w.dtype != x.dtype or w.device != x.device or not w.is_contiguous()):
+            return None
+        ws.append(w)
+    return ws
+
+
 class Kimi3DeltaAttention(nn.Module):
     """KDA: q/k/v projections -> short causal convs + SiLU -> gated delta rule -> per-head gated RMSNorm -> o_proj.
     Tensor names are the checkpoint's (separate q/k/v convs, f_a/f_b gate, b_proj, g_proj or g_a/g_b)."""
@@ -282,21 +306,41 @@ class Kimi3DeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         with _on_device(x):
+            q, k, v, beta, g, gate = self._decode_projections(x)
             q, k, v = _triton_kda.short_conv_update(
-                (self.q_proj(x), self.k_proj(x), self.v_proj(x)), states,
-                (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight))
+                (q, k, v), states, (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight))
             inplace = h0.dtype == torch.float32 and h0.is_contiguous()
             o, ht = _triton_kda.fused_recurrent_kda(
-                q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K),
-                self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K), self.b_proj(x), A_log=self.A_log,
-                dt_bias=self.dt_bias, lower_bound=self.lower_bound, initial_state=h0, output_final_state=True,
-                use_qk_l2norm_in_kernel=True, inplace_final_state=inplace)
+                q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), g.view(B, T, H, K), beta,
+                A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound, initial_state=h0,
+                output_final_state=True, use_qk_l2norm_in_kernel=True, inplace_final_state=inplace)
             if not inplace:
                 h0.copy_(ht)
-            gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
             o = _triton_kda.gated_rms_norm(o, gate.view(B, T, H, K), self.o_norm.weight,
                                            self.o_norm.variance_epsilon)
         return self.o_proj(o.reshape(B, T, H * K))
+
+    def _decode_projections(self, x):
+        """q, k, v [B, T, H*K], beta [B, T, H] and the gates' pre-activations of a decode step. Where every
+        projection is a plain nn.Linear (`_plain_weights`), two launches of `kimi3_kernels.linears`: the six that
+        read x, then the gates' second halves; else the modules' own calls (eight or nine launches)."""
+        B, T, d = x.shape
+        full = hasattr(self, "g_proj")
+        first = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj,
+                 self.g_proj if full else self.g_a_proj)
+        second = (self.f_b_proj,) if full else (self.f_b_proj, self.g_b_proj)
+        ws = _plain_weights(first + second, x, B * T)
+        if ws is None:
+            gate = self.g_proj(x) if full else self.g_b_proj(self.g_a_proj(x))
+            return (self.q_proj(x), self.k_proj(x), self.v_proj(x), self.b_proj(x), self.f_b_proj(self.f_a_proj(x)),
+                    gate)
+        x2 = x.reshape(B * T, d)
+        q, k, v, beta, fa, ga = _linears.linears((x2,) * 6, ws[:6])
+        if full:
+            (g,), gate = _linears.linears((fa,), ws[6:]), ga
+        else:
+            g, gate = _linears.linears((fa, ga), ws[6:])
+        return (q.view(B, T, -1), k.view(B, T, -1), v.view(B, T, -1), beta.view(B, T, -1), g, gate)
 
     @staticmethod
     def _packed(q, k, v, g, beta, mask, seq_idx, backend, kw):
