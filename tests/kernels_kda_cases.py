@@ -870,7 +870,7 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
                         lambda self, *a, _f=kda_layer.Kimi3DeltaAttention._fused_decode: fused.append(1) or _f(self, *a))
     projected = []
     real_linears = kda_layer._linears.linears
-    monkeypatch.setattr(kda_layer._linears, "linears", lambda *a: projected.append(len(a[0])) or real_linears(*a))
+    monkeypatch.setattr(kda_layer._linears, "linears", lambda *a, **kw: projected.append(len(a[0])) or real_linears(*a, **kw))
     logits = {}
     # the general path with a dynamic cache; the fused one with a dynamic and with a static cache (its buffers are
     # updated in place, as a captured graph needs)

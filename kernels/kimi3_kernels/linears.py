@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _launch
-from ._host import cdiv, interpreter_enabled
+from ._host import cdiv, interpreter_enabled, next_pow2
 
 try:
     import triton
@@ -94,17 +94,19 @@ def _check(xs, weights):
     return M, K
 
 
-def linears(xs, weights, BN=32, BK=128, num_warps=4, num_stages=3):
+def linears(xs, weights, BN=32, BK=256, num_warps=4, num_stages=3, check=True):
     """ys[i] = xs[i] @ weights[i].T for up to MAX_PAIRS pairs in one launch. xs: [M, K] each (one M <= MAX_ROWS,
-    one K), weights: [N_i, K] contiguous, all of one dtype and device. Returns [M, N_i] tensors in that dtype."""
-    M, K = _check(xs, weights)
+    one K), weights: [N_i, K] contiguous, all of one dtype and device. Returns [M, N_i] tensors in that dtype.
+    check=False skips the argument checks (a caller that has made them; this runs at every decode step)."""
+    M, K = _check(xs, weights) if check else xs[0].shape
+    BK = min(BK, max(16, next_pow2(K)))
     ns = [w.shape[0] for w in weights]
     buf = torch.empty(M * sum(ns), device=xs[0].device, dtype=xs[0].dtype)
     starts, cols = [0], [0]
     for n in ns:
         starts.append(starts[-1] + cdiv(n, BN))
         cols.append(cols[-1] + n)
-    ys = tuple(buf[M * c:M * (c + n)].view(M, n) for c, n in zip(cols, ns))
+    ys = tuple(y.view(M, n) for y, n in zip(buf.split([M * n for n in ns]), ns))
     if M and starts[-1]:
         pad = MAX_PAIRS - len(ns)
         xs = [x.contiguous() for x in xs] + [xs[0]] * pad

@@ -335,11 +335,11 @@ class Kimi3DeltaAttention(nn.Module):
             return (self.q_proj(x), self.k_proj(x), self.v_proj(x), self.b_proj(x), self.f_b_proj(self.f_a_proj(x)),
                     gate)
         x2 = x.reshape(B * T, d)
-        q, k, v, beta, fa, ga = _linears.linears((x2,) * 6, ws[:6])
+        q, k, v, beta, fa, ga = _linears.linears((x2,) * 6, ws[:6], check=False)  # _plain_weights checked them
         if full:
-            (g,), gate = _linears.linears((fa,), ws[6:]), ga
+            (g,), gate = _linears.linears((fa,), ws[6:], check=False), ga
         else:
-            g, gate = _linears.linears((fa, ga), ws[6:])
+            g, gate = _linears.linears((fa, ga), ws[6:], check=False)
         return (q.view(B, T, -1), k.view(B, T, -1), v.view(B, T, -1), beta.view(B, T, -1), g, gate)
 
     @staticmethod
