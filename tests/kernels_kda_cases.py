@@ -627,8 +627,10 @@ def test_linears(dtype, M):
                 assert bf16_ulps(y, exact) <= 1.01
     with pytest.raises(ValueError, match="at most"):
         linears([torch.zeros(MAX_ROWS + 1, K, dtype=dtype)], ws[:1])
-    with pytest.raises(ValueError, match=r"\[M, K\]"):
+    with pytest.raises(ValueError, match="one shape"):
         linears([x, x[:, :-1]], ws[:2])
+    y3 = linears([x.view(1, M, K)], ws[:1])[0]  # leading dims kept
+    assert y3.shape == (1, M, ws[0].shape[0]) and torch.equal(y3[0], linears([x], ws[:1])[0])
     with pytest.raises(ValueError, match="one dtype"):
         linears([x], [ws[0].double()])
     with pytest.raises(ValueError, match="contiguous"):

@@ -324,7 +324,7 @@ class Kimi3DeltaAttention(nn.Module):
         """q, k, v [B, T, H*K], beta [B, T, H] and the gates' pre-activations of a decode step. Where every
         projection is a plain nn.Linear (`_plain_weights`), two launches of `kimi3_kernels.linears`: the six that
         read x, then the gates' second halves; else the modules' own calls (eight or nine launches)."""
-        B, T, d = x.shape
+        B, T, _ = x.shape
         full = hasattr(self, "g_proj")
         first = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj,
                  self.g_proj if full else self.g_a_proj)
@@ -334,13 +334,12 @@ class Kimi3DeltaAttention(nn.Module):
             gate = self.g_proj(x) if full else self.g_b_proj(self.g_a_proj(x))
             return (self.q_proj(x), self.k_proj(x), self.v_proj(x), self.b_proj(x), self.f_b_proj(self.f_a_proj(x)),
                     gate)
-        x2 = x.reshape(B * T, d)
-        q, k, v, beta, fa, ga = _linears.linears((x2,) * 6, ws[:6], check=False)  # _plain_weights checked them
+        q, k, v, beta, fa, ga = _linears.linears((x,) * 6, ws[:6], check=False)  # _plain_weights checked them
         if full:
             (g,), gate = _linears.linears((fa,), ws[6:], check=False), ga
         else:
             g, gate = _linears.linears((fa, ga), ws[6:], check=False)
-        return (q.view(B, T, -1), k.view(B, T, -1), v.view(B, T, -1), beta.view(B, T, -1), g, gate)
+        return q, k, v, beta, g, gate
 
     @staticmethod
     def _packed(q, k, v, g, beta, mask, seq_idx, backend, kw):
