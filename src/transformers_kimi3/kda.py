@@ -209,8 +209,12 @@ def _plain_weights(mods, x, rows):
     """The weights of these modules, if one `kimi3_kernels.linears` launch may stand in for their calls: each a
     plain bias-free nn.Linear (not a subclass: quantised or LoRA layers compute something else) with no hooks and no
     replaced forward (Accelerate's offloading), its weight an ordinary contiguous tensor in x's dtype on x's device;
-    few rows. Else None. KIMI3_FUSED_LINEARS=0 turns it off (A/B timing)."""
+    few rows; on CUDA only while a CUDA graph is captured. Else None. KIMI3_FUSED_LINEARS=0 turns it off (A/B).
+    In a graph launches are free and the fused kernel is faster (H200, B=1 static-graph decode: 4.3B config 1.51 ->
+    1.37 ms per step, K3-shaped 5.20 -> 4.95 ms; bench/results/linears_h200.md); in an eager step its host time
+    (31 launch arguments) exceeds the eight cuBLAS calls' (6.5 -> 7.45 ms per step at 4.3B)."""
     if (_linears is None or rows > _linears.MAX_ROWS or env("KIMI3_FUSED_LINEARS", "1") == "0"
+            or (x.is_cuda and not torch.cuda.is_current_stream_capturing())
             or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks):
         return None
     ws = []
