@@ -115,12 +115,12 @@ def linears(xs, weights, BN=32, BK=256, num_warps=4, num_stages=3, check=True):
     ys = tuple([x0.new_empty(lead + (n,)) for n in ns])
     tiles, grid = _tiles(ns, BN)
     if M and grid:
-        pad = (None,) * (MAX_PAIRS - len(ns))
+        pad = MAX_PAIRS - len(ns)  # unused slots: any pointer, no rows
         f32 = interpreter_enabled()
         _launch.launch(
             _linears_kernel, (grid,),
-            (*[x.contiguous() for x in xs], *[x0] * len(pad), *weights, *[weights[0]] * len(pad), *ys,
-             *[ys[0]] * len(pad), M, K, *ns, *[0] * len(pad), *tiles),
+            (*[x.contiguous() for x in xs], *[x0] * pad, *weights, *[weights[0]] * pad, *ys, *[ys[0]] * pad, M, K,
+             *ns, *[0] * pad, *tiles),
             BM=MAX_ROWS, BN=BN, BK=min(BK, max(16, next_pow2(K))), PREC="ieee" if f32 or x0.dtype == torch.float32
             else "tf32", OP_F32=f32, num_warps=num_warps, num_stages=num_stages)  # fp32: fp32 products (F.linear's)
     return ys

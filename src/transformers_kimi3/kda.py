@@ -325,9 +325,10 @@ class Kimi3DeltaAttention(nn.Module):
         return self.o_proj(o.reshape(B, T, H * K))
 
     def _decode_projections(self, x):
-        """q, k, v [B, T, H*K], beta [B, T, H] and the gates' pre-activations of a decode step. Where every
-        projection is a plain nn.Linear (`_plain_weights`), two launches of `kimi3_kernels.linears`: the six that
-        read x, then the gates' second halves; else the modules' own calls (eight or nine launches)."""
+        """q, k, v [B, T, H*K], beta [B, T, H] and the gates' pre-activations of a decode step. Where
+        `_plain_weights` allows (plain nn.Linear modules; on CUDA inside a graph capture), two launches of
+        `kimi3_kernels.linears`: the six that read x, then the gates' second halves; else the modules' own calls
+        (seven or eight launches)."""
         B, T, _ = x.shape
         full = hasattr(self, "g_proj")
         first = (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj,
