@@ -259,7 +259,8 @@ def stage_bytes(K=128, V=128, C=64, e=2, aqk=2, inv_in_diag=True):
     in _diag_inv_kernel (unbounded)."""
     f = 4
     b = {
-        "_prep_fwd_kernel": 3 * K * e + 2 * K * e + K * f + 4 * f,  # q, k, g -> qn, kn, gc; beta -> bs, rq, rk
+        "_gate_fwd_kernel": K * e + K * f,  # g -> gc
+        "_norm_fwd_kernel": 2 * K * e + 2 * K * e + 4 * f,  # q, k -> qn, kn; beta -> bs, rq, rk
         "_diag_fwd_kernel": 2 * K * e + K * f + 16 * aqk + 16 * f + (16 * f if inv_in_diag else 0),  # -> Aqk, Pd, Md
         "_intra_fwd_kernel": 1.75 * K * e + K * f + 2 * 16 * f + f + 24 * aqk + C * e,  # -> off-diagonal Aqk, T
         "_wu_fwd_kernel": C * e + 2 * K * e + K * f + V * e + 3 * K * e + V * e,  # T, kn, qn, gc, v -> W, Kd, Qg, U
@@ -439,7 +440,8 @@ def kernel_profile():
 # .LAUNCH_DEFAULTS), each against the defaults: forward kernels timed on the forward, backward ones on forward+backward.
 # The first round (22fef45) tried 1-8 warps and other tiles for every kernel; this second one looks around its picks.
 TUNE_FWD = {
-    "prep_fwd": [":16:", ":4:"],
+    "prep_fwd": ["128:4:1", "512:8:1", "256:8:1"],
+    "norm_fwd": ["32:4:1", "128:8:1", "64:8:1"],
     "diag_fwd": ["16:1:1", "32:1:2", "64:1:2", "128:2:1", "32:2:1"],
     "diag_fwd_loop": ["64:8:1", "128:4:1", "128:8:1", "32:8:1", "32:4:1"],
     "diag_inv": [":2:1", ":4:1"],

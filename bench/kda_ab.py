@@ -22,8 +22,33 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kda import backward, bench, inputs, kernel_ms  # noqa: E402  (puts this tree's kernels/ on the path)
+from kda import HAVE_FLA, backward, bench, inputs, kernel_ms  # noqa: E402  (puts this tree's kernels/ on the path)
 from kimi3_kernels.kda import chunk_kda  # noqa: E402
+
+
+def fla_fn(q, k, v, f, beta, A_log, dt_bias, lower_bound):
+    """fla's chunk_kda with the same gate options (bench/kda.py's fla_kw), as one more variant."""
+    from kda import fla_chunk, fla_kw
+    return fla_chunk(q, k, v, f, beta, **fla_kw(lower_bound, A_log, dt_bias))
+
+
+def compiled_resources():
+    """Registers, spills and shared memory of every compiled variant of the KDA forward kernels in this process (what
+    the compiler of the GPU's Triton made of them)."""
+    from triton.runtime.jit import JITFunction
+
+    from kimi3_kernels.kda import chunk_fwd, gate
+    rows = []
+    for mod in (chunk_fwd, gate):
+        for name, fn in vars(mod).items():
+            if not isinstance(fn, JITFunction):
+                continue
+            for cache in getattr(fn, "device_caches", {}).values():
+                for key, kern in cache[0].items():
+                    kern._init_handles()
+                    rows.append(dict(kernel=name, key=str(key)[-160:], n_regs=kern.n_regs, n_spills=kern.n_spills,
+                                     shared=kern.metadata.shared, num_warps=kern.metadata.num_warps))
+    return rows
 
 
 def load_base(folder, i=0):
@@ -50,6 +75,9 @@ def main():
     ap.add_argument("--shapes", default="32:16384:sp,96:16384:k3", help="'H:T:gate,...' (gate k3 or sp)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bwd", action="store_true", help="also forward+backward")
+    ap.add_argument("--fla", action="store_true",
+                    help="fla's chunk_kda as one more variant (forward only: fla autotunes its backward for minutes)")
+    ap.add_argument("--regs", action="store_true", help="registers and spills of the compiled forward kernels")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel CUDA time of each variant's forward (and forward+backward with --bwd)")
     args = ap.parse_args()
@@ -57,6 +85,8 @@ def main():
     if args.base:
         bases = [b.split("=", 1) if "=" in b else ("base", b) for b in args.base.split(",")]
         variants[:0] = [(name, {}, load_base(folder, i)) for i, (name, folder) in enumerate(bases)]
+    if args.fla and HAVE_FLA:
+        variants.append(("fla", {}, fla_fn))
     fns = {name: fn for name, _, fn in variants}
     for item in filter(None, re.split(r",(?=[\w@-]+:[A-Z_][A-Z0-9_]*=)", args.variants)):
         name, _, rest = item.partition(":")
@@ -85,13 +115,13 @@ def main():
                         o, _ = fn(qq, kk, vv, ff, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb)
                         backward(o, (qq, kk, vv, ff))
                     row["fwd_ms"].setdefault(name, []).append(bench(fwd, rep=10 if T * H <= 2**19 else 5))
-                    if args.bwd:
+                    if args.bwd and name != "fla":
                         row["fwdbwd_ms"].setdefault(name, []).append(bench(fb, warm=1, rep=5))
                     if rnd == 0:
                         o = fwd()[0].float()
                         ref = o if ref is None else ref
                         row["out_rel_to_first"][name] = ((o - ref).norm() / ref.norm()).item()
-                        if args.bwd:  # the gradients of q, k, v, g against the first variant's
+                        if args.bwd and name != "fla":  # the gradients of q, k, v, g against the first variant's
                             fb()
                             gs = [x.grad.float() for x in (qq, kk, vv, ff)]
                             gref = gs if gref is None else gref
@@ -123,6 +153,8 @@ def main():
                 for n, ks in row.get(key, {}).items():
                     print(shape, key, n, json.dumps(ks)[:900], flush=True)
         res["rows"].append(row)
+        if args.regs:
+            res["compiled"] = compiled_resources()
         with open(os.path.join(args.out, "kda_ab.json"), "w") as fh:
             json.dump(res, fh, indent=1)
         del q, k, v, f, qq, kk, vv, ff, ref, gref

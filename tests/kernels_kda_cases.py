@@ -250,9 +250,10 @@ def test_chunk_forward_varlen_bf16(nan_empty):
                                              ("intra_fwd=32:4:1", "1"), ("intra_fwd=16:2:2", "1"),
                                              ("intra_fwd=64:1:1,diag_fwd=64:1:1,wu_fwd=32:2:1,state_fwd=64:4:1,"
                                               "output_fwd=32:2:3,prep_fwd=:1:,diag_fwd_loop=32:2:1", "1"),
-                                             ("prep_fwd=16::,diag_fwd_loop=128:4:1", "1"), ("", "2")])
+                                             ("prep_fwd=16::,norm_fwd=16:1:,diag_fwd_loop=128:4:1", "1"),
+                                             ("prep_fwd=512:8:,norm_fwd=128:8:", "2"), ("", "2")])
 def test_chunk_forward_launch_options(launch, diag_inv, monkeypatch):
-    # the kernels' tile widths, warps and stages (KIMI3_KDA_LAUNCH; a prep_fwd tile splits the gate from the norms)
+    # the kernels' tile widths, warps and stages (KIMI3_KDA_LAUNCH; prep_fwd's tile: the gate's column block)
     # and the diagonal blocks' inverses in their own kernel (bench/kda.py sweeps them on the GPU): same results, both
     # gates, with a partial last chunk
     monkeypatch.setenv("KIMI3_KDA_LAUNCH", launch)

@@ -121,8 +121,10 @@ class SeqInfo:
 # picks (91aea39) kept them but the per-column loop's tile (64,4,1 -> 128,4,1: H=32 forward 3.18 -> 3.04 ms). Since
 # unbounded gates' diagonal tiles mostly take the one-matmul path too (fcfd66e), their kernel runs best on 32-wide
 # slices and 2 warps (6ca64d8: H=32 forward 2.89 -> 2.73 ms; 1 warp 0.97x, 64:2:1 1.04x), and their backward like
-# K3's (9b2537d: H=32 forward+backward 12.23 -> 11.06 ms with 32,4,2). The prep kernel's gate in 64-column slices,
-# apart from the norms (9b2537d: H=96 forward 6.51 -> 6.17 ms, H=32 1.009x). The forward state scan's tile and stages
+# K3's (9b2537d: H=32 forward+backward 12.23 -> 11.06 ms with 32,4,2). The forward's preparation: the gate in
+# 64-column blocks on 4 warps (`prep_fwd`; 32-512 columns on 1-8 warps tried) and the norms in 32-row blocks on 4 warps
+# (`norm_fwd`; 16-128 rows): per call at H=96 T=16K 0.354 + 0.391 ms against 0.996 ms for the single kernel per chunk
+# and head before, at T=64K 1.40 + 1.56 against 4.60 ms (16th session). The forward state scan's tile and stages
 # by grid size (None: `state_scan_tile`): at H=32 T=16K 32-wide value tiles on 3 stages, 707 -> 394 us per call
 # (training forward, 359a6df) and forward 2.44 -> 2.24 ms (2e8a4d2); at H=96 64-wide on 2 stages (3 stages: 6.05 /
 # 5.67 ms). The backward scan stays on 2 stages: 3 were 885 -> 852 and 2,700 -> 2,582 us per call (359a6df), but
@@ -134,7 +136,8 @@ class SeqInfo:
 # 32-wide column slices apart from the norms' (fe825ec, in one process: H=32 T=16K kernel 0.711 -> 0.565 ms, forward+
 # backward 7.89 -> 7.74 ms); K3's gate keeps one program per chunk and head (H=96: 1.597 against 1.622-1.906 ms sliced).
 LAUNCH_DEFAULTS = {
-    "prep_fwd": (64, 8, 3),
+    "prep_fwd": (64, 4, 1),
+    "norm_fwd": (32, 4, 1),
     "diag_fwd": (32, 1, 1),
     "diag_fwd_loop": (32, 2, 1),
     "diag_inv": (None, 1, 1),

@@ -1,6 +1,6 @@
 """Gate, beta and L2-norm preparation for the chunked KDA kernels.
 
-Forward (`prep_fwd`): per 64-token chunk and head, in fp32,
+Forward (`prep_fwd`), in fp32: the gate per 64-token chunk, the norms per row,
   g  = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))      (K3, lower_bound given)
   g  = -exp(A_log[h]) * softplus(f + dt_bias)                     (Kimi Linear)
   gc = chunk-local inclusive cumsum of g, stored in log2 units (x 1/ln2)
@@ -26,52 +26,52 @@ if TRITON_AVAILABLE:
         return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
 
     @triton.jit
-    def _prep_fwd_kernel(q, k, f, beta, A_log, dt_bias, qn, kn, gc, bo, rq, rk, tab, cu,
-                         lower_bound, H, K: tl.constexpr, BK: tl.constexpr, BKG: tl.constexpr,
-                         BT: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr, GATE: tl.constexpr,
-                         NORM: tl.constexpr):
-        """One chunk and head: the gate's cumsum (GATE; columns in slices of BKG along grid axis 2) and/or the
-        q/k norms and beta (NORM)."""
+    def _gate_fwd_kernel(f, A_log, dt_bias, gc, tab, cu, lower_bound, HK, K: tl.constexpr, BT: tl.constexpr,
+                         BS: tl.constexpr, USE_LB: tl.constexpr):
+        """One chunk, BS columns of the gate input viewed as [TT, H * K] (the heads side by side, so a program reads
+        and writes BS contiguous values per row, not one head's K): the per-step log decay and its chunk-local
+        cumsum, in log2 units (exp2 is cheaper)."""
         i_c = tl.program_id(0)
-        i_h = tl.program_id(1)
         n = tl.load(tab + 2 * i_c)
         t0 = tl.load(tab + 2 * i_c + 1)
         eos = tl.load(cu + n + 1)
         rows = (t0 + tl.arange(0, BT)).to(tl.int64)
-        mr = rows < eos
-        if GATE:
-            cols = tl.program_id(2) * BKG + tl.arange(0, BKG)
-            mc = cols < K
-            m = mr[:, None] & mc[None, :]
-            off = (rows[:, None] * H + i_h) * K + cols[None, :]
-            x = tl.load(f + off, mask=m, other=0.).to(tl.float32)
-            x = x + tl.load(dt_bias + i_h * K + cols, mask=mc, other=0.).to(tl.float32)[None, :]
-            a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-            if USE_LB:
-                gv = lower_bound * tl.sigmoid(a * x)
-            else:
-                gv = -a * _softplus(x)
-            gv = tl.where(m, gv, 0.)
-            # x 1/ln 2: log2 units, exp2 is cheaper
-            tl.store(gc + off, tl.cumsum(gv * 1.4426950408889634, axis=0), mask=m)
-        if NORM:
-            cols = tl.arange(0, BK)
-            mc = cols < K
-            m = mr[:, None] & mc[None, :]
-            off = (rows[:, None] * H + i_h) * K + cols[None, :]
-            bq = tl.load(q + off, mask=m, other=0.).to(tl.float32)
-            bk = tl.load(k + off, mask=m, other=0.).to(tl.float32)
-            if L2:
-                r_q = 1.0 / tl.sqrt(tl.sum(bq * bq, 1) + 1e-6)
-                r_k = 1.0 / tl.sqrt(tl.sum(bk * bk, 1) + 1e-6)
-                tl.store(rq + rows * H + i_h, r_q, mask=mr)
-                tl.store(rk + rows * H + i_h, r_k, mask=mr)
-                bq = bq * r_q[:, None]
-                bk = bk * r_k[:, None]
-            tl.store(qn + off, bq.to(qn.dtype.element_ty), mask=m)
-            tl.store(kn + off, bk.to(kn.dtype.element_ty), mask=m)
-            b = tl.load(beta + rows * H + i_h, mask=mr, other=0.).to(tl.float32)
-            tl.store(bo + rows * H + i_h, tl.sigmoid(b), mask=mr)
+        cols = tl.program_id(1) * BS + tl.arange(0, BS)
+        mc = cols < HK
+        m = (rows < eos)[:, None] & mc[None, :]
+        off = rows[:, None] * HK + cols[None, :]
+        x = tl.load(f + off, mask=m, other=0.).to(tl.float32)
+        x = x + tl.load(dt_bias + cols, mask=mc, other=0.).to(tl.float32)[None, :]
+        a = tl.exp(tl.load(A_log + cols // K, mask=mc, other=0.).to(tl.float32))[None, :]
+        if USE_LB:
+            gv = lower_bound * tl.sigmoid(a * x)
+        else:
+            gv = -a * _softplus(x)
+        tl.store(gc + off, tl.cumsum(tl.where(m, gv, 0.) * 1.4426950408889634, axis=0), mask=m)
+
+    @triton.jit
+    def _norm_fwd_kernel(q, k, beta, qn, kn, bo, rq, rk, R, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                         L2: tl.constexpr):
+        """BR rows of q and k viewed as [TT * H, K] (contiguous, no chunk tables: the norms are per row): their L2
+        norms, and beta's sigmoid. Rows outside every sequence are normalised too; no kernel reads them."""
+        rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+        mr = rows < R
+        cols = tl.arange(0, BK)
+        m = mr[:, None] & (cols < K)[None, :]
+        off = rows[:, None] * K + cols[None, :]
+        bq = tl.load(q + off, mask=m, other=0.).to(tl.float32)
+        bk = tl.load(k + off, mask=m, other=0.).to(tl.float32)
+        if L2:
+            r_q = 1.0 / tl.sqrt(tl.sum(bq * bq, 1) + 1e-6)
+            r_k = 1.0 / tl.sqrt(tl.sum(bk * bk, 1) + 1e-6)
+            tl.store(rq + rows, r_q, mask=mr)
+            tl.store(rk + rows, r_k, mask=mr)
+            bq = bq * r_q[:, None]
+            bk = bk * r_k[:, None]
+        tl.store(qn + off, bq.to(qn.dtype.element_ty), mask=m)
+        tl.store(kn + off, bk.to(kn.dtype.element_ty), mask=m)
+        b = tl.load(beta + rows, mask=mr, other=0.).to(tl.float32)
+        tl.store(bo + rows, tl.sigmoid(b), mask=mr)
 
     @triton.jit
     def _prep_bwd_kernel(q, k, f, A_log, dt_bias, beta_s, rq, rk, dgc, dqn, dkn, dbeta_s,
@@ -166,14 +166,14 @@ def prep_fwd(q, k, g, beta, A_log, dt_bias, lower_bound, use_l2, info, inter_dty
     rq = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
     rk = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
     if info.NC > 0:
-        tile, warps, stages = launch_config("prep_fwd")
-        BK = next_pow2(K)
-        for gate, norm, bkg in _launches(tile, K):
-            _prep_fwd_kernel[(info.NC, H, cdiv(K, bkg) if gate and not norm else 1)](
-                q, k, g, beta, A_log, dt_bias, qn, kn, gc, bs, rq, rk, info.chunk_tab, info.cu,
-                float(lower_bound) if lower_bound is not None else 0.0,
-                H=H, K=K, BK=BK, BKG=bkg, BT=CHUNK_SIZE, USE_LB=lower_bound is not None, L2=use_l2, GATE=gate,
-                NORM=norm, num_warps=warps, num_stages=stages)
+        bs_cols, warps, stages = launch_config("prep_fwd")
+        _gate_fwd_kernel[(info.NC, cdiv(H * K, bs_cols))](
+            g, A_log, dt_bias, gc, info.chunk_tab, info.cu, float(lower_bound) if lower_bound is not None else 0.0,
+            H * K, K=K, BT=CHUNK_SIZE, BS=bs_cols, USE_LB=lower_bound is not None, num_warps=warps,
+            num_stages=stages)
+        br, warps, stages = launch_config("norm_fwd")
+        _norm_fwd_kernel[(cdiv(TT * H, br),)](q, k, beta, qn, kn, bs, rq, rk, TT * H, K=K, BR=br, BK=next_pow2(K),
+                                              L2=use_l2, num_warps=warps, num_stages=stages)
     return qn, kn, gc, bs, (rq if use_l2 else None), (rk if use_l2 else None)
 
 
