@@ -28,9 +28,8 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _gate_fwd_kernel(f, A_log, dt_bias, gc, tab, cu, lower_bound, HK, K: tl.constexpr, BT: tl.constexpr,
                          BS: tl.constexpr, USE_LB: tl.constexpr):
-        """One chunk, BS columns of the gate input viewed as [TT, H * K] (the heads side by side, so a program reads
-        and writes BS contiguous values per row, not one head's K): the per-step log decay and its chunk-local
-        cumsum, in log2 units (exp2 is cheaper)."""
+        """One chunk, BS columns of the gate input viewed as [TT, H * K] (the heads side by side: any BS, a block may
+        span heads): the per-step log decay and its chunk-local cumsum, in log2 units (exp2 is cheaper)."""
         i_c = tl.program_id(0)
         n = tl.load(tab + 2 * i_c)
         t0 = tl.load(tab + 2 * i_c + 1)
