@@ -166,11 +166,12 @@ def test_chunk_tables_are_reused():
 
 def test_launch_config(monkeypatch):
     from kimi3_kernels.kda._utils import LAUNCH_DEFAULTS, launch_config
-    monkeypatch.setenv("KIMI3_KDA_LAUNCH", "intra_fwd=64:2:, state_fwd=:4:3")
-    assert launch_config("intra_fwd") == (64, 2, LAUNCH_DEFAULTS["intra_fwd"][2])
-    assert launch_config("state_fwd") == (LAUNCH_DEFAULTS["state_fwd"][0], 4, 3)
-    assert launch_config("wu_fwd") == LAUNCH_DEFAULTS["wu_fwd"]
-    for bad in ("intra_fwd=64:2", "intra=64:2:1", "intra_fwd=a:2:1"):
+    monkeypatch.setenv("KIMI3_KDA_LAUNCH", "intra_fwd=64:2:, state_fwd=:4:3, wu_fwd=:::128")
+    assert launch_config("intra_fwd") == (64, 2, LAUNCH_DEFAULTS["intra_fwd"][2], {})
+    assert launch_config("state_fwd") == (LAUNCH_DEFAULTS["state_fwd"][0], 4, 3, {})
+    assert launch_config("wu_fwd") == (*LAUNCH_DEFAULTS["wu_fwd"], {"maxnreg": 128})
+    assert launch_config("diag_fwd") == (*LAUNCH_DEFAULTS["diag_fwd"], {})
+    for bad in ("intra_fwd=64:2", "intra=64:2:1", "intra_fwd=a:2:1", "wu_fwd=1:2:3:4:5", "wu_fwd=:::x"):
         monkeypatch.setenv("KIMI3_KDA_LAUNCH", bad)
         with pytest.raises(ValueError, match="KIMI3_KDA_LAUNCH"):
             launch_config("wu_fwd")
@@ -251,7 +252,7 @@ def test_chunk_forward_varlen_bf16(nan_empty):
                                              ("intra_fwd=64:1:1,diag_fwd=64:1:1,wu_fwd=32:2:1,state_fwd=64:4:1,"
                                               "output_fwd=32:2:3,prep_fwd=:1:,diag_fwd_loop=32:2:1", "1"),
                                              ("prep_fwd=16::,norm_fwd=16:1:,diag_fwd_loop=128:4:1", "1"),
-                                             ("prep_fwd=512:8:,norm_fwd=128:8:", "2"), ("", "2")])
+                                             ("prep_fwd=512:8:,norm_fwd=128:8:,wu_fwd=:::128", "2"), ("", "2")])
 def test_chunk_forward_launch_options(launch, diag_inv, monkeypatch):
     # the kernels' tile widths, warps and stages (KIMI3_KDA_LAUNCH; prep_fwd's tile: the gate's column block)
     # and the diagonal blocks' inverses in their own kernel (bench/kda.py sweeps them on the GPU): same results, both

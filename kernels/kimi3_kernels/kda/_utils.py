@@ -155,21 +155,26 @@ LAUNCH_DEFAULTS = {
 
 
 def launch_config(name: str):
-    """(tile, num_warps, num_stages) of chunk kernel `name`: LAUNCH_DEFAULTS, or what KIMI3_KDA_LAUNCH says, e.g.
-    KIMI3_KDA_LAUNCH="intra_fwd=32:2:1,state_fwd=:4:" (an empty field keeps the default). Read at every call, so
-    bench/kda.py --sections tune can time the options in one process."""
+    """(tile, num_warps, num_stages, extra launch options) of chunk kernel `name`: LAUNCH_DEFAULTS, or what
+    KIMI3_KDA_LAUNCH says, e.g. KIMI3_KDA_LAUNCH="intra_fwd=32:2:1,state_fwd=:4:" (an empty field keeps the default).
+    An optional fourth field caps the kernel's registers per thread (Triton's `maxnreg`; "wu_fwd=:::128"), for timing
+    what the compiler's register allocation costs (bench/results/kda_h200.md). Read at every call, so bench/kda.py
+    --sections tune can time the options in one process."""
     tile, warps, stages = LAUNCH_DEFAULTS[name]
+    extra = {}
     spec = env("KIMI3_KDA_LAUNCH", "").strip()
     for item in filter(None, (s.strip() for s in spec.split(","))):
         key, _, vals = item.partition("=")
         fields = vals.split(":")
-        if key.strip() not in LAUNCH_DEFAULTS or len(fields) != 3 or not all(f.strip().isdigit() or not f.strip()
-                                                                              for f in fields):
-            raise ValueError(f"KIMI3_KDA_LAUNCH: cannot read {item!r}; expected name=tile:warps:stages with name in "
-                             f"{sorted(LAUNCH_DEFAULTS)} (empty fields keep the default)")
+        if key.strip() not in LAUNCH_DEFAULTS or len(fields) not in (3, 4) or not all(
+                f.strip().isdigit() or not f.strip() for f in fields):
+            raise ValueError(f"KIMI3_KDA_LAUNCH: cannot read {item!r}; expected name=tile:warps:stages[:maxnreg] with "
+                             f"name in {sorted(LAUNCH_DEFAULTS)} (empty fields keep the default)")
         if key.strip() == name:
             new = [int(f) if f.strip() else None for f in fields]
             tile = new[0] if new[0] is not None else tile
             warps = new[1] or warps
             stages = new[2] or stages
-    return tile, warps, stages
+            if len(new) == 4 and new[3]:
+                extra = {"maxnreg": new[3]}
+    return tile, warps, stages, extra

@@ -366,13 +366,13 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
     BK = next_pow2(K)
     prec = _prec(qn.dtype)
     if info.N > 0:
-        bv, warps, stages = launch_config("state_bwd")
+        bv, warps, stages, regs = launch_config("state_bwd")
         BV = min(bv or state_scan_tile(cdiv(V, 64) * info.N * H, dev)[0], next_pow2(V))
         _state_bwd_kernel[(cdiv(V, BV) * info.N * H,)](
             I["W"], I["Qg"], I["Kd"], I["Aqk"], gc, do, dht if dht is not None else do,
             dh0 if dh0 is not None else do, dhs, dvn, info.cu, info.chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_DHT=dht is not None, HAS_H0=h0 is not None,
-            PREC=BWD_PREC.get("state_bwd", prec), num_warps=warps, num_stages=stages)
+            PREC=BWD_PREC.get("state_bwd", prec), num_warps=warps, num_stages=stages, **regs)
     # no zero fill: _main_bwd_kernel stores every row of every chunk before _intra_bwd_kernel adds to dqn / dkn / dG,
     # and rows after the last sequence are never read (ChunkKDAFunction zeroes their gradients). The fills took 0.52 of
     # 28.5 ms of kernel time in an H=96 T=16K forward+backward on the H200 (bench/results/kda_h200.md).
@@ -384,12 +384,12 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
     dAs = torch.empty(TT, H, BT, device=dev, dtype=torch.float32)
     dPs = torch.empty_like(dAs)
     if info.NC > 0:
-        bv, warps, stages = launch_config("main_bwd")
+        bv, warps, stages, regs = launch_config("main_bwd")
         ks = _main_bwd_ksplit(BK)
         _main_bwd_kernel[(info.NC * (ks + 1), H)](
             qn, kn, v, gc, bs, I["M"], I["P"], hs, dhs, vn, dvn, do, dv, dAs, dPs, dqn, dkn, dG, db,
             info.chunk_tab, info.cu, scale, H=H, K=K, V=V, BK=BK, BV=min(bv, next_pow2(V)), BT=BT,
-            PREC=BWD_PREC.get("main_bwd", prec), KS=ks, num_warps=warps, num_stages=stages)
+            PREC=BWD_PREC.get("main_bwd", prec), KS=ks, num_warps=warps, num_stages=stages, **regs)
         safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
         # unbounded gates: two launches, the chunks whose diagonal tiles all take one matmul (most) without the
         # per-column loop's code and registers, then the steep ones (sm_90, Triton 3.6: 240 against 744 bytes of
@@ -397,11 +397,11 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
         passes = [("intra_bwd", True, 0)] if safe else [("intra_bwd", True, 1), ("intra_bwd_loop", False, 2)]
         intra_prec = BWD_PREC.get("intra_bwd", prec)
         for name, dense, sel in passes:
-            bk, warps, stages = launch_config(name)
+            bk, warps, stages, regs = launch_config(name)
             bk = min(bk, BK)
             _intra_bwd_kernel[(info.NC * (BT // 16) * cdiv(K, bk), H)](
                 qn, kn, gc, dAs, dPs, dqn, dkn, dG, I["steep"] if sel else dAs, info.chunk_tab, info.cu, DENSE_MAX_SPAN,
                 H=H, K=K, BK=bk, BT=BT, BC=16, SAFE=dense, PREC=intra_prec, STEEP=sel,
                 DPREC=_intra_diag_prec(intra_prec), num_warps=warps,
-                num_stages=stages)
+                num_stages=stages, **regs)
     return dqn, dkn, dv, dG, db, dh0

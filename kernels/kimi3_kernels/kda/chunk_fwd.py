@@ -473,27 +473,27 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
         # kernel in two launches, was slower at both shapes (bench/results/kda_h200.md, sweep of 76324af).
         inv = _diag_inv(safe)
         Md = torch.empty_like(Pd) if inv else Pd
-        bk, warps, stages = launch_config("diag_fwd" if safe else "diag_fwd_loop")
+        bk, warps, stages, regs = launch_config("diag_fwd" if safe else "diag_fwd_loop")
         _diag_fwd_kernel[(info.NC * (BT // 16), H)](
             qn, kn, gc, bs, Aqk, Pd, Md, steep if steep is not None else Pd, info.chunk_tab, info.cu, scale,
             DENSE_MAX_SPAN, H=H, K=K,
             BK=min(bk, next_pow2(K)), BT=BT, BC=16, SAFE=safe, PREC=_prec(DT), INV=inv == 2, num_warps=warps,
-            num_stages=stages)
+            num_stages=stages, **regs)
         if inv == 1:
-            _, warps, stages = launch_config("diag_inv")
+            _, warps, stages, regs = launch_config("diag_inv")
             _diag_inv_kernel[(info.NC * (BT // 16), H)](Pd, bs, Md, info.chunk_tab, info.cu, H=H, BT=BT, BC=16,
-                                                         num_warps=warps, num_stages=stages)
+                                                         num_warps=warps, num_stages=stages, **regs)
         # at K = 128 the pairwise kernel sits at sm_90's 255-register cap
-        bk, warps, stages = launch_config("intra_fwd")
+        bk, warps, stages, regs = launch_config("intra_fwd")
         _intra_fwd_kernel[(info.NC, H)](
             qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, Md, info.chunk_tab, info.cu, scale,
             H=H, K=K, BK=min(bk, next_pow2(K)), BT=BT, BC=16, STORE_BWD=store_bwd, PREC=_prec(DT), MINV=inv > 0,
-            num_warps=warps, num_stages=stages)
-        bk, warps, stages = launch_config("wu_fwd")
+            num_warps=warps, num_stages=stages, **regs)
+        bk, warps, stages, regs = launch_config("wu_fwd")
         _wu_fwd_kernel[(info.NC, H)](
             qn, kn, v, gc, Tm, W, U, Qg, Kd, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
             BK=min(bk, next_pow2(K)), BV=min(bk, next_pow2(V)), BT=BT, PREC=_prec(DT), num_warps=warps,
-            num_stages=stages)
+            num_stages=stages, **regs)
     out = dict(Aqk=Aqk, W=W, U=U, Qg=Qg, Kd=Kd, steep=steep)
     if store_bwd:
         out.update(M=Mo, P=Po)
@@ -519,7 +519,7 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, states_dtype, s
     vn = torch.empty(TT, H, V, device=dev, dtype=W.dtype) if store_vn else None
     if N > 0:
         BK = next_pow2(K)
-        bv, warps, stages = launch_config("state_fwd")
+        bv, warps, stages, regs = launch_config("state_fwd")
         auto_bv, auto_stages = state_scan_tile(cdiv(V, 64) * N * H, dev)
         BV = min(bv or auto_bv, next_pow2(V))
         stages = stages or auto_stages
@@ -529,12 +529,12 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, states_dtype, s
             hs if hs is not None else dummy, vn if vn is not None else dummy, info.cu, info.chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, BT=CHUNK_SIZE, HAS_H0=h0 is not None,
             STORE_FINAL=output_final_state, STORE_STATES=hs is not None, STORE_VN=store_vn, PREC=_prec(W.dtype),
-            num_warps=warps, num_stages=stages)
+            num_warps=warps, num_stages=stages, **regs)
         if compute_o and info.NC > 0:
-            bv, warps, stages = launch_config("output_fwd")
+            bv, warps, stages, regs = launch_config("output_fwd")
             BVo = min(bv, next_pow2(V))
             _output_fwd_kernel[(info.NC, cdiv(V, BVo), H)](
                 I["Qg"], I["Aqk"], vn, hs, o, info.chunk_tab, info.cu, H=H, K=K, V=V, BK=min(64, next_pow2(K)),
-                BV=BVo, BT=CHUNK_SIZE, PREC=_prec(W.dtype), num_warps=warps, num_stages=stages)
+                BV=BVo, BT=CHUNK_SIZE, PREC=_prec(W.dtype), num_warps=warps, num_stages=stages, **regs)
     hs = hs[:info.NC] if states_dtype is not None else None
     return o, ht, hs, vn

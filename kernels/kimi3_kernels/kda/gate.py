@@ -165,14 +165,14 @@ def prep_fwd(q, k, g, beta, A_log, dt_bias, lower_bound, use_l2, info, inter_dty
     rq = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
     rk = torch.empty(TT, H, device=dev, dtype=torch.float32) if use_l2 else bs
     if info.NC > 0:
-        bs_cols, warps, stages = launch_config("prep_fwd")
+        bs_cols, warps, stages, regs = launch_config("prep_fwd")
         _gate_fwd_kernel[(info.NC, cdiv(H * K, bs_cols))](
             g, A_log, dt_bias, gc, info.chunk_tab, info.cu, float(lower_bound) if lower_bound is not None else 0.0,
             H * K, K=K, BT=CHUNK_SIZE, BS=bs_cols, USE_LB=lower_bound is not None, num_warps=warps,
-            num_stages=stages)
-        br, warps, stages = launch_config("norm_fwd")
+            num_stages=stages, **regs)
+        br, warps, stages, regs = launch_config("norm_fwd")
         _norm_fwd_kernel[(cdiv(TT * H, br),)](q, k, beta, qn, kn, bs, rq, rk, TT * H, K=K, BR=br, BK=next_pow2(K),
-                                              L2=use_l2, num_warps=warps, num_stages=stages)
+                                              L2=use_l2, num_warps=warps, num_stages=stages, **regs)
     return qn, kn, gc, bs, (rq if use_l2 else None), (rk if use_l2 else None)
 
 
@@ -185,7 +185,7 @@ def prep_bwd(q, k, g, A_log, dt_bias, beta_s, rq, rk, dgc, dqn, dkn, dbeta_s, lo
     df = torch.empty_like(g)
     dbeta = torch.empty(TT, H, device=dev, dtype=beta_raw_dtype)
     NC = max(info.NC, 1)
-    tile, warps, stages = launch_config("prep_bwd" if lower_bound is not None else "prep_bwd_softplus")
+    tile, warps, stages, regs = launch_config("prep_bwd" if lower_bound is not None else "prep_bwd_softplus")
     BK = next_pow2(K)
     parts = _launches(tile, K)
     slices = cdiv(K, parts[0][2])  # each gate slice writes its own dA_log partial
@@ -198,6 +198,6 @@ def prep_bwd(q, k, g, A_log, dt_bias, beta_s, rq, rk, dgc, dqn, dkn, dbeta_s, lo
                 dgc, dqn, dkn, dbeta_s, dq, dk, df, dbeta, dA_part, ddt_part, info.chunk_tab, info.cu,
                 float(lower_bound) if lower_bound is not None else 0.0,
                 H=H, K=K, BK=BK, BKG=bkg, BT=CHUNK_SIZE, USE_LB=lower_bound is not None, L2=use_l2, GATE=gate,
-                NORM=norm, num_warps=warps, num_stages=stages)
+                NORM=norm, num_warps=warps, num_stages=stages, **regs)
     # tokens outside every sequence (T beyond cu_seqlens[-1]) get zero gradients
     return dq, dk, df, dbeta, dA_part.sum((0, 2)), ddt_part.sum(0).reshape(H * K)
