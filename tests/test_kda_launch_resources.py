@@ -105,9 +105,9 @@ def test_default_launches_fit_sm90_shared_memory():
     over = [r for r in rows if int(r.rsplit("shared=", 1)[1]) > SM90_SHARED_LIMIT]
     assert not over, "\n".join(over)
     kernels = proc.stdout.split("kernels ", 1)[1].split()[0].split(",")
-    assert set(kernels) >= {"_gate_fwd_kernel", "_norm_fwd_kernel", "_diag_fwd_kernel", "_diag_inv_kernel", "_intra_fwd_kernel",
-                            "_wu_fwd_kernel", "_state_fwd_kernel", "_output_fwd_kernel", "_state_bwd_kernel",
-                            "_main_bwd_kernel", "_intra_bwd_kernel", "_prep_bwd_kernel"}, kernels
+    assert set(kernels) >= {"_gate_fwd_kernel", "_norm_fwd_kernel", "_diag_fwd_kernel", "_diag_inv_kernel",
+                            "_intra_fwd_kernel", "_wu_fwd_kernel", "_state_fwd_kernel", "_output_fwd_kernel",
+                            "_state_bwd_kernel", "_main_bwd_kernel", "_intra_bwd_kernel", "_prep_bwd_kernel"}, kernels
     # both scan tiles (small and large grids), in both dtypes
     assert sum("_state_fwd_kernel" in r for r in rows) >= 4, rows
     assert sum("_state_bwd_kernel" in r for r in rows) >= 4, rows  # the backward scan's two tiles too

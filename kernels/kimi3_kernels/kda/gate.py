@@ -147,9 +147,9 @@ if TRITON_AVAILABLE:
 
 
 def _launches(tile, K):
-    """(gate, norm, gate column width) of each launch of a prep kernel: a tile narrower than the head runs the gate's
-    part in column slices of that width and the norms' in a second launch (more programs, fewer registers each); else
-    one program per chunk and head does both."""
+    """(gate, norm, gate column width) of each launch of the prep backward: a tile narrower than the head runs the
+    gate's part in column slices of that width and the norms' in a second launch (more programs, fewer registers
+    each); else one program per chunk and head does both."""
     BK = next_pow2(K)
     return [(True, True, BK)] if tile is None or tile >= K else [(True, False, tile), (False, True, BK)]
 
