@@ -187,6 +187,22 @@ def test_launch_config(monkeypatch):
     monkeypatch.setenv("KIMI3_KDA_DIAG_INV", "3")
     with pytest.raises(ValueError, match="KIMI3_KDA_DIAG_INV"):
         _diag_inv(True)
+    from kimi3_kernels.kda.chunk_fwd import fwd16
+    monkeypatch.delenv("KIMI3_KDA_FWD16", raising=False)
+    assert not fwd16()
+    monkeypatch.setenv("KIMI3_KDA_FWD16", "1")
+    assert fwd16()
+    monkeypatch.setenv("KIMI3_KDA_FWD16", "yes")
+    with pytest.raises(ValueError, match="KIMI3_KDA_FWD16"):
+        fwd16()
+    from kimi3_kernels.kda.chunk_fwd import _pairs
+    monkeypatch.delenv("KIMI3_KDA_PAIRS", raising=False)
+    assert _pairs() == "tiles"
+    monkeypatch.setenv("KIMI3_KDA_PAIRS", "rows")
+    assert _pairs() == "rows"
+    monkeypatch.setenv("KIMI3_KDA_PAIRS", "row")
+    with pytest.raises(ValueError, match="KIMI3_KDA_PAIRS"):
+        _pairs()
 
 
 def test_import_without_triton():
@@ -298,6 +314,102 @@ def test_chunk_varlen(lb):
     assert cs.shape == (4, 2, 16, 16) and rel(cs, rcs) < 1e-4
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype,K,V,T,A_shift,launch", [(torch.float32, 64, 32, 100, 0.0, ""),
+                                                       (torch.float32, 16, 16, 100, 3.0, "pairs_fwd=16:2:1"),
+                                                       (torch.float32, 48, 32, 64, 3.0, "pairs_fwd=32:8:1"),
+                                                       (torch.bfloat16, 32, 32, 70, 0.0, "")])
+def test_chunk_forward_pairs_rows(dtype, K, V, T, A_shift, launch, monkeypatch):
+    """KIMI3_KDA_PAIRS=rows (bounded gates): Aqk and P as four block rows in one kernel, then the solve, against the
+    fp64 recurrence and the tile kernels. A_shift=3 saturates K3's gate (steps of 0 or -5 nats: the widest spans a
+    16-row block can hold); a 48-wide head masks half of its second K slice."""
+    monkeypatch.setenv("KIMI3_KDA_LAUNCH", launch)
+    from kimi3_kernels.kda import chunk_fwd
+    calls = []
+    rows = chunk_fwd._pairs_rows
+    monkeypatch.setattr(chunk_fwd, "_pairs_rows", lambda *a: calls.append(1) or rows(*a))
+    q, k, v, f, beta, A_log, dtb, h0 = make(1, T, 2, K, V, dtype=dtype, seed=21, A_shift=A_shift)
+    kw = dict(A_log=A_log, dt_bias=dtb, lower_bound=-5.0, initial_state=h0[:1], output_final_state=True)
+    out = {}
+    for mode in ("tiles", "rows"):
+        monkeypatch.setenv("KIMI3_KDA_PAIRS", mode)
+        out[mode] = chunk_kda(q, k, v, f, beta, **kw)
+    assert len(calls) == 1
+    ro, rs = rec64(q, k, v, f, beta, A_log, dtb, -5.0, h0=h0[:1])
+    (o, s), (to, ts) = out["rows"], out["tiles"]
+    assert rel(o, ro) < TOL[dtype] and rel(s, rs) < TOL[dtype]
+    # the same products summed in another order: fp32 agrees to rounding, bf16 to the output's own rounding
+    assert rel(o, to) < (1e-5 if dtype == torch.float32 else 4e-3) and rel(s, ts) < 1e-5
+    # unbounded gates keep the tiles (their diagonal tiles may need the per-column loop)
+    chunk_kda(q, k, v, f, beta, **dict(kw, lower_bound=None))
+    assert len(calls) == 1
+
+
+@needs_triton
+def test_chunk_pairs_rows_varlen(monkeypatch):
+    monkeypatch.setenv("KIMI3_KDA_PAIRS", "rows")
+    cu = torch.tensor([0, 0, 1, 66, 66, 80], dtype=torch.int32)  # empty, length-1, 65, empty, 14
+    q, k, v, f, beta, A_log, dtb, h0 = make(1, 80, 2, 16, 16, N=5, seed=22)
+    o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0, initial_state=h0,
+                     output_final_state=True, cu_seqlens=cu)
+    ro, rs = rec64(q, k, v, f, beta, A_log, dtb, -5.0, h0=h0, cu=cu)
+    assert rel(o, ro) < 1e-4 and rel(s, rs) < 1e-4
+
+
+@needs_triton
+@pytest.mark.parametrize("lb,K,V,T,A_shift,launch", [(-5.0, 64, 32, 100, 0.0, ""), (None, 32, 32, 130, 0.0, ""),
+                                                    # unbounded and steep: sub-chunks on both sides of the
+                                                    # per-column loop's threshold
+                                                    (None, 16, 16, 100, 3.0, "sub_fwd=16:2:1,rec_fwd=16:2:1"),
+                                                    (-5.0, 48, 32, 70, 3.0, "rec_fwd=64:4:3"),
+                                                    (-5.0, 32, 64, 1, 0.0, "sub_fwd=64:4:1,rec_fwd=32:2:1")])
+def test_chunk_forward_sub16(lb, K, V, T, A_shift, launch, monkeypatch):
+    """KIMI3_KDA_FWD16=1: the inference forward in 16-token sub-chunks (the diagonal tiles, their inverses and the
+    recurrence with the output, no 64-token pairwise stage) against the fp64 recurrence and the 64-token kernels:
+    output, final state and the states at 64-token boundaries."""
+    monkeypatch.setenv("KIMI3_KDA_LAUNCH", launch)
+    from kimi3_kernels.kda import chunk_fwd
+    calls = []
+    sub = chunk_fwd.sub16_fwd
+    monkeypatch.setattr(chunk_fwd, "sub16_fwd", lambda *a, **kw: calls.append(1) or sub(*a, **kw))
+    q, k, v, f, beta, A_log, dtb, h0 = make(1, T, 2, K, V, seed=23, A_shift=A_shift)
+    kw = dict(A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0[:1], output_final_state=True,
+              return_chunk_states=True)
+    out = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("KIMI3_KDA_FWD16", mode)
+        out[mode] = chunk_kda(q, k, v, f, beta, **kw)
+    assert len(calls) == 1
+    ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0[:1])
+    o, s, cs = out["1"]
+    assert torch.isfinite(o).all() and rel(o, ro) < TOL[torch.float32] and rel(s, rs) < TOL[torch.float32]
+    assert all(rel(a, b) < 2e-5 for a, b in zip(out["1"], out["0"]))  # the same math, another chunking
+    assert cs.shape == out["0"][2].shape and torch.equal(cs[0], h0[0])
+    # autograd keeps the 64-token kernels, which the backward reads
+    with torch.enable_grad():
+        chunk_kda(q.requires_grad_(), k, v, f, beta, **kw)
+    assert len(calls) == 1
+
+
+@needs_triton
+def test_chunk_sub16_varlen(monkeypatch):
+    monkeypatch.setenv("KIMI3_KDA_FWD16", "1")
+    cu = torch.tensor([0, 0, 1, 66, 66, 97], dtype=torch.int32)  # empty, length-1, 65, empty, 31
+    q, k, v, f, beta, A_log, dtb, h0 = make(1, 100, 2, 16, 16, N=5, seed=24)
+    for lb in (-5.0, None):
+        o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0,
+                         output_final_state=True, cu_seqlens=cu)
+        ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0, cu=cu)
+        assert rel(o[:, :97], ro[:, :97]) < 1e-4 and rel(s, rs) < 1e-4
+        assert torch.equal(s[0], h0[0]) and torch.equal(s[3], h0[3])
+        assert torch.equal(o[:, 97:], torch.zeros_like(o[:, 97:]))  # tokens after the last sequence
+    _, _, cs = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0, initial_state=h0,
+                         cu_seqlens=cu, return_chunk_states=True)
+    _, _, rcs = naive_chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0, initial_state=h0,
+                                cu_seqlens=cu, return_chunk_states=True)
+    assert cs.shape == (4, 2, 16, 16) and rel(cs, rcs) < 1e-4
+
+
 def check_vs_fp64(ins, lb, do, dS=None):
     """chunk_kda's output, final state and the gradients of every input (q, k, v, g, beta, A_log, dt_bias, h0: fp32)
     against the fp64 recurrence, for the loss <o, do> + <state, dS> (dS: ones)."""
@@ -324,6 +436,11 @@ def check_vs_fp64(ins, lb, do, dS=None):
                                       (None, dict(KIMI3_KDA_DIAG_INV="2"), 16, 32),
                                       (-5.0, dict(KIMI3_KDA_DIAG_INV="2"), 16, 32),
                                       (-5.0, dict(KIMI3_KDA_SAVE_FWD="0"), 16, 32),
+                                      # Aqk and P by block rows, kept for the backward or recomputed in it
+                                      (-5.0, dict(KIMI3_KDA_PAIRS="rows"), 64, 32),
+                                      (-5.0, dict(KIMI3_KDA_PAIRS="rows", KIMI3_KDA_SAVE_FWD="0"), 16, 32),
+                                      # the forward in 16-token sub-chunks, the backward recomputing in 64-token ones
+                                      (None, dict(KIMI3_KDA_FWD16="1", KIMI3_KDA_SAVE_FWD="0"), 16, 32),
                                       (None, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="1"), 64, 32),
                                       (None, {}, 64, 32),
                                       (-5.0, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="4"), 64, 32),
@@ -352,7 +469,9 @@ def test_chunk_gradients(lb, env, K, V, monkeypatch):
     do = torch.randn(1, 80, 2, V, generator=gen)
     dS = torch.randn(1, 2, K, V, generator=gen)
     check_vs_fp64([q, k, v, f, beta, A_log, dtb, h0], lb, do, dS)
-    assert len(intra_calls) == (1 if env.get("KIMI3_KDA_SAVE_FWD", "1") == "1" else 2)  # forward (+ backward recompute)
+    # forward (+ backward recompute; a 16-token forward forms no 64-token chunks)
+    save = env.get("KIMI3_KDA_SAVE_FWD", "1") == "1"
+    assert len(intra_calls) == (1 if save or env.get("KIMI3_KDA_FWD16") == "1" else 2)
 
 
 @needs_triton

@@ -16,6 +16,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SM90_SHARED_LIMIT = 232448  # bytes per block (227 KB) on H100 / H200
+ENV = ("KIMI3_KDA_LAUNCH", "KIMI3_KDA_PAIRS", "KIMI3_KDA_FWD16")  # the variables that pick kernels and launches
 
 
 def record_launches():
@@ -39,8 +40,18 @@ def record_launches():
         for m, name, obj in swapped:
             setattr(m, name, Recorder(obj))
         # H=2: the forward scan's small-grid tile; H=72: 144 programs at 64 wide, its large-grid tile
-        for dtype, lb, H in ((torch.bfloat16, -5.0, 2), (torch.bfloat16, None, 2), (torch.float32, -5.0, 2),
-                             (torch.float32, None, 2), (torch.bfloat16, -5.0, 72), (torch.float32, -5.0, 72)):
+        # the last ones: bounded gates' Aqk and P by block rows (KIMI3_KDA_PAIRS=rows), forward and backward, and
+        # the inference forward in 16-token sub-chunks (KIMI3_KDA_FWD16=1; the training call takes 64-token chunks)
+        rows, sub16 = dict(KIMI3_KDA_PAIRS="rows"), dict(KIMI3_KDA_FWD16="1")
+        for dtype, lb, H, env in ((torch.bfloat16, -5.0, 2, {}), (torch.bfloat16, None, 2, {}),
+                                  (torch.float32, -5.0, 2, {}), (torch.float32, None, 2, {}),
+                                  (torch.bfloat16, -5.0, 72, {}), (torch.float32, -5.0, 72, {}),
+                                  (torch.bfloat16, -5.0, 2, rows), (torch.float32, -5.0, 2, rows),
+                                  (torch.bfloat16, -5.0, 2, sub16), (torch.bfloat16, None, 2, sub16),
+                                  (torch.float32, None, 2, sub16)):
+            for name in ENV:
+                os.environ.pop(name, None)
+            os.environ.update(env)
             T, K = 128, 128
             xs = [torch.randn(1, T, H, K, dtype=dtype, requires_grad=True) for _ in range(4)]
             kw = dict(A_log=torch.zeros(H), dt_bias=torch.zeros(H * K), lower_bound=lb,
@@ -51,6 +62,8 @@ def record_launches():
             o, s = chunk_kda(*xs, beta, **kw)
             (o.float().sum() + s.sum()).backward()
     finally:
+        for name in ENV:
+            os.environ.pop(name, None)
         for m, name, obj in swapped:
             setattr(m, name, obj)
     return launches
@@ -96,7 +109,7 @@ def main():
 
 def test_default_launches_fit_sm90_shared_memory():
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KIMI3_KDA_LAUNCH")}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and k not in ENV}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(HERE, "..", "kernels"), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, env=env,
                           timeout=900)
@@ -107,7 +120,8 @@ def test_default_launches_fit_sm90_shared_memory():
     kernels = proc.stdout.split("kernels ", 1)[1].split()[0].split(",")
     assert set(kernels) >= {"_gate_fwd_kernel", "_norm_fwd_kernel", "_diag_fwd_kernel", "_diag_inv_kernel",
                             "_intra_fwd_kernel", "_wu_fwd_kernel", "_state_fwd_kernel", "_output_fwd_kernel",
-                            "_state_bwd_kernel", "_main_bwd_kernel", "_intra_bwd_kernel", "_prep_bwd_kernel"}, kernels
+                            "_state_bwd_kernel", "_main_bwd_kernel", "_intra_bwd_kernel", "_prep_bwd_kernel",
+                            "_pairs_fwd_kernel", "_solve_fwd_kernel", "_sub_fwd_kernel", "_rec_fwd_kernel"}, kernels
     # both scan tiles (small and large grids), in both dtypes
     assert sum("_state_fwd_kernel" in r for r in rows) >= 4, rows
     assert sum("_state_bwd_kernel" in r for r in rows) >= 4, rows  # the backward scan's two tiles too

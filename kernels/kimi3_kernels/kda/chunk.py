@@ -41,7 +41,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound, output_final_state,
                 cu_seqlens, use_l2, return_chunk_states):
-        from .chunk_fwd import intra_fwd, state_fwd
+        from .chunk_fwd import fwd16, intra_fwd, state_fwd, sub16_fwd
         from .gate import prep_fwd
         B, T, H, K = q.shape
         V = v.shape[-1]
@@ -58,11 +58,14 @@ class ChunkKDAFunction(torch.autograd.Function):
         # v_new) instead of recomputing it: less time, ~(2 * 64 * 4 + 8 K) bytes per token and head more memory.
         # The chunk states are kept in the matmul dtype, as the output kernel reads them (fp32 when asked for).
         save = _save_fwd() and any(ctx.needs_input_grad)
-        I = intra_fwd(qn, kn, vf, gc, bs, scale, lower_bound, info, store_bwd=save)
         states = torch.float32 if return_chunk_states else (qn.dtype if save else None)
-        o, ht, hs, vn = state_fwd(I, gc, h0, info, V, q.dtype, output_final_state, states, save,
-                                  True, o=torch.zeros(B * T, H, V, device=q.device, dtype=q.dtype)
-                                  if info.tokens < B * T else None)
+        o = torch.zeros(B * T, H, V, device=q.device, dtype=q.dtype) if info.tokens < B * T else None
+        if not save and fwd16():
+            o, ht, hs = sub16_fwd(qn, kn, vf, gc, bs, scale, lower_bound, info, h0, q.dtype, output_final_state,
+                                  states, o=o)
+        else:
+            I = intra_fwd(qn, kn, vf, gc, bs, scale, lower_bound, info, store_bwd=save)
+            o, ht, hs, vn = state_fwd(I, gc, h0, info, V, q.dtype, output_final_state, states, save, True, o=o)
         ctx.saved_fwd = (I, hs, vn) if save else None
         hs = hs if return_chunk_states else None
         ctx.save_for_backward(qf, kf, vf, gf, bf, A_log_c, dt_c, h0, qn, kn, gc, bs, rq, rk)

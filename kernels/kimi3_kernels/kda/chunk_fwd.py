@@ -78,6 +78,24 @@ if TRITON_AVAILABLE:
         return M
 
     @triton.jit
+    def _inv_rows(Pd, row0, eos, H, i_h, PW: tl.constexpr, col0, bs, BC: tl.constexpr):
+        """(I + Diag(beta) P)^-1 of the diagonal block whose strictly lower P sits in memory at rows row0.. and
+        columns col0.. (row width PW): forward substitution on N = M - I, each row of P loaded again from memory
+        (as fla's solve_tril does), so a step needs one cross-lane reduction where _inv_unit_lower needs two, and
+        row 1 of N is -L's own."""
+        o = tl.arange(0, BC)
+        rows = row0 + o
+        b = tl.load(bs + rows * H + i_h, mask=rows < eos, other=0.)
+        N = -b[:, None] * tl.where(o[:, None] > o[None, :], _ld(Pd, rows, eos, H, i_h, PW, col0 + o, o < BC), 0.)
+        for i in range(2, BC):
+            r = row0 + i
+            ok = (o < i) & ((o * 0 + r) < eos)
+            li = -tl.load(bs + r * H + i_h, mask=r < eos, other=0.) * tl.load(Pd + (r * H + i_h) * PW + col0 + o,
+                                                                                mask=ok, other=0.)
+            N = tl.where(o[:, None] == i, (li + tl.sum(li[:, None] * N, 0))[None, :], N)
+        return N + tl.where(o[:, None] == o[None, :], 1., 0.)
+
+    @triton.jit
     def _mm(a, b):
         return tl.dot(a, b, input_precision="ieee")
 
@@ -113,6 +131,64 @@ if TRITON_AVAILABLE:
         return n, tl.load(tab + 2 * i_c + 1).to(tl.int64), tl.load(cu + n + 1).to(tl.int64)
 
     @triton.jit
+    def _solve(p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, bs, Mo, Tm, Md, r0, eos, H, i_h, BT: tl.constexpr,
+               BC: tl.constexpr, STORE_BWD: tl.constexpr, MINV: tl.constexpr):
+        """M = (I + Diag(beta) P)^-1 blockwise from P's ten lower 16x16 blocks (strictly lower on the diagonal), and
+        T = M Diag(beta) into Tm; with MINV the diagonal blocks' inverses come from Md ([TT, H, BC])."""
+        o_c = tl.arange(0, BC)
+        r1 = r0 + BC
+        r2 = r1 + BC
+        r3 = r2 + BC
+        DT = Tm.dtype.element_ty
+        b0 = tl.load(bs + r0 * H + i_h, mask=r0 < eos, other=0.)
+        b1 = tl.load(bs + r1 * H + i_h, mask=r1 < eos, other=0.)
+        b2 = tl.load(bs + r2 * H + i_h, mask=r2 < eos, other=0.)
+        b3 = tl.load(bs + r3 * H + i_h, mask=r3 < eos, other=0.)
+        # M = (I + Diag(beta) P)^-1, blockwise
+        if MINV:
+            m00 = _ld(Md, r0, eos, H, i_h, BC, o_c, o_c < BC)
+            m11 = _ld(Md, r1, eos, H, i_h, BC, o_c, o_c < BC)
+            m22 = _ld(Md, r2, eos, H, i_h, BC, o_c, o_c < BC)
+            m33 = _ld(Md, r3, eos, H, i_h, BC, o_c, o_c < BC)
+        else:
+            m00 = _inv_unit_lower(b0[:, None] * p00, BC)
+            m11 = _inv_unit_lower(b1[:, None] * p11, BC)
+            m22 = _inv_unit_lower(b2[:, None] * p22, BC)
+            m33 = _inv_unit_lower(b3[:, None] * p33, BC)
+        l10 = b1[:, None] * p10
+        l20 = b2[:, None] * p20
+        l21 = b2[:, None] * p21
+        l30 = b3[:, None] * p30
+        l31 = b3[:, None] * p31
+        l32 = b3[:, None] * p32
+        m10 = -_mm(m11, _mm(l10, m00))
+        m21 = -_mm(m22, _mm(l21, m11))
+        m20 = -_mm(m22, _mm(l20, m00) + _mm(l21, m10))
+        m32 = -_mm(m33, _mm(l32, m22))
+        m31 = -_mm(m33, _mm(l31, m11) + _mm(l32, m21))
+        m30 = -_mm(m33, _mm(l30, m00) + _mm(l31, m10) + _mm(l32, m20))
+        if STORE_BWD:
+            _st_lower(Mo, m00, m10, m11, m20, m21, m22, m30, m31, m32, m33, r0, eos, H, i_h, BT, BC)
+        # T = M Diag(beta) for _wu_fwd_kernel, block rows of [BT, BT] (zeros above the diagonal)
+        z = tl.zeros([BC, BC], dtype=tl.float32)
+        _st_blk(Tm, (m00 * b0[None, :]).to(DT), r0, eos, H, i_h, BT, 0, BC)
+        _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, BC, BC)
+        _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 2 * BC, BC)
+        _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 3 * BC, BC)
+        _st_blk(Tm, (m10 * b0[None, :]).to(DT), r1, eos, H, i_h, BT, 0, BC)
+        _st_blk(Tm, (m11 * b1[None, :]).to(DT), r1, eos, H, i_h, BT, BC, BC)
+        _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 2 * BC, BC)
+        _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 3 * BC, BC)
+        _st_blk(Tm, (m20 * b0[None, :]).to(DT), r2, eos, H, i_h, BT, 0, BC)
+        _st_blk(Tm, (m21 * b1[None, :]).to(DT), r2, eos, H, i_h, BT, BC, BC)
+        _st_blk(Tm, (m22 * b2[None, :]).to(DT), r2, eos, H, i_h, BT, 2 * BC, BC)
+        _st_blk(Tm, z.to(DT), r2, eos, H, i_h, BT, 3 * BC, BC)
+        _st_blk(Tm, (m30 * b0[None, :]).to(DT), r3, eos, H, i_h, BT, 0, BC)
+        _st_blk(Tm, (m31 * b1[None, :]).to(DT), r3, eos, H, i_h, BT, BC, BC)
+        _st_blk(Tm, (m32 * b2[None, :]).to(DT), r3, eos, H, i_h, BT, 2 * BC, BC)
+        _st_blk(Tm, (m33 * b3[None, :]).to(DT), r3, eos, H, i_h, BT, 3 * BC, BC)
+
+    @triton.jit
     def _intra_fwd_kernel(qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, Md, tab, cu, scale,
                           H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                           STORE_BWD: tl.constexpr, PREC: tl.constexpr, MINV: tl.constexpr):
@@ -127,7 +203,6 @@ if TRITON_AVAILABLE:
         r1 = r0 + BC
         r2 = r1 + BC
         r3 = r2 + BC
-        DT = Tm.dtype.element_ty
 
         a10 = tl.zeros([BC, BC], dtype=tl.float32)
         a20 = tl.zeros([BC, BC], dtype=tl.float32)
@@ -199,54 +274,89 @@ if TRITON_AVAILABLE:
         if STORE_BWD:  # before the solve, so the P tiles need not stay live through it (H200, H=96 T=16K training:
             # 1.547 -> 1.417 ms per call, bench/results/kda_h200.md)
             _st_lower(Po, p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, r0, eos, H, i_h, BT, BC)
+        _solve(p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, bs, Mo, Tm, Md, r0, eos, H, i_h, BT, BC,
+               STORE_BWD, MINV)
 
-        b0 = tl.load(bs + r0 * H + i_h, mask=r0 < eos, other=0.)
-        b1 = tl.load(bs + r1 * H + i_h, mask=r1 < eos, other=0.)
-        b2 = tl.load(bs + r2 * H + i_h, mask=r2 < eos, other=0.)
-        b3 = tl.load(bs + r3 * H + i_h, mask=r3 < eos, other=0.)
-        # M = (I + Diag(beta) P)^-1, blockwise
-        if MINV:
-            m00 = _ld(Md, r0, eos, H, i_h, BC, o_c, o_c < BC)
-            m11 = _ld(Md, r1, eos, H, i_h, BC, o_c, o_c < BC)
-            m22 = _ld(Md, r2, eos, H, i_h, BC, o_c, o_c < BC)
-            m33 = _ld(Md, r3, eos, H, i_h, BC, o_c, o_c < BC)
-        else:
-            m00 = _inv_unit_lower(b0[:, None] * p00, BC)
-            m11 = _inv_unit_lower(b1[:, None] * p11, BC)
-            m22 = _inv_unit_lower(b2[:, None] * p22, BC)
-            m33 = _inv_unit_lower(b3[:, None] * p33, BC)
-        l10 = b1[:, None] * p10
-        l20 = b2[:, None] * p20
-        l21 = b2[:, None] * p21
-        l30 = b3[:, None] * p30
-        l31 = b3[:, None] * p31
-        l32 = b3[:, None] * p32
-        m10 = -_mm(m11, _mm(l10, m00))
-        m21 = -_mm(m22, _mm(l21, m11))
-        m20 = -_mm(m22, _mm(l20, m00) + _mm(l21, m10))
-        m32 = -_mm(m33, _mm(l32, m22))
-        m31 = -_mm(m33, _mm(l31, m11) + _mm(l32, m21))
-        m30 = -_mm(m33, _mm(l30, m00) + _mm(l31, m10) + _mm(l32, m20))
-        if STORE_BWD:
-            _st_lower(Mo, m00, m10, m11, m20, m21, m22, m30, m31, m32, m33, r0, eos, H, i_h, BT, BC)
-        # T = M Diag(beta) for _wu_fwd_kernel, block rows of [BT, BT] (zeros above the diagonal)
-        z = tl.zeros([BC, BC], dtype=tl.float32)
-        _st_blk(Tm, (m00 * b0[None, :]).to(DT), r0, eos, H, i_h, BT, 0, BC)
-        _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, BC, BC)
-        _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 2 * BC, BC)
-        _st_blk(Tm, z.to(DT), r0, eos, H, i_h, BT, 3 * BC, BC)
-        _st_blk(Tm, (m10 * b0[None, :]).to(DT), r1, eos, H, i_h, BT, 0, BC)
-        _st_blk(Tm, (m11 * b1[None, :]).to(DT), r1, eos, H, i_h, BT, BC, BC)
-        _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 2 * BC, BC)
-        _st_blk(Tm, z.to(DT), r1, eos, H, i_h, BT, 3 * BC, BC)
-        _st_blk(Tm, (m20 * b0[None, :]).to(DT), r2, eos, H, i_h, BT, 0, BC)
-        _st_blk(Tm, (m21 * b1[None, :]).to(DT), r2, eos, H, i_h, BT, BC, BC)
-        _st_blk(Tm, (m22 * b2[None, :]).to(DT), r2, eos, H, i_h, BT, 2 * BC, BC)
-        _st_blk(Tm, z.to(DT), r2, eos, H, i_h, BT, 3 * BC, BC)
-        _st_blk(Tm, (m30 * b0[None, :]).to(DT), r3, eos, H, i_h, BT, 0, BC)
-        _st_blk(Tm, (m31 * b1[None, :]).to(DT), r3, eos, H, i_h, BT, BC, BC)
-        _st_blk(Tm, (m32 * b2[None, :]).to(DT), r3, eos, H, i_h, BT, 2 * BC, BC)
-        _st_blk(Tm, (m33 * b3[None, :]).to(DT), r3, eos, H, i_h, BT, 3 * BC, BC)
+    @triton.jit
+    def _row_block(a, p, q_ptr, k_ptr, g_ptr, r_i, t0, eos, last, H, i_h, K: tl.constexpr, cols, mc,
+                   W: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+        """One K slice of row block r_i's query-key and key-key products against the chunk's first W columns,
+        referenced to the block's first row n: exp2(Gam_i - n) <= 1 on its rows, exp2(n - Gam_j) <= 1 on the
+        earlier columns and < 2^119 on its own (a bounded gate: 15 steps of at least SAFE_LOWER_BOUND), so one
+        matmul per block row covers the diagonal tile and the tiles left of it. Columns after the block (the padding
+        of a 48-wide block row) may overflow; each product column depends on its key column alone, and
+        _st_row_block keeps only j <= i."""
+        rows = t0 + r_i * BC + tl.arange(0, BC)
+        n = _ld_row(g_ptr, tl.minimum(t0 + r_i * BC, last), eos, H, i_h, K, cols, mc)
+        e = tl.exp2(tl.where((rows < eos)[:, None], _ld(g_ptr, rows, eos, H, i_h, K, cols, mc) - n[None, :], 0.))
+        colj = t0 + tl.arange(0, W)
+        kt = tl.trans(_ld(k_ptr, colj, eos, H, i_h, K, cols, mc)
+                      * tl.exp2(n[None, :] - _ld(g_ptr, colj, eos, H, i_h, K, cols, mc)))
+        a = tl.dot(_ld(q_ptr, rows, eos, H, i_h, K, cols, mc) * e, kt, acc=a, input_precision=PREC)
+        p = tl.dot(_ld(k_ptr, rows, eos, H, i_h, K, cols, mc) * e, kt, acc=p, input_precision=PREC)
+        return a, p
+
+    @triton.jit
+    def _st_row_block(Aqk, Pf, a, p, r_i, t0, eos, H, i_h, scale, BT: tl.constexpr, W: tl.constexpr,
+                      BC: tl.constexpr):
+        """Row block r_i of Aqk (j <= i, scaled) and of P (j < i) over the chunk's first W columns."""
+        i = r_i * BC + tl.arange(0, BC)
+        j = tl.arange(0, W)
+        rows = t0 + i
+        _st_blk(Aqk, tl.where(j[None, :] <= i[:, None], a * scale, 0.), rows, eos, H, i_h, BT, 0, W)
+        _st_blk(Pf, tl.where(j[None, :] < i[:, None], p, 0.), rows, eos, H, i_h, BT, 0, W)
+
+    @triton.jit
+    def _pairs_fwd_kernel(qn, kn, gc, Aqk, Pf, tab, cu, scale, H, K: tl.constexpr, BK: tl.constexpr,
+                          BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+        """Bounded gates (KIMI3_KDA_PAIRS=rows): all of a chunk's Aqk and P, the diagonal tiles included, as four
+        block rows (16 x 16, 32, 64, 64 columns), one matmul each per K slice, instead of _diag_fwd_kernel's four
+        tiles and _intra_fwd_kernel's six. P (fp32, [TT, H, BT], strictly lower) goes to _solve_fwd_kernel."""
+        i_c = tl.program_id(0)
+        i_h = tl.program_id(1)
+        _, t0, eos = _chunk_span(tab, cu, i_c)
+        last = tl.minimum(eos, t0 + BT) - 1
+        a0 = tl.zeros([BC, BC], dtype=tl.float32)
+        p0 = tl.zeros([BC, BC], dtype=tl.float32)
+        a1 = tl.zeros([BC, 2 * BC], dtype=tl.float32)
+        p1 = tl.zeros([BC, 2 * BC], dtype=tl.float32)
+        a2 = tl.zeros([BC, BT], dtype=tl.float32)
+        p2 = tl.zeros([BC, BT], dtype=tl.float32)
+        a3 = tl.zeros([BC, BT], dtype=tl.float32)
+        p3 = tl.zeros([BC, BT], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            cols = i_k * BK + tl.arange(0, BK)
+            mc = cols < K
+            a0, p0 = _row_block(a0, p0, qn, kn, gc, 0, t0, eos, last, H, i_h, K, cols, mc, BC, BC, PREC)
+            a1, p1 = _row_block(a1, p1, qn, kn, gc, 1, t0, eos, last, H, i_h, K, cols, mc, 2 * BC, BC, PREC)
+            a2, p2 = _row_block(a2, p2, qn, kn, gc, 2, t0, eos, last, H, i_h, K, cols, mc, BT, BC, PREC)
+            a3, p3 = _row_block(a3, p3, qn, kn, gc, 3, t0, eos, last, H, i_h, K, cols, mc, BT, BC, PREC)
+        _st_row_block(Aqk, Pf, a0, p0, 0, t0, eos, H, i_h, scale, BT, BC, BC)
+        _st_row_block(Aqk, Pf, a1, p1, 1, t0, eos, H, i_h, scale, BT, 2 * BC, BC)
+        _st_row_block(Aqk, Pf, a2, p2, 2, t0, eos, H, i_h, scale, BT, BT, BC)
+        _st_row_block(Aqk, Pf, a3, p3, 3, t0, eos, H, i_h, scale, BT, BT, BC)
+
+    @triton.jit
+    def _solve_fwd_kernel(Pf, bs, Mo, Tm, Md, tab, cu, H, BT: tl.constexpr, BC: tl.constexpr,
+                          STORE_BWD: tl.constexpr):
+        """_intra_fwd_kernel's solve on the P of _pairs_fwd_kernel, the diagonal blocks' inverses from
+        _diag_inv_kernel."""
+        i_c = tl.program_id(0)
+        i_h = tl.program_id(1)
+        _, t0, eos = _chunk_span(tab, cu, i_c)
+        o_c = tl.arange(0, BC)
+        r0 = t0 + o_c
+        r1 = r0 + BC
+        r2 = r1 + BC
+        r3 = r2 + BC
+        p10 = _ld(Pf, r1, eos, H, i_h, BT, o_c, o_c < BC)
+        p20 = _ld(Pf, r2, eos, H, i_h, BT, o_c, o_c < BC)
+        p21 = _ld(Pf, r2, eos, H, i_h, BT, BC + o_c, o_c < BC)
+        p30 = _ld(Pf, r3, eos, H, i_h, BT, o_c, o_c < BC)
+        p31 = _ld(Pf, r3, eos, H, i_h, BT, BC + o_c, o_c < BC)
+        p32 = _ld(Pf, r3, eos, H, i_h, BT, 2 * BC + o_c, o_c < BC)
+        z = tl.zeros([BC, BC], dtype=tl.float32)  # the diagonal blocks are not read: Md holds their inverses
+        _solve(z, p10, z, p20, p21, z, p30, p31, p32, z, bs, Mo, Tm, Md, r0, eos, H, i_h, BT, BC, STORE_BWD, True)
 
     @triton.jit
     def _tile_span(g, ref, valid):
@@ -303,17 +413,18 @@ if TRITON_AVAILABLE:
             _st_blk(Md, _inv_unit_lower(b[:, None] * tl.where(strict, acc_k, 0.), BC), rows, eos, H, i_h, BC, 0, BC)
 
     @triton.jit
-    def _diag_inv_kernel(Pd, bs, Md, tab, cu, H, BT: tl.constexpr, BC: tl.constexpr):
+    def _diag_inv_kernel(Pd, bs, Md, tab, cu, H, BT: tl.constexpr, BC: tl.constexpr, PW: tl.constexpr):
         """(I + Diag(beta) P_dd)^-1 for each diagonal 16x16 block, one block per program: the 15-step forward
         substitution leaves the register-bound pairwise kernel (which then loads the result) and runs in many small
-        programs instead. Rows past the sequence end are not written."""
+        programs instead. Pd: the diagonal tiles alone ([TT, H, BC], PW = BC) or the whole P ([TT, H, BT], PW = BT).
+        Rows past the sequence end are not written."""
         i_s = tl.program_id(0)
         i_h = tl.program_id(1)
         _, t0, eos = _chunk_span(tab, cu, i_s // (BT // BC))
         o_c = tl.arange(0, BC)
-        rows = t0 + (i_s % (BT // BC)) * BC + o_c
-        b = tl.load(bs + rows * H + i_h, mask=rows < eos, other=0.)
-        m = _inv_unit_lower(b[:, None] * _ld(Pd, rows, eos, H, i_h, BC, o_c, o_c < BC), BC)
+        sub = i_s % (BT // BC)
+        rows = t0 + sub * BC + o_c
+        m = _inv_rows(Pd, t0 + sub * BC, eos, H, i_h, PW, sub * BC if PW == BT else 0, bs, BC)
         _st_blk(Md, m, rows, eos, H, i_h, BC, 0, BC)
 
     @triton.jit
@@ -427,6 +538,117 @@ if TRITON_AVAILABLE:
         tl.store(o + offv, acc.to(o.dtype.element_ty), mask=mr[:, None] & mv[None, :])
 
 
+    @triton.jit
+    def _sub_fwd_kernel(qn, kn, gc, bs, Kg, Qg, Kd, Gl, Ts, As, tab, cu, scale, max_span, H, K: tl.constexpr,
+                        BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SAFE: tl.constexpr,
+                        PREC: tl.constexpr):
+        """Inference forward in 16-token sub-chunks (KIMI3_KDA_FWD16=1), one program per sub-chunk and head: the
+        diagonal tile's Aqk and P as in _diag_fwd_kernel, T = (I + Diag(beta) P)^-1 Diag(beta), and, with Gam the
+        cumsum from the sub-chunk's start, Kg = k exp(Gam), Qg = scale q exp(Gam), Kd = k exp(Gam_last - Gam) and
+        Gam_last itself, everything _rec_fwd_kernel needs: nothing of 64-token chunks is formed or kept."""
+        i_s = tl.program_id(0)
+        i_h = tl.program_id(1)
+        i_c = i_s // (BT // BC)
+        sub = i_s % (BT // BC)
+        _, t0, eos = _chunk_span(tab, cu, i_c)
+        s0 = t0 + sub * BC
+        o_c = tl.arange(0, BC)
+        rows = s0 + o_c
+        mr = rows < eos
+        last = tl.maximum(tl.minimum(eos, s0 + BC) - 1, s0)
+        DT = Kg.dtype.element_ty
+        acc_a = tl.zeros([BC, BC], dtype=tl.float32)
+        acc_k = tl.zeros([BC, BC], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            cols = i_k * BK + tl.arange(0, BK)
+            mc = cols < K
+            q = _ld(qn, rows, eos, H, i_h, K, cols, mc)
+            k = _ld(kn, rows, eos, H, i_h, K, cols, mc)
+            g = _ld(gc, rows, eos, H, i_h, K, cols, mc)
+            ref = _ld_row(gc, tl.minimum(s0, last), eos, H, i_h, K, cols, mc)
+            dense = SAFE
+            if not SAFE:
+                dense = _tile_span(g, ref, mr[:, None] & mc[None, :]) <= max_span
+            if dense:
+                e = tl.exp2(tl.where(mr[:, None], g - ref[None, :], 0.))
+                kt = tl.trans(k * tl.exp2(ref[None, :] - g))
+                acc_a += tl.dot(q * e, kt, input_precision=PREC)
+                acc_k += tl.dot(k * e, kt, input_precision=PREC)
+            else:
+                x, y = _diag_loop(q, k, g, kn, gc, s0, eos, H, i_h, K, cols, mc, BC)
+                acc_a += x
+                acc_k += y
+            # gc is the cumsum from the 64-token chunk's start: the sub-chunk's own starts after row s0 - 1
+            base = tl.where(sub > 0, _ld_row(gc, tl.maximum(s0 - 1, t0), eos, H, i_h, K, cols, mc), 0.)
+            gl = _ld_row(gc, last, eos, H, i_h, K, cols, mc)
+            eg = tl.exp2(tl.where(mr[:, None], g - base[None, :], 0.))
+            _st_blk(Kg, (k * eg).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
+            _st_blk(Qg, (q * eg * scale).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
+            _st_blk(Kd, (k * tl.exp2(tl.where(mr[:, None], gl[None, :] - g, 0.))).to(DT), rows, eos, H, i_h, K,
+                    i_k * BK, BK)
+            tl.store(Gl + (i_s.to(tl.int64) * H + i_h) * K + cols, gl - base, mask=mc)
+        b = tl.load(bs + rows * H + i_h, mask=mr, other=0.)
+        m = _inv_unit_lower(b[:, None] * tl.where(o_c[:, None] > o_c[None, :], acc_k, 0.), BC)
+        _st_blk(Ts, (m * b[None, :]).to(DT), rows, eos, H, i_h, BC, 0, BC)
+        _st_blk(As, (tl.where(o_c[:, None] >= o_c[None, :], acc_a, 0.) * scale).to(DT), rows, eos, H, i_h, BC, 0,
+                BC)
+
+    @triton.jit
+    def _rec_fwd_kernel(Kg, Qg, Kd, Gl, Ts, As, v, h0, ht, hs, o, cu, chunk_off, H, K: tl.constexpr,
+                        V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
+                        HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_STATES: tl.constexpr,
+                        PREC: tl.constexpr):
+        """The recurrence over 16-token sub-chunks with the output formed on the way, one program per sequence,
+        head and value tile, the state S [K, BV] in registers throughout:
+            Vn = T (v - Kg S);  O = Qg S + Aqk Vn;  S <- Diag(exp(Gam_last)) S + Kd^T Vn.
+        STORE_STATES: S entering every 64-token chunk (hs, as _state_fwd_kernel)."""
+        i_v = tl.program_id(0) % tl.cdiv(V, BV)
+        i_nh = tl.program_id(0) // tl.cdiv(V, BV)
+        n = i_nh // H
+        i_h = i_nh % H
+        bos = tl.load(cu + n).to(tl.int64)
+        eos = tl.load(cu + n + 1).to(tl.int64)
+        c0 = tl.load(chunk_off + n).to(tl.int64)
+        o_k = tl.arange(0, BK)
+        mk = o_k < K
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = o_v < V
+        o_c = tl.arange(0, BC)
+        DT = Kg.dtype.element_ty
+        s_off = (i_nh.to(tl.int64) * K + o_k[:, None]) * V + o_v[None, :]
+        m_s = mk[:, None] & mv[None, :]
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+        if HAS_H0:
+            S += tl.load(h0 + s_off, mask=m_s, other=0.)
+        for c in range(0, tl.cdiv(eos - bos, BC)):
+            rows = bos + c * BC + o_c
+            mr = rows < eos
+            if STORE_STATES:
+                if c % (BT // BC) == 0:
+                    tl.store(hs + ((c0 + c // (BT // BC)) * H * K + i_h * K + o_k[:, None]) * V + o_v[None, :],
+                             S.to(hs.dtype.element_ty), mask=m_s)
+            offk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+            offc = (rows[:, None] * H + i_h) * BC + o_c[None, :]
+            offv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+            mrk = mr[:, None] & mk[None, :]
+            mrv = mr[:, None] & mv[None, :]
+            Sd = S.to(DT)
+            x = tl.dot(tl.load(Kg + offk, mask=mrk, other=0.), Sd, input_precision=PREC)
+            u = tl.load(v + offv, mask=mrv, other=0.).to(tl.float32)
+            t = tl.load(Ts + offc, mask=mr[:, None], other=0.).to(tl.float32)
+            vd = tl.dot(t, u - x, input_precision=PREC).to(DT)
+            a = tl.load(As + offc, mask=mr[:, None], other=0.)
+            out = tl.dot(tl.load(Qg + offk, mask=mrk, other=0.), Sd, input_precision=PREC)
+            out = tl.dot(a, vd, acc=out, input_precision=PREC)
+            tl.store(o + offv, out.to(o.dtype.element_ty), mask=mrv)
+            # the sub-chunk's global index in Gl: 4 per 64-token chunk of the sequence
+            gl = tl.load(Gl + ((c0 * (BT // BC) + c) * H + i_h) * K + o_k, mask=mk, other=0.)
+            kd = tl.load(Kd + offk, mask=mrk, other=0.)
+            S = S * tl.exp2(gl)[:, None] + tl.dot(tl.trans(kd), vd, input_precision=PREC)
+        if STORE_FINAL:
+            tl.store(ht + s_off, S, mask=m_s)
+
+
 def _diag_inv(safe):
     """Where the inverses of the diagonal 16x16 blocks are formed, KIMI3_KDA_DIAG_INV: 0 inside the pairwise kernel,
     1 in `_diag_inv_kernel`, 2 at the end of `_diag_fwd_kernel` (one launch and one read of the blocks fewer). Default:
@@ -443,6 +665,35 @@ def _diag_inv(safe):
 def _prec(dtype):
     # fp32 inputs: 3xTF32 matmuls (about fp32 accuracy); bf16/fp16: one pass
     return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _pairs():
+    """How the forward forms Aqk and P for bounded gates, KIMI3_KDA_PAIRS: "tiles" (default) the diagonal 16x16 tiles
+    in `_diag_fwd_kernel` and the six below them in `_intra_fwd_kernel`; "rows" all of them in `_pairs_fwd_kernel`,
+    one matmul per 16-row block row and K slice, then the solve in `_solve_fwd_kernel`. Unbounded gates always take
+    the tiles (their diagonal tiles may need the per-column loop). "rows" is not timed yet (bench/README)."""
+    mode = env("KIMI3_KDA_PAIRS", "").strip() or "tiles"
+    if mode not in ("tiles", "rows"):
+        raise ValueError(f"KIMI3_KDA_PAIRS must be 'tiles' or 'rows', got {mode!r}")
+    return mode
+
+
+def _pairs_rows(qn, kn, gc, bs, Aqk, Mo, Po, Tm, info, scale, store_bwd):
+    TT, H, K = qn.shape
+    BT = CHUNK_SIZE
+    # P whole, fp32: the backward keeps it (Po) or the solve reads it once
+    Pf = Po if store_bwd else torch.empty(TT, H, BT, device=qn.device, dtype=torch.float32)
+    Md = torch.empty(TT, H, 16, device=qn.device, dtype=torch.float32)
+    bk, warps, stages, regs = launch_config("pairs_fwd")
+    _pairs_fwd_kernel[(info.NC, H)](qn, kn, gc, Aqk, Pf, info.chunk_tab, info.cu, scale, H=H, K=K,
+                                    BK=min(bk, next_pow2(K)), BT=BT, BC=16, PREC=_prec(qn.dtype),
+                                    num_warps=warps, num_stages=stages, **regs)
+    _, warps, stages, regs = launch_config("diag_inv")
+    _diag_inv_kernel[(info.NC * (BT // 16), H)](Pf, bs, Md, info.chunk_tab, info.cu, H=H, BT=BT, BC=16, PW=BT,
+                                                 num_warps=warps, num_stages=stages, **regs)
+    _, warps, stages, regs = launch_config("solve_fwd")
+    _solve_fwd_kernel[(info.NC, H)](Pf, bs, Mo, Tm, Md, info.chunk_tab, info.cu, H=H, BT=BT, BC=16,
+                                    STORE_BWD=store_bwd, num_warps=warps, num_stages=stages, **regs)
 
 
 def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
@@ -465,8 +716,10 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
     # unbounded gates: the chunks with a diagonal tile too steep for one matmul (the backward runs them apart)
     steep = None if safe else torch.zeros(max(info.NC, 1), H, device=dev, dtype=torch.int8)
     Tm = torch.empty(TT, H, BT, device=dev, dtype=DT)
-    Pd = torch.empty(TT, H, 16, device=dev, dtype=torch.float32)  # the diagonal tiles' key-key products
-    if info.NC > 0:
+    if info.NC > 0 and safe and _pairs() == "rows":
+        _pairs_rows(qn, kn, gc, bs, Aqk, Mo, Po, Tm, info, scale, store_bwd)
+    elif info.NC > 0:
+        Pd = torch.empty(TT, H, 16, device=dev, dtype=torch.float32)  # the diagonal tiles' key-key products
         # The diagonal 16x16 tiles in their own kernel (a quarter of a chunk per program, few registers), the
         # off-diagonal ones and the solve in the pairwise kernel: forward 1.38x at H=32, T=16K and 1.05x at H=96
         # on the H200 against the diagonal tiles inside the pairwise kernel, which, like splitting the pairwise
@@ -482,13 +735,14 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
         if inv == 1:
             _, warps, stages, regs = launch_config("diag_inv")
             _diag_inv_kernel[(info.NC * (BT // 16), H)](Pd, bs, Md, info.chunk_tab, info.cu, H=H, BT=BT, BC=16,
-                                                         num_warps=warps, num_stages=stages, **regs)
+                                                         PW=16, num_warps=warps, num_stages=stages, **regs)
         # at K = 128 the pairwise kernel sits at sm_90's 255-register cap
         bk, warps, stages, regs = launch_config("intra_fwd")
         _intra_fwd_kernel[(info.NC, H)](
             qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, Md, info.chunk_tab, info.cu, scale,
             H=H, K=K, BK=min(bk, next_pow2(K)), BT=BT, BC=16, STORE_BWD=store_bwd, PREC=_prec(DT), MINV=inv > 0,
             num_warps=warps, num_stages=stages, **regs)
+    if info.NC > 0:
         bk, warps, stages, regs = launch_config("wu_fwd")
         _wu_fwd_kernel[(info.NC, H)](
             qn, kn, v, gc, Tm, W, U, Qg, Kd, info.chunk_tab, info.cu, scale, H=H, K=K, V=V,
@@ -538,3 +792,52 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, states_dtype, s
                 BV=BVo, BT=CHUNK_SIZE, PREC=_prec(W.dtype), num_warps=warps, num_stages=stages, **regs)
     hs = hs[:info.NC] if states_dtype is not None else None
     return o, ht, hs, vn
+
+
+def fwd16():
+    """KIMI3_KDA_FWD16=1: the inference forward (no autograd) in 16-token sub-chunks, `sub16_fwd`, in place of the
+    64-token chunks' pairwise, solve, W/U, scan and output kernels. Not timed yet, so off by default (bench/README)."""
+    mode = env("KIMI3_KDA_FWD16", "").strip() or "0"
+    if mode not in ("0", "1"):
+        raise ValueError(f"KIMI3_KDA_FWD16 must be 0 or 1, got {mode!r}")
+    return mode == "1"
+
+
+def sub16_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, h0, out_dtype, output_final_state, states_dtype, o=None):
+    """The forward in 16-token sub-chunks: `_sub_fwd_kernel` (per sub-chunk: the diagonal tile, its 16x16 inverse,
+    Kg, Qg, Kd; fully parallel), then `_rec_fwd_kernel` (the recurrence with the output, parallel over sequences,
+    heads and value tiles). Same returns as `state_fwd` without v_new: (o, final state, chunk states)."""
+    TT, H, K = qn.shape
+    V = v.shape[-1]
+    dev = qn.device
+    DT = qn.dtype
+    BT, BC = CHUNK_SIZE, 16
+    if o is None:
+        o = torch.empty(TT, H, V, device=dev, dtype=out_dtype)
+    ht = torch.empty(info.N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    hs = torch.empty(max(info.NC, 1), H, K, V, device=dev, dtype=states_dtype) if states_dtype is not None else None
+    if info.NC > 0:
+        Kg = torch.empty(TT, H, K, device=dev, dtype=DT)
+        Qg = torch.empty_like(Kg)
+        Kd = torch.empty_like(Kg)
+        Ts = torch.empty(TT, H, BC, device=dev, dtype=DT)
+        As = torch.empty_like(Ts)
+        Gl = torch.empty(info.NC * (BT // BC), H, K, device=dev, dtype=torch.float32)
+        safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
+        bk, warps, stages, regs = launch_config("sub_fwd")
+        _sub_fwd_kernel[(info.NC * (BT // BC), H)](
+            qn, kn, gc, bs, Kg, Qg, Kd, Gl, Ts, As, info.chunk_tab, info.cu, scale, DENSE_MAX_SPAN, H=H, K=K,
+            BK=min(bk, next_pow2(K)), BT=BT, BC=BC, SAFE=safe, PREC=_prec(DT), num_warps=warps, num_stages=stages,
+            **regs)
+    if info.N > 0:
+        bv, warps, stages, regs = launch_config("rec_fwd")
+        BV = min(bv, next_pow2(V))
+        dummy = qn
+        _rec_fwd_kernel[(cdiv(V, BV) * info.N * H,)](
+            Kg if info.NC > 0 else dummy, Qg if info.NC > 0 else dummy, Kd if info.NC > 0 else dummy,
+            Gl if info.NC > 0 else dummy, Ts if info.NC > 0 else dummy, As if info.NC > 0 else dummy, v,
+            h0 if h0 is not None else dummy, ht if ht is not None else dummy, hs if hs is not None else dummy, o,
+            info.cu, info.chunk_off, H=H, K=K, V=V, BK=next_pow2(K), BV=BV, BC=BC, BT=BT, HAS_H0=h0 is not None,
+            STORE_FINAL=output_final_state, STORE_STATES=hs is not None, PREC=_prec(DT), num_warps=warps,
+            num_stages=stages, **regs)
+    return o, ht, (hs[:info.NC] if hs is not None else None)
