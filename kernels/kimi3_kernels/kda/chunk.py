@@ -53,17 +53,19 @@ class ChunkKDAFunction(torch.autograd.Function):
         # intermediates (normalised q/k, W, U, ...) are kept in the input dtype; the Triton CPU interpreter
         # cannot multiply bf16 matrices, so it keeps them in fp32
         inter = torch.float32 if (interpreter_enabled() or q.dtype == torch.float32) else q.dtype
-        qn, kn, gc, bs, rq, rk = prep_fwd(qf, kf, gf, bf, A_log_c, dt_c, lower_bound, use_l2, info, inter)
         # KIMI3_KDA_SAVE_FWD=1 (default) keeps what the backward needs (per-chunk M, P, W, U, ..., the chunk states and
         # v_new) instead of recomputing it: less time, ~(2 * 64 * 4 + 8 K) bytes per token and head more memory.
         # The chunk states are kept in the matmul dtype, as the output kernel reads them (fp32 when asked for).
-        save = _save_fwd() and any(ctx.needs_input_grad)
-        states = torch.float32 if return_chunk_states else (qn.dtype if save else None)
+        grad = any(ctx.needs_input_grad)
+        save = _save_fwd() and grad
         o = torch.zeros(B * T, H, V, device=q.device, dtype=q.dtype) if info.tokens < B * T else None
-        if not save and fwd16():
-            o, ht, hs = sub16_fwd(qn, kn, vf, gc, bs, scale, lower_bound, info, h0, q.dtype, output_final_state,
-                                  states, o=o)
+        if not grad and fwd16():  # no preparation kernels: the sub-chunk kernel reads the raw inputs
+            o, ht, hs = sub16_fwd(qf, kf, vf, gf, bf, A_log_c, dt_c, scale, lower_bound, use_l2, info, h0, inter,
+                                  q.dtype, output_final_state, torch.float32 if return_chunk_states else None, o=o)
+            qn = kn = gc = bs = rq = rk = None
         else:
+            qn, kn, gc, bs, rq, rk = prep_fwd(qf, kf, gf, bf, A_log_c, dt_c, lower_bound, use_l2, info, inter)
+            states = torch.float32 if return_chunk_states else (qn.dtype if save else None)
             I = intra_fwd(qn, kn, vf, gc, bs, scale, lower_bound, info, store_bwd=save)
             o, ht, hs, vn = state_fwd(I, gc, h0, info, V, q.dtype, output_final_state, states, save, True, o=o)
         ctx.saved_fwd = (I, hs, vn) if save else None

@@ -34,6 +34,8 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
+    from .gate import _softplus
+
     @triton.jit
     def _ld(ptr, rows, eos, H, i_h, D: tl.constexpr, cols, mc):
         m = (rows < eos)[:, None] & mc[None, :]
@@ -539,57 +541,83 @@ if TRITON_AVAILABLE:
 
 
     @triton.jit
-    def _sub_fwd_kernel(qn, kn, gc, bs, Kg, Qg, Kd, Gl, Ts, As, tab, cu, scale, max_span, H, K: tl.constexpr,
-                        BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SAFE: tl.constexpr,
-                        PREC: tl.constexpr):
-        """Inference forward in 16-token sub-chunks (KIMI3_KDA_FWD16=1), one program per sub-chunk and head: the
-        diagonal tile's Aqk and P as in _diag_fwd_kernel, T = (I + Diag(beta) P)^-1 Diag(beta), and, with Gam the
-        cumsum from the sub-chunk's start, Kg = k exp(Gam), Qg = scale q exp(Gam), Kd = k exp(Gam_last - Gam) and
-        Gam_last itself, everything _rec_fwd_kernel needs: nothing of 64-token chunks is formed or kept."""
+    def _row(x, i, o_c):
+        """Row i of a register tile (a masked reduction: for the rare per-column loop and the reference rows)."""
+        return tl.sum(tl.where(o_c[:, None] == i, x, 0.), 0)
+
+    @triton.jit
+    def _sub_fwd_kernel(q, k, f, beta, A_log, dt_bias, Kg, Qg, Kd, Gl, Ts, As, tab, cu, scale, lower_bound,
+                        max_span, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                        SAFE: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
+        """Inference forward in 16-token sub-chunks (KIMI3_KDA_FWD16=1), one program per sub-chunk and head, from the
+        raw inputs: the L2 norms, sigmoid(beta), the gate and its cumsum Gam from the sub-chunk's start (no
+        preparation kernels, nothing per 64-token chunk); the diagonal tile's Aqk and P (one matmul per K slice, or
+        the per-column loop for a steep unbounded gate, as _diag_fwd_kernel), T = (I + Diag(beta) P)^-1 Diag(beta);
+        Kg = k exp(Gam), Qg = scale q exp(Gam), Kd = k exp(Gam_last - Gam) and Gam_last, for _rec_fwd_kernel."""
         i_s = tl.program_id(0)
         i_h = tl.program_id(1)
-        i_c = i_s // (BT // BC)
-        sub = i_s % (BT // BC)
-        _, t0, eos = _chunk_span(tab, cu, i_c)
-        s0 = t0 + sub * BC
+        _, t0, eos = _chunk_span(tab, cu, i_s // (BT // BC))
+        s0 = t0 + (i_s % (BT // BC)) * BC
         o_c = tl.arange(0, BC)
         rows = s0 + o_c
         mr = rows < eos
-        last = tl.maximum(tl.minimum(eos, s0 + BC) - 1, s0)
+        n_valid = tl.minimum(eos - s0, BC)
         DT = Kg.dtype.element_ty
+        a_h = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        rq = tl.full([BC], 1., tl.float32)
+        rk = tl.full([BC], 1., tl.float32)
+        if L2:  # a first pass over K for the norms (the second reads the same rows again, from cache)
+            sq = tl.zeros([BC], dtype=tl.float32)
+            sk = tl.zeros([BC], dtype=tl.float32)
+            for i_k in range(0, tl.cdiv(K, BK)):
+                cols = i_k * BK + tl.arange(0, BK)
+                mc = cols < K
+                x = _ld(q, rows, eos, H, i_h, K, cols, mc)
+                y = _ld(k, rows, eos, H, i_h, K, cols, mc)
+                sq += tl.sum(x * x, 1)
+                sk += tl.sum(y * y, 1)
+            rq = 1.0 / tl.sqrt(sq + 1e-6)
+            rk = 1.0 / tl.sqrt(sk + 1e-6)
         acc_a = tl.zeros([BC, BC], dtype=tl.float32)
         acc_k = tl.zeros([BC, BC], dtype=tl.float32)
         for i_k in range(0, tl.cdiv(K, BK)):
             cols = i_k * BK + tl.arange(0, BK)
             mc = cols < K
-            q = _ld(qn, rows, eos, H, i_h, K, cols, mc)
-            k = _ld(kn, rows, eos, H, i_h, K, cols, mc)
-            g = _ld(gc, rows, eos, H, i_h, K, cols, mc)
-            ref = _ld_row(gc, tl.minimum(s0, last), eos, H, i_h, K, cols, mc)
+            m = mr[:, None] & mc[None, :]
+            qq = _ld(q, rows, eos, H, i_h, K, cols, mc) * rq[:, None]
+            kk = _ld(k, rows, eos, H, i_h, K, cols, mc) * rk[:, None]
+            x = _ld(f, rows, eos, H, i_h, K, cols, mc) + tl.load(dt_bias + i_h * K + cols, mask=mc, other=0.)[None, :]
+            if USE_LB:
+                gv = lower_bound * tl.sigmoid(a_h * x)
+            else:
+                gv = -a_h * _softplus(x)
+            g = tl.cumsum(tl.where(m, gv, 0.) * 1.4426950408889634, axis=0)  # log2 units, from the sub-chunk start
+            ref = _row(g, 0, o_c)
+            gl = _row(g, n_valid - 1, o_c)
             dense = SAFE
             if not SAFE:
-                dense = _tile_span(g, ref, mr[:, None] & mc[None, :]) <= max_span
+                dense = _tile_span(g, ref, m) <= max_span
             if dense:
                 e = tl.exp2(tl.where(mr[:, None], g - ref[None, :], 0.))
-                kt = tl.trans(k * tl.exp2(ref[None, :] - g))
-                acc_a += tl.dot(q * e, kt, input_precision=PREC)
-                acc_k += tl.dot(k * e, kt, input_precision=PREC)
-            else:
-                x, y = _diag_loop(q, k, g, kn, gc, s0, eos, H, i_h, K, cols, mc, BC)
-                acc_a += x
-                acc_k += y
-            # gc is the cumsum from the 64-token chunk's start: the sub-chunk's own starts after row s0 - 1
-            base = tl.where(sub > 0, _ld_row(gc, tl.maximum(s0 - 1, t0), eos, H, i_h, K, cols, mc), 0.)
-            gl = _ld_row(gc, last, eos, H, i_h, K, cols, mc)
-            eg = tl.exp2(tl.where(mr[:, None], g - base[None, :], 0.))
-            _st_blk(Kg, (k * eg).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
-            _st_blk(Qg, (q * eg * scale).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
-            _st_blk(Kd, (k * tl.exp2(tl.where(mr[:, None], gl[None, :] - g, 0.))).to(DT), rows, eos, H, i_h, K,
+                kt = tl.trans(kk * tl.exp2(ref[None, :] - g))
+                acc_a += tl.dot(qq * e, kt, input_precision=PREC)
+                acc_k += tl.dot(kk * e, kt, input_precision=PREC)
+            else:  # column by column with per-pair exponents (all <= 1), the columns taken from registers
+                for j in range(0, BC):
+                    kj = _row(kk, j, o_c)
+                    ok = (o_c[:, None] >= j) & mr[:, None]
+                    ee = tl.exp2(tl.where(ok, g - _row(g, j, o_c)[None, :], -float("inf"))) * kj[None, :]
+                    acc_a += tl.where(o_c[None, :] == j, tl.sum(qq * ee, 1)[:, None], 0.)
+                    acc_k += tl.where(o_c[None, :] == j, tl.sum(kk * ee, 1)[:, None], 0.)
+            eg = tl.exp2(g)
+            _st_blk(Kg, (kk * eg).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
+            _st_blk(Qg, (qq * eg * scale).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
+            _st_blk(Kd, (kk * tl.exp2(tl.where(mr[:, None], gl[None, :] - g, 0.))).to(DT), rows, eos, H, i_h, K,
                     i_k * BK, BK)
-            tl.store(Gl + (i_s.to(tl.int64) * H + i_h) * K + cols, gl - base, mask=mc)
-        b = tl.load(bs + rows * H + i_h, mask=mr, other=0.)
-        m = _inv_unit_lower(b[:, None] * tl.where(o_c[:, None] > o_c[None, :], acc_k, 0.), BC)
-        _st_blk(Ts, (m * b[None, :]).to(DT), rows, eos, H, i_h, BC, 0, BC)
+            tl.store(Gl + (i_s.to(tl.int64) * H + i_h) * K + cols, gl, mask=mc)
+        b = tl.where(mr, tl.sigmoid(tl.load(beta + rows * H + i_h, mask=mr, other=0.).to(tl.float32)), 0.)
+        m_inv = _inv_unit_lower(b[:, None] * tl.where(o_c[:, None] > o_c[None, :], acc_k, 0.), BC)
+        _st_blk(Ts, (m_inv * b[None, :]).to(DT), rows, eos, H, i_h, BC, 0, BC)
         _st_blk(As, (tl.where(o_c[:, None] >= o_c[None, :], acc_a, 0.) * scale).to(DT), rows, eos, H, i_h, BC, 0,
                 BC)
 
@@ -796,48 +824,48 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, states_dtype, s
 
 def fwd16():
     """KIMI3_KDA_FWD16=1: the inference forward (no autograd) in 16-token sub-chunks, `sub16_fwd`, in place of the
-    64-token chunks' pairwise, solve, W/U, scan and output kernels. Not timed yet, so off by default (bench/README)."""
+    preparation kernels and the 64-token chunks' pairwise, solve, W/U, scan and output kernels. Not timed yet, so off
+    by default (bench/README)."""
     mode = env("KIMI3_KDA_FWD16", "").strip() or "0"
     if mode not in ("0", "1"):
         raise ValueError(f"KIMI3_KDA_FWD16 must be 0 or 1, got {mode!r}")
     return mode == "1"
 
 
-def sub16_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, h0, out_dtype, output_final_state, states_dtype, o=None):
-    """The forward in 16-token sub-chunks: `_sub_fwd_kernel` (per sub-chunk: the diagonal tile, its 16x16 inverse,
-    Kg, Qg, Kd; fully parallel), then `_rec_fwd_kernel` (the recurrence with the output, parallel over sequences,
-    heads and value tiles). Same returns as `state_fwd` without v_new: (o, final state, chunk states)."""
-    TT, H, K = qn.shape
+def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info, h0, inter_dtype, out_dtype,
+              output_final_state, states_dtype, o=None):
+    """The forward in 16-token sub-chunks, from the raw (flattened) inputs: `_sub_fwd_kernel` (per sub-chunk: norms,
+    gate, the diagonal tile and its 16x16 inverse, Kg, Qg, Kd; fully parallel), then `_rec_fwd_kernel` (the
+    recurrence with the output, parallel over sequences, heads and value tiles). Returns (o, final state, the states
+    at 64-token chunk boundaries or None)."""
+    TT, H, K = q.shape
     V = v.shape[-1]
-    dev = qn.device
-    DT = qn.dtype
+    dev = q.device
+    DT = inter_dtype
     BT, BC = CHUNK_SIZE, 16
     if o is None:
         o = torch.empty(TT, H, V, device=dev, dtype=out_dtype)
     ht = torch.empty(info.N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     hs = torch.empty(max(info.NC, 1), H, K, V, device=dev, dtype=states_dtype) if states_dtype is not None else None
+    Kg = torch.empty(TT, H, K, device=dev, dtype=DT)
+    Qg = torch.empty_like(Kg)
+    Kd = torch.empty_like(Kg)
+    Ts = torch.empty(TT, H, BC, device=dev, dtype=DT)
+    As = torch.empty_like(Ts)
+    Gl = torch.empty(max(info.NC, 1) * (BT // BC), H, K, device=dev, dtype=torch.float32)
     if info.NC > 0:
-        Kg = torch.empty(TT, H, K, device=dev, dtype=DT)
-        Qg = torch.empty_like(Kg)
-        Kd = torch.empty_like(Kg)
-        Ts = torch.empty(TT, H, BC, device=dev, dtype=DT)
-        As = torch.empty_like(Ts)
-        Gl = torch.empty(info.NC * (BT // BC), H, K, device=dev, dtype=torch.float32)
-        safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
         bk, warps, stages, regs = launch_config("sub_fwd")
         _sub_fwd_kernel[(info.NC * (BT // BC), H)](
-            qn, kn, gc, bs, Kg, Qg, Kd, Gl, Ts, As, info.chunk_tab, info.cu, scale, DENSE_MAX_SPAN, H=H, K=K,
-            BK=min(bk, next_pow2(K)), BT=BT, BC=BC, SAFE=safe, PREC=_prec(DT), num_warps=warps, num_stages=stages,
-            **regs)
+            q, k, f, beta, A_log, dt_bias, Kg, Qg, Kd, Gl, Ts, As, info.chunk_tab, info.cu, scale,
+            float(lower_bound) if lower_bound is not None else 0.0, DENSE_MAX_SPAN, H=H, K=K,
+            BK=min(bk, next_pow2(K)), BT=BT, BC=BC, SAFE=lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND,
+            USE_LB=lower_bound is not None, L2=use_l2, PREC=_prec(DT), num_warps=warps, num_stages=stages, **regs)
     if info.N > 0:
         bv, warps, stages, regs = launch_config("rec_fwd")
         BV = min(bv, next_pow2(V))
-        dummy = qn
         _rec_fwd_kernel[(cdiv(V, BV) * info.N * H,)](
-            Kg if info.NC > 0 else dummy, Qg if info.NC > 0 else dummy, Kd if info.NC > 0 else dummy,
-            Gl if info.NC > 0 else dummy, Ts if info.NC > 0 else dummy, As if info.NC > 0 else dummy, v,
-            h0 if h0 is not None else dummy, ht if ht is not None else dummy, hs if hs is not None else dummy, o,
-            info.cu, info.chunk_off, H=H, K=K, V=V, BK=next_pow2(K), BV=BV, BC=BC, BT=BT, HAS_H0=h0 is not None,
-            STORE_FINAL=output_final_state, STORE_STATES=hs is not None, PREC=_prec(DT), num_warps=warps,
-            num_stages=stages, **regs)
+            Kg, Qg, Kd, Gl, Ts, As, v, h0 if h0 is not None else Gl, ht if ht is not None else Gl,
+            hs if hs is not None else Gl, o, info.cu, info.chunk_off, H=H, K=K, V=V, BK=next_pow2(K), BV=BV, BC=BC,
+            BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, STORE_STATES=hs is not None,
+            PREC=_prec(DT), num_warps=warps, num_stages=stages, **regs)
     return o, ht, (hs[:info.NC] if hs is not None else None)
