@@ -191,7 +191,9 @@ def test_launch_config(monkeypatch):
     monkeypatch.delenv("KIMI3_KDA_FWD16", raising=False)
     assert not fwd16()
     monkeypatch.setenv("KIMI3_KDA_FWD16", "1")
-    assert fwd16()
+    assert fwd16() == "t"
+    monkeypatch.setenv("KIMI3_KDA_FWD16", "wu")
+    assert fwd16() == "wu"
     monkeypatch.setenv("KIMI3_KDA_FWD16", "yes")
     with pytest.raises(ValueError, match="KIMI3_KDA_FWD16"):
         fwd16()
@@ -376,24 +378,26 @@ def test_chunk_forward_sub16(lb, K, V, T, A_shift, launch, monkeypatch):
     kw = dict(A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0[:1], output_final_state=True,
               return_chunk_states=True)
     out = {}
-    for mode in ("0", "1"):
+    for mode in ("0", "1", "wu"):
         monkeypatch.setenv("KIMI3_KDA_FWD16", mode)
         out[mode] = chunk_kda(q, k, v, f, beta, **kw)
-    assert len(calls) == 1
+    assert len(calls) == 2
     ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0[:1])
-    o, s, cs = out["1"]
-    assert torch.isfinite(o).all() and rel(o, ro) < TOL[torch.float32] and rel(s, rs) < TOL[torch.float32]
-    assert all(rel(a, b) < 2e-5 for a, b in zip(out["1"], out["0"]))  # the same math, another chunking
-    assert cs.shape == out["0"][2].shape and torch.equal(cs[0], h0[0])
+    for mode in ("1", "wu"):  # the T form and the W/U form of the recurrence
+        o, s, cs = out[mode]
+        assert torch.isfinite(o).all() and rel(o, ro) < TOL[torch.float32] and rel(s, rs) < TOL[torch.float32]
+        assert all(rel(a, b) < 2e-5 for a, b in zip(out[mode], out["0"]))  # the same math, another chunking
+        assert cs.shape == out["0"][2].shape and torch.equal(cs[0], h0[0])
     # autograd keeps the 64-token kernels, which the backward reads
     with torch.enable_grad():
         chunk_kda(q.requires_grad_(), k, v, f, beta, **kw)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 @needs_triton
-def test_chunk_sub16_varlen(monkeypatch):
-    monkeypatch.setenv("KIMI3_KDA_FWD16", "1")
+@pytest.mark.parametrize("form", ["1", "wu"])
+def test_chunk_sub16_varlen(form, monkeypatch):
+    monkeypatch.setenv("KIMI3_KDA_FWD16", form)
     cu = torch.tensor([0, 0, 1, 66, 66, 97], dtype=torch.int32)  # empty, length-1, 65, empty, 31
     q, k, v, f, beta, A_log, dtb, h0 = make(1, 100, 2, 16, 16, N=5, seed=24)
     for lb in (-5.0, None):

@@ -546,14 +546,16 @@ if TRITON_AVAILABLE:
         return tl.sum(tl.where(o_c[:, None] == i, x, 0.), 0)
 
     @triton.jit
-    def _sub_fwd_kernel(q, k, f, beta, A_log, dt_bias, Kg, Qg, Kd, Gl, Ts, As, tab, cu, scale, lower_bound,
-                        max_span, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                        SAFE: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
+    def _sub_fwd_kernel(q, k, v, f, beta, A_log, dt_bias, Kg, Qg, Kd, Gl, Ts, As, U, tab, cu, scale, lower_bound,
+                        max_span, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
+                        BC: tl.constexpr, SAFE: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr,
+                        WU: tl.constexpr, PREC: tl.constexpr):
         """Inference forward in 16-token sub-chunks (KIMI3_KDA_FWD16=1), one program per sub-chunk and head, from the
         raw inputs: the L2 norms, sigmoid(beta), the gate and its cumsum Gam from the sub-chunk's start (no
         preparation kernels, nothing per 64-token chunk); the diagonal tile's Aqk and P (one matmul per K slice, or
         the per-column loop for a steep unbounded gate, as _diag_fwd_kernel), T = (I + Diag(beta) P)^-1 Diag(beta);
-        Kg = k exp(Gam), Qg = scale q exp(Gam), Kd = k exp(Gam_last - Gam) and Gam_last, for _rec_fwd_kernel."""
+        Kg = k exp(Gam), Qg = scale q exp(Gam), Kd = k exp(Gam_last - Gam) and Gam_last, for _rec_fwd_kernel.
+        WU: W = T Kg in place of Kg and U = T v, so that the recurrence's chain has one matmul fewer per step."""
         i_s = tl.program_id(0)
         i_h = tl.program_id(1)
         _, t0, eos = _chunk_span(tab, cu, i_s // (BT // BC))
@@ -616,8 +618,20 @@ if TRITON_AVAILABLE:
                     i_k * BK, BK)
             tl.store(Gl + (i_s.to(tl.int64) * H + i_h) * K + cols, gl, mask=mc)
         b = tl.where(mr, tl.sigmoid(tl.load(beta + rows * H + i_h, mask=mr, other=0.).to(tl.float32)), 0.)
-        m_inv = _inv_unit_lower(b[:, None] * tl.where(o_c[:, None] > o_c[None, :], acc_k, 0.), BC)
-        _st_blk(Ts, (m_inv * b[None, :]).to(DT), rows, eos, H, i_h, BC, 0, BC)
+        tm = _inv_unit_lower(b[:, None] * tl.where(o_c[:, None] > o_c[None, :], acc_k, 0.), BC) * b[None, :]
+        if WU:
+            tl.debug_barrier()  # Kg's rows, stored above by other lanes, are read back and overwritten with W
+            for i_k in range(0, tl.cdiv(K, BK)):
+                cols = i_k * BK + tl.arange(0, BK)
+                kg = _ld(Kg, rows, eos, H, i_h, K, cols, cols < K)
+                tl.debug_barrier()
+                _st_blk(Kg, tl.dot(tm, kg, input_precision=PREC).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
+            for i_v in range(0, tl.cdiv(V, BK)):
+                cols = i_v * BK + tl.arange(0, BK)
+                _st_blk(U, tl.dot(tm, _ld(v, rows, eos, H, i_h, V, cols, cols < V), input_precision=PREC).to(DT),
+                        rows, eos, H, i_h, V, i_v * BK, BK)
+        else:
+            _st_blk(Ts, tm.to(DT), rows, eos, H, i_h, BC, 0, BC)
         _st_blk(As, (tl.where(o_c[:, None] >= o_c[None, :], acc_a, 0.) * scale).to(DT), rows, eos, H, i_h, BC, 0,
                 BC)
 
@@ -625,10 +639,11 @@ if TRITON_AVAILABLE:
     def _rec_fwd_kernel(Kg, Qg, Kd, Gl, Ts, As, v, h0, ht, hs, o, cu, chunk_off, H, K: tl.constexpr,
                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
                         HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_STATES: tl.constexpr,
-                        PREC: tl.constexpr):
+                        WU: tl.constexpr, PREC: tl.constexpr):
         """The recurrence over 16-token sub-chunks with the output formed on the way, one program per sequence,
         head and value tile, the state S [K, BV] in registers throughout:
             Vn = T (v - Kg S);  O = Qg S + Aqk Vn;  S <- Diag(exp(Gam_last)) S + Kd^T Vn.
+        WU: Kg holds W = T Kg and v holds U = T v, and Vn = U - W S.
         STORE_STATES: S entering every 64-token chunk (hs, as _state_fwd_kernel)."""
         i_v = tl.program_id(0) % tl.cdiv(V, BV)
         i_nh = tl.program_id(0) // tl.cdiv(V, BV)
@@ -663,8 +678,11 @@ if TRITON_AVAILABLE:
             Sd = S.to(DT)
             x = tl.dot(tl.load(Kg + offk, mask=mrk, other=0.), Sd, input_precision=PREC)
             u = tl.load(v + offv, mask=mrv, other=0.).to(tl.float32)
-            t = tl.load(Ts + offc, mask=mr[:, None], other=0.).to(tl.float32)
-            vd = tl.dot(t, u - x, input_precision=PREC).to(DT)
+            if WU:
+                vd = (u - x).to(DT)
+            else:
+                t = tl.load(Ts + offc, mask=mr[:, None], other=0.).to(tl.float32)
+                vd = tl.dot(t, u - x, input_precision=PREC).to(DT)
             a = tl.load(As + offc, mask=mr[:, None], other=0.)
             out = tl.dot(tl.load(Qg + offk, mask=mrk, other=0.), Sd, input_precision=PREC)
             out = tl.dot(a, vd, acc=out, input_precision=PREC)
@@ -823,21 +841,23 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, states_dtype, s
 
 
 def fwd16():
-    """KIMI3_KDA_FWD16=1: the inference forward (no autograd) in 16-token sub-chunks, `sub16_fwd`, in place of the
-    preparation kernels and the 64-token chunks' pairwise, solve, W/U, scan and output kernels. Not timed yet, so off
-    by default (bench/README)."""
+    """KIMI3_KDA_FWD16: the inference forward (no autograd) in 16-token sub-chunks, `sub16_fwd`, in place of the
+    preparation kernels and the 64-token chunks' pairwise, solve, W/U, scan and output kernels: "1" with the
+    recurrence in the T form, "wu" in the W/U form; "0" off. Returns None (off), "t" or "wu"."""
     mode = env("KIMI3_KDA_FWD16", "").strip() or "0"
-    if mode not in ("0", "1"):
-        raise ValueError(f"KIMI3_KDA_FWD16 must be 0 or 1, got {mode!r}")
-    return mode == "1"
+    if mode not in ("0", "1", "wu"):
+        raise ValueError(f"KIMI3_KDA_FWD16 must be 0, 1 or wu, got {mode!r}")
+    return {"0": None, "1": "t", "wu": "wu"}[mode]
 
 
 def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info, h0, inter_dtype, out_dtype,
-              output_final_state, states_dtype, o=None):
+              output_final_state, states_dtype, o=None, form="t"):
     """The forward in 16-token sub-chunks, from the raw (flattened) inputs: `_sub_fwd_kernel` (per sub-chunk: norms,
     gate, the diagonal tile and its 16x16 inverse, Kg, Qg, Kd; fully parallel), then `_rec_fwd_kernel` (the
-    recurrence with the output, parallel over sequences, heads and value tiles). Returns (o, final state, the states
-    at 64-token chunk boundaries or None)."""
+    recurrence with the output, parallel over sequences, heads and value tiles). form "t": the recurrence applies
+    T per step; "wu": the sub-chunk kernel forms W = T Kg and U = T v. Returns (o, final state, the states at 64-token
+    chunk boundaries or None)."""
+    wu = form == "wu"
     TT, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -850,22 +870,24 @@ def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info
     Kg = torch.empty(TT, H, K, device=dev, dtype=DT)
     Qg = torch.empty_like(Kg)
     Kd = torch.empty_like(Kg)
-    Ts = torch.empty(TT, H, BC, device=dev, dtype=DT)
-    As = torch.empty_like(Ts)
+    As = torch.empty(TT, H, BC, device=dev, dtype=DT)
+    Ts = As.new_empty(0) if wu else torch.empty_like(As)
+    U = torch.empty(TT, H, V, device=dev, dtype=DT) if wu else Ts
     Gl = torch.empty(max(info.NC, 1) * (BT // BC), H, K, device=dev, dtype=torch.float32)
     if info.NC > 0:
         bk, warps, stages, regs = launch_config("sub_fwd")
         _sub_fwd_kernel[(info.NC * (BT // BC), H)](
-            q, k, f, beta, A_log, dt_bias, Kg, Qg, Kd, Gl, Ts, As, info.chunk_tab, info.cu, scale,
-            float(lower_bound) if lower_bound is not None else 0.0, DENSE_MAX_SPAN, H=H, K=K,
+            q, k, v, f, beta, A_log, dt_bias, Kg, Qg, Kd, Gl, Ts, As, U, info.chunk_tab, info.cu, scale,
+            float(lower_bound) if lower_bound is not None else 0.0, DENSE_MAX_SPAN, H=H, K=K, V=V,
             BK=min(bk, next_pow2(K)), BT=BT, BC=BC, SAFE=lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND,
-            USE_LB=lower_bound is not None, L2=use_l2, PREC=_prec(DT), num_warps=warps, num_stages=stages, **regs)
+            USE_LB=lower_bound is not None, L2=use_l2, WU=wu, PREC=_prec(DT), num_warps=warps, num_stages=stages,
+            **regs)
     if info.N > 0:
         bv, warps, stages, regs = launch_config("rec_fwd")
         BV = min(bv, next_pow2(V))
         _rec_fwd_kernel[(cdiv(V, BV) * info.N * H,)](
-            Kg, Qg, Kd, Gl, Ts, As, v, h0 if h0 is not None else Gl, ht if ht is not None else Gl,
+            Kg, Qg, Kd, Gl, Ts, As, U if wu else v, h0 if h0 is not None else Gl, ht if ht is not None else Gl,
             hs if hs is not None else Gl, o, info.cu, info.chunk_off, H=H, K=K, V=V, BK=next_pow2(K), BV=BV, BC=BC,
-            BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, STORE_STATES=hs is not None,
+            BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, STORE_STATES=hs is not None, WU=wu,
             PREC=_prec(DT), num_warps=warps, num_stages=stages, **regs)
     return o, ht, (hs[:info.NC] if hs is not None else None)
