@@ -22,8 +22,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kda import HAVE_FLA, backward, bench, inputs, kernel_ms  # noqa: E402  (puts this tree's kernels/ on the path)
-from kimi3_kernels.kda import chunk_kda  # noqa: E402
+from kda import HAVE_FLA, backward, bench, inputs, kernel_ms, rel  # noqa: E402  (puts this tree's kernels/ on the path)
+from kimi3_kernels.kda import chunk_kda, naive_chunk_kda  # noqa: E402
 
 
 def fla_fn(q, k, v, f, beta, A_log, dt_bias, lower_bound):
@@ -49,6 +49,21 @@ def compiled_resources():
                     rows.append(dict(kernel=name, key=str(key)[-160:], n_regs=kern.n_regs, n_spills=kern.n_spills,
                                      shared=kern.metadata.shared, num_warps=kern.metadata.num_warps))
     return rows
+
+
+def fp32_ref(q, k, v, f, beta, A_log, dt_bias, lower_bound):
+    """naive_chunk_kda's fp32 output, over groups of heads: it holds [H, T/64, 64, 64, K] fp32 tensors (2 MB per head
+    and chunk), so a group is kept to ~8 GB of each."""
+    K = q.shape[-1]
+    step = max(1, 2**18 // q.shape[1])
+    outs = []
+    with torch.no_grad():
+        for h in range(0, q.shape[2], step):
+            hs = slice(h, h + step)
+            outs.append(naive_chunk_kda(*(x[:, :, hs].float() for x in (q, k, v, f, beta)), A_log=A_log[hs],
+                                        dt_bias=dt_bias[h * K:(h + step) * K], lower_bound=lower_bound)[0])
+            torch.cuda.empty_cache()
+    return torch.cat(outs, 2)
 
 
 def load_base(folder, i=0):
@@ -78,6 +93,9 @@ def main():
     ap.add_argument("--fla", action="store_true",
                     help="fla's chunk_kda as one more variant (forward only: fla autotunes its backward for minutes)")
     ap.add_argument("--regs", action="store_true", help="registers and spills of the compiled forward kernels")
+    ap.add_argument("--ref", type=int, default=0, metavar="TOKENS",
+                    help="each variant's output error against the fp32 PyTorch chunk reference (naive_chunk_kda) on "
+                         "the same bf16 inputs, at shapes of at most TOKENS * H tokens x heads (0: none)")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel CUDA time of each variant's forward (and forward+backward with --bwd)")
     args = ap.parse_args()
@@ -103,6 +121,7 @@ def main():
         qq, kk, vv, ff = (x.clone().requires_grad_() for x in (q, k, v, f))
         row = dict(H=H, T=T, gate=gate, fwd_ms={}, fwdbwd_ms={}, kernels_ms={}, out_rel_to_first={})
         ref = gref = None
+        fref = fp32_ref(q, k, v, f, beta, A_log, dtb, lb) if T * H <= args.ref else None
         for rnd in range(args.rounds):
             for name, env, fn in variants:
                 old = {e: os.environ.get(e) for e in env}
@@ -121,6 +140,8 @@ def main():
                         o = fwd()[0].float()
                         ref = o if ref is None else ref
                         row["out_rel_to_first"][name] = ((o - ref).norm() / ref.norm()).item()
+                        if fref is not None:
+                            row.setdefault("out_rel_to_fp32_ref", {})[name] = rel(o, fref)
                         if args.bwd and name != "fla":  # the gradients of q, k, v, g against the first variant's
                             fb()
                             gs = [x.grad.float() for x in (qq, kk, vv, ff)]
@@ -146,7 +167,7 @@ def main():
             med = {n: sorted(ts)[len(ts) // 2] for n, ts in row[key].items()}
             row[key.replace("_ms", "_median_ms")] = med
             row[key.replace("_ms", "_speedup_vs_" + first)] = {n: med[first] / t for n, t in med.items()}
-        print(shape, json.dumps({k: row[k] for k in row if "median" in k or "speedup" in k or "rel_to_first" in k}),
+        print(shape, json.dumps({k: row[k] for k in row if "median" in k or "speedup" in k or "rel_to" in k}),
               flush=True)
         if args.profile:
             for key in ("kernels_ms", "kernels_fwdbwd_ms"):
@@ -157,7 +178,7 @@ def main():
             res["compiled"] = compiled_resources()
         with open(os.path.join(args.out, "kda_ab.json"), "w") as fh:
             json.dump(res, fh, indent=1)
-        del q, k, v, f, qq, kk, vv, ff, ref, gref
+        del q, k, v, f, qq, kk, vv, ff, ref, gref, fref
         torch.cuda.empty_cache()
 
 
