@@ -663,7 +663,14 @@ if TRITON_AVAILABLE:
         S = tl.zeros([BK, BV], dtype=tl.float32)
         if HAS_H0:
             S += tl.load(h0 + s_off, mask=m_s, other=0.)
-        for c in range(0, tl.cdiv(eos - bos, BC)):
+        n_sub = tl.cdiv(eos - bos, BC)
+        # the sub-chunk's global index in Gl: 4 per 64-token chunk of the sequence. Loaded a step ahead: the pipeliner
+        # leaves this load in place, and its latency sat on every step's chain before the state update (the masks as
+        # vectors: the interpreter refuses a scalar bool in a mask)
+        gl_row = Gl + (c0 * (BT // BC) * H + i_h) * K + o_k
+        gl = tl.load(gl_row, mask=mk & (o_k * 0 < n_sub), other=0.)
+        for c in range(0, n_sub):
+            gl_next = tl.load(gl_row + (c + 1) * H * K, mask=mk & (o_k * 0 + c + 1 < n_sub), other=0.)
             rows = bos + c * BC + o_c
             mr = rows < eos
             if STORE_STATES:
@@ -687,10 +694,9 @@ if TRITON_AVAILABLE:
             out = tl.dot(tl.load(Qg + offk, mask=mrk, other=0.), Sd, input_precision=PREC)
             out = tl.dot(a, vd, acc=out, input_precision=PREC)
             tl.store(o + offv, out.to(o.dtype.element_ty), mask=mrv)
-            # the sub-chunk's global index in Gl: 4 per 64-token chunk of the sequence
-            gl = tl.load(Gl + ((c0 * (BT // BC) + c) * H + i_h) * K + o_k, mask=mk, other=0.)
             kd = tl.load(Kd + offk, mask=mrk, other=0.)
             S = S * tl.exp2(gl)[:, None] + tl.dot(tl.trans(kd), vd, input_precision=PREC)
+            gl = gl_next
         if STORE_FINAL:
             tl.store(ht + s_off, S, mask=m_s)
 
