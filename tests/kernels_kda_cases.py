@@ -194,6 +194,8 @@ def test_launch_config(monkeypatch):
     assert fwd16() == "t"
     monkeypatch.setenv("KIMI3_KDA_FWD16", "wu")
     assert fwd16() == "wu"
+    monkeypatch.setenv("KIMI3_KDA_FWD16", "wut")
+    assert fwd16() == "wut"
     monkeypatch.setenv("KIMI3_KDA_FWD16", "yes")
     with pytest.raises(ValueError, match="KIMI3_KDA_FWD16"):
         fwd16()
@@ -363,7 +365,7 @@ def test_chunk_pairs_rows_varlen(monkeypatch):
                                                     # unbounded and steep: sub-chunks on both sides of the
                                                     # per-column loop's threshold
                                                     (None, 16, 16, 100, 3.0, "sub_fwd=16:2:1,rec_fwd=16:2:1"),
-                                                    (-5.0, 48, 32, 70, 3.0, "rec_fwd=64:4:3"),
+                                                    (-5.0, 48, 32, 70, 3.0, "rec_fwd=64:4:3,rec_t_fwd=16:2:1"),
                                                     (-5.0, 32, 64, 1, 0.0, "sub_fwd=64:4:1,rec_fwd=32:2:1")])
 def test_chunk_forward_sub16(lb, K, V, T, A_shift, launch, monkeypatch):
     """KIMI3_KDA_FWD16=1: the inference forward in 16-token sub-chunks (the diagonal tiles, their inverses and the
@@ -378,12 +380,12 @@ def test_chunk_forward_sub16(lb, K, V, T, A_shift, launch, monkeypatch):
     kw = dict(A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0[:1], output_final_state=True,
               return_chunk_states=True)
     out = {}
-    for mode in ("0", "1", "wu"):
+    for mode in ("0", "1", "wu", "wut"):
         monkeypatch.setenv("KIMI3_KDA_FWD16", mode)
         out[mode] = chunk_kda(q, k, v, f, beta, **kw)
-    assert len(calls) == 2
+    assert len(calls) == 3
     ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0[:1])
-    for mode in ("1", "wu"):  # the T form and the W/U form of the recurrence
+    for mode in ("1", "wu", "wut"):  # the T form, the W/U form, the W/U form with the state transposed
         o, s, cs = out[mode]
         assert torch.isfinite(o).all() and rel(o, ro) < TOL[torch.float32] and rel(s, rs) < TOL[torch.float32]
         assert all(rel(a, b) < 2e-5 for a, b in zip(out[mode], out["0"]))  # the same math, another chunking
@@ -391,11 +393,11 @@ def test_chunk_forward_sub16(lb, K, V, T, A_shift, launch, monkeypatch):
     # autograd keeps the 64-token kernels, which the backward reads
     with torch.enable_grad():
         chunk_kda(q.requires_grad_(), k, v, f, beta, **kw)
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 @needs_triton
-@pytest.mark.parametrize("form", ["1", "wu"])
+@pytest.mark.parametrize("form", ["1", "wu", "wut"])
 def test_chunk_sub16_varlen(form, monkeypatch):
     monkeypatch.setenv("KIMI3_KDA_FWD16", form)
     cu = torch.tensor([0, 0, 1, 66, 66, 97], dtype=torch.int32)  # empty, length-1, 65, empty, 31

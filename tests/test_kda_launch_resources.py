@@ -41,14 +41,16 @@ def record_launches():
             setattr(m, name, Recorder(obj))
         # H=2: the forward scan's small-grid tile; H=72: 144 programs at 64 wide, its large-grid tile
         # the last ones: bounded gates' Aqk and P by block rows (KIMI3_KDA_PAIRS=rows), forward and backward, and
-        # the inference forward in 16-token sub-chunks (KIMI3_KDA_FWD16=1; the training call takes 64-token chunks)
-        rows, sub16 = dict(KIMI3_KDA_PAIRS="rows"), dict(KIMI3_KDA_FWD16="1")
+        # the inference forward in 16-token sub-chunks (KIMI3_KDA_FWD16=1 and wut; the training call takes 64-token
+        # chunks)
+        rows, sub16, sub16t = dict(KIMI3_KDA_PAIRS="rows"), dict(KIMI3_KDA_FWD16="1"), dict(KIMI3_KDA_FWD16="wut")
         for dtype, lb, H, env in ((torch.bfloat16, -5.0, 2, {}), (torch.bfloat16, None, 2, {}),
                                   (torch.float32, -5.0, 2, {}), (torch.float32, None, 2, {}),
                                   (torch.bfloat16, -5.0, 72, {}), (torch.float32, -5.0, 72, {}),
                                   (torch.bfloat16, -5.0, 2, rows), (torch.float32, -5.0, 2, rows),
                                   (torch.bfloat16, -5.0, 2, sub16), (torch.bfloat16, None, 2, sub16),
-                                  (torch.float32, None, 2, sub16)):
+                                  (torch.float32, None, 2, sub16), (torch.bfloat16, -5.0, 2, sub16t),
+                                  (torch.float32, None, 2, sub16t)):
             for name in ENV:
                 os.environ.pop(name, None)
             os.environ.update(env)
@@ -121,7 +123,8 @@ def test_default_launches_fit_sm90_shared_memory():
     assert set(kernels) >= {"_gate_fwd_kernel", "_norm_fwd_kernel", "_diag_fwd_kernel", "_diag_inv_kernel",
                             "_intra_fwd_kernel", "_wu_fwd_kernel", "_state_fwd_kernel", "_output_fwd_kernel",
                             "_state_bwd_kernel", "_main_bwd_kernel", "_intra_bwd_kernel", "_prep_bwd_kernel",
-                            "_pairs_fwd_kernel", "_solve_fwd_kernel", "_sub_fwd_kernel", "_rec_fwd_kernel"}, kernels
+                            "_pairs_fwd_kernel", "_solve_fwd_kernel", "_sub_fwd_kernel", "_rec_fwd_kernel",
+                            "_rec_t_fwd_kernel"}, kernels
     # both scan tiles (small and large grids), in both dtypes
     assert sum("_state_fwd_kernel" in r for r in rows) >= 4, rows
     assert sum("_state_bwd_kernel" in r for r in rows) >= 4, rows  # the backward scan's two tiles too

@@ -148,6 +148,7 @@ LAUNCH_DEFAULTS = {
     "solve_fwd": (None, 2, 1),
     "sub_fwd": (32, 1, 1),
     "rec_fwd": (32, 4, 2),
+    "rec_t_fwd": (64, 4, 2),  # 64 value rows: one warpgroup's wgmma M
     "wu_fwd": (128, 8, 2),
     "state_fwd": (None, 4, None),
     "output_fwd": (64, 4, 2),

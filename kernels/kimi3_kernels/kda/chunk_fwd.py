@@ -701,6 +701,63 @@ if TRITON_AVAILABLE:
             tl.store(ht + s_off, S, mask=m_s)
 
 
+    @triton.jit
+    def _rec_t_fwd_kernel(W, Qg, Kd, Gl, As, U, h0, ht, hs, o, cu, chunk_off, H, K: tl.constexpr, V: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
+                          HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_STATES: tl.constexpr,
+                          PREC: tl.constexpr):
+        """The W/U recurrence over 16-token sub-chunks with the state transposed, S^T [BV, K] (KIMI3_KDA_FWD16=wut):
+            X^T = S^T W^T;  Vn^T = U^T - X^T;  O^T = S^T Qg^T + Vn^T Aqk^T;  S^T <- S^T Diag(exp(Gam_last)) + Vn^T Kd.
+        Every product on the step's chain takes its left operand from registers, as the accumulator the previous
+        product left (S^T, Vn^T); W, Qg, Aqk, U and Kd do not depend on the chain and arrive through the pipeliner.
+        The state in memory keeps the [K, V] layout (h0, ht, hs)."""
+        i_v = tl.program_id(0) % tl.cdiv(V, BV)
+        i_nh = tl.program_id(0) // tl.cdiv(V, BV)
+        n = i_nh // H
+        i_h = i_nh % H
+        bos = tl.load(cu + n).to(tl.int64)
+        eos = tl.load(cu + n + 1).to(tl.int64)
+        c0 = tl.load(chunk_off + n).to(tl.int64)
+        o_k = tl.arange(0, BK)
+        mk = o_k < K
+        o_v = i_v * BV + tl.arange(0, BV)
+        mv = o_v < V
+        o_c = tl.arange(0, BC)
+        DT = W.dtype.element_ty
+        s_off = (i_nh.to(tl.int64) * K + o_k[None, :]) * V + o_v[:, None]  # element (v, k) of a [K, V] state
+        m_s = mv[:, None] & mk[None, :]
+        S = tl.zeros([BV, BK], dtype=tl.float32)
+        if HAS_H0:
+            S += tl.load(h0 + s_off, mask=m_s, other=0.)
+        n_sub = tl.cdiv(eos - bos, BC)
+        gl_row = Gl + (c0 * (BT // BC) * H + i_h) * K + o_k  # as _rec_fwd_kernel: a step ahead
+        gl = tl.load(gl_row, mask=mk & (o_k * 0 < n_sub), other=0.)
+        for c in range(0, n_sub):
+            gl_next = tl.load(gl_row + (c + 1) * H * K, mask=mk & (o_k * 0 + c + 1 < n_sub), other=0.)
+            rows = bos + c * BC + o_c
+            mr = rows < eos
+            if STORE_STATES:
+                if c % (BT // BC) == 0:
+                    tl.store(hs + ((c0 + c // (BT // BC)) * H * K + i_h * K + o_k[None, :]) * V + o_v[:, None],
+                             S.to(hs.dtype.element_ty), mask=m_s)
+            offk_t = (rows[None, :] * H + i_h) * K + o_k[:, None]  # [BK, BC]: W^T, Qg^T
+            offv_t = (rows[None, :] * H + i_h) * V + o_v[:, None]  # [BV, BC]: U^T, O^T
+            mk_t = mk[:, None] & mr[None, :]
+            mv_t = mv[:, None] & mr[None, :]
+            Sd = S.to(DT)
+            x = tl.dot(Sd, tl.load(W + offk_t, mask=mk_t, other=0.), input_precision=PREC)
+            vd = (tl.load(U + offv_t, mask=mv_t, other=0.).to(tl.float32) - x).to(DT)
+            # Aqk^T: element (j, i) is Aqk[i, j], row i of As
+            a_t = tl.load(As + (rows[None, :] * H + i_h) * BC + o_c[:, None], mask=mr[None, :], other=0.)
+            out = tl.dot(Sd, tl.load(Qg + offk_t, mask=mk_t, other=0.), input_precision=PREC)
+            out = tl.dot(vd, a_t, acc=out, input_precision=PREC)
+            tl.store(o + offv_t, out.to(o.dtype.element_ty), mask=mv_t)
+            kd = tl.load(Kd + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mr[:, None] & mk[None, :], other=0.)
+            S = S * tl.exp2(gl)[None, :] + tl.dot(vd, kd, input_precision=PREC)
+            gl = gl_next
+        if STORE_FINAL:
+            tl.store(ht + s_off, S, mask=m_s)
+
 def _diag_inv(safe):
     """Where the inverses of the diagonal 16x16 blocks are formed, KIMI3_KDA_DIAG_INV: 0 inside the pairwise kernel,
     1 in `_diag_inv_kernel`, 2 at the end of `_diag_fwd_kernel` (one launch and one read of the blocks fewer). Default:
@@ -849,11 +906,12 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, states_dtype, s
 def fwd16():
     """KIMI3_KDA_FWD16: the inference forward (no autograd) in 16-token sub-chunks, `sub16_fwd`, in place of the
     preparation kernels and the 64-token chunks' pairwise, solve, W/U, scan and output kernels: "1" with the
-    recurrence in the T form, "wu" in the W/U form; "0" off. Returns None (off), "t" or "wu"."""
+    recurrence in the T form, "wu" in the W/U form, "wut" in the W/U form with the state transposed
+    (`_rec_t_fwd_kernel`); "0" off. Returns None (off), "t", "wu" or "wut"."""
     mode = env("KIMI3_KDA_FWD16", "").strip() or "0"
-    if mode not in ("0", "1", "wu"):
-        raise ValueError(f"KIMI3_KDA_FWD16 must be 0, 1 or wu, got {mode!r}")
-    return {"0": None, "1": "t", "wu": "wu"}[mode]
+    if mode not in ("0", "1", "wu", "wut"):
+        raise ValueError(f"KIMI3_KDA_FWD16 must be 0, 1, wu or wut, got {mode!r}")
+    return {"0": None, "1": "t", "wu": "wu", "wut": "wut"}[mode]
 
 
 def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info, h0, inter_dtype, out_dtype,
@@ -861,9 +919,9 @@ def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info
     """The forward in 16-token sub-chunks, from the raw (flattened) inputs: `_sub_fwd_kernel` (per sub-chunk: norms,
     gate, the diagonal tile and its 16x16 inverse, Kg, Qg, Kd; fully parallel), then `_rec_fwd_kernel` (the
     recurrence with the output, parallel over sequences, heads and value tiles). form "t": the recurrence applies
-    T per step; "wu": the sub-chunk kernel forms W = T Kg and U = T v. Returns (o, final state, the states at 64-token
-    chunk boundaries or None)."""
-    wu = form == "wu"
+    T per step; "wu": the sub-chunk kernel forms W = T Kg and U = T v; "wut": that, and `_rec_t_fwd_kernel`. Returns
+    (o, final state, the states at 64-token chunk boundaries or None)."""
+    wu = form in ("wu", "wut")
     TT, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -888,7 +946,15 @@ def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info
             BK=min(bk, next_pow2(K)), BT=BT, BC=BC, SAFE=lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND,
             USE_LB=lower_bound is not None, L2=use_l2, WU=wu, PREC=_prec(DT), num_warps=warps, num_stages=stages,
             **regs)
-    if info.N > 0:
+    if info.N > 0 and form == "wut":
+        bv, warps, stages, regs = launch_config("rec_t_fwd")
+        BV = min(bv, next_pow2(V))
+        _rec_t_fwd_kernel[(cdiv(V, BV) * info.N * H,)](
+            Kg, Qg, Kd, Gl, As, U, h0 if h0 is not None else Gl, ht if ht is not None else Gl,
+            hs if hs is not None else Gl, o, info.cu, info.chunk_off, H=H, K=K, V=V, BK=next_pow2(K), BV=BV, BC=BC,
+            BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, STORE_STATES=hs is not None,
+            PREC=_prec(DT), num_warps=warps, num_stages=stages, **regs)
+    elif info.N > 0:
         bv, warps, stages, regs = launch_config("rec_fwd")
         BV = min(bv, next_pow2(V))
         _rec_fwd_kernel[(cdiv(V, BV) * info.N * H,)](
