@@ -135,8 +135,9 @@ class SeqInfo:
 # (bench/results/kda_h200.md, 4f6ee34). The prep backward of the Kimi Linear (softplus) gate runs the gate's part in
 # 32-wide column slices apart from the norms' (fe825ec, in one process: H=32 T=16K kernel 0.711 -> 0.565 ms, forward+
 # backward 7.89 -> 7.74 ms); K3's gate keeps one program per chunk and head (H=96: 1.597 against 1.622-1.906 ms sliced).
-# pairs_fwd / solve_fwd (KIMI3_KDA_PAIRS=rows) and sub_fwd / rec_fwd (KIMI3_KDA_FWD16=1) are untimed first picks,
-# checked only for registers and spills in an sm_90 compile (bench/kda_sass.py; seventeenth session).
+# pairs_fwd / solve_fwd (KIMI3_KDA_PAIRS=rows) and sub_fwd / rec_fwd / rec_t_fwd (KIMI3_KDA_FWD16=1, wu, wut) are
+# untimed first picks, checked only for registers and spills in an sm_90 compile (bench/kda_sass.py; seventeenth and
+# eighteenth sessions).
 LAUNCH_DEFAULTS = {
     "prep_fwd": (64, 4, 1),
     "norm_fwd": (32, 4, 1),

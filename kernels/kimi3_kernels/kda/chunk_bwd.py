@@ -23,21 +23,14 @@ if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .chunk_fwd import _chunk_span, _ld, _ld_row, _tile_span
+    from .chunk_fwd import _chunk_span, _ld, _ld_row, _scan_program, _tile_span
 
     @triton.jit
     def _state_bwd_kernel(W, Qg, Kd, Aqk, gc, do, dht, dh0, dhs, dvn, cu, chunk_off,
                           H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, BT: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
                           PREC: tl.constexpr):
-        # one grid axis, value tiles fastest (the axes after the first stop at 65,535 programs)
-        i_v = tl.program_id(0) % tl.cdiv(V, BV)
-        i_nh = tl.program_id(0) // tl.cdiv(V, BV)
-        n = i_nh // H
-        i_h = i_nh % H
-        bos = tl.load(cu + n).to(tl.int64)
-        eos = tl.load(cu + n + 1).to(tl.int64)
-        c0 = tl.load(chunk_off + n).to(tl.int64)
+        i_v, i_nh, i_h, bos, eos, c0 = _scan_program(cu, chunk_off, H, V, BV)
         NTn = tl.cdiv(eos - bos, BT)
         o_k = tl.arange(0, BK)
         mk = o_k < K

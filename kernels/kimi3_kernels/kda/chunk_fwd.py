@@ -127,6 +127,16 @@ if TRITON_AVAILABLE:
         _st_blk(ptr, x33, r3, eos, H, i_h, D, 3 * BC, BC)
 
     @triton.jit
+    def _scan_program(cu, chunk_off, H, V: tl.constexpr, BV: tl.constexpr):
+        """A scan program's place on its one grid axis, value tiles fastest (the axes after the first stop at 65,535
+        programs): (value tile, sequence * H + head, head, the sequence's first token and end, its first chunk)."""
+        i_v = tl.program_id(0) % tl.cdiv(V, BV)
+        i_nh = tl.program_id(0) // tl.cdiv(V, BV)
+        n = i_nh // H
+        return (i_v, i_nh, i_nh % H, tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64),
+                tl.load(chunk_off + n).to(tl.int64))
+
+    @triton.jit
     def _chunk_span(tab, cu, i_c):
         """Chunk i_c of the packed batch: (its sequence, first token, end of that sequence), from SeqInfo's tables."""
         n = tl.load(tab + 2 * i_c)
@@ -464,14 +474,7 @@ if TRITON_AVAILABLE:
                           H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, BT: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
                           STORE_STATES: tl.constexpr, STORE_VN: tl.constexpr, PREC: tl.constexpr):
-        # one grid axis, value tiles fastest (the axes after the first stop at 65,535 programs)
-        i_v = tl.program_id(0) % tl.cdiv(V, BV)
-        i_nh = tl.program_id(0) // tl.cdiv(V, BV)
-        n = i_nh // H
-        i_h = i_nh % H
-        bos = tl.load(cu + n).to(tl.int64)
-        eos = tl.load(cu + n + 1).to(tl.int64)
-        c0 = tl.load(chunk_off + n).to(tl.int64)
+        i_v, i_nh, i_h, bos, eos, c0 = _scan_program(cu, chunk_off, H, V, BV)
         NTn = tl.cdiv(eos - bos, BT)
         o_k = tl.arange(0, BK)
         mk = o_k < K
@@ -645,13 +648,7 @@ if TRITON_AVAILABLE:
             Vn = T (v - Kg S);  O = Qg S + Aqk Vn;  S <- Diag(exp(Gam_last)) S + Kd^T Vn.
         WU: Kg holds W = T Kg and v holds U = T v, and Vn = U - W S.
         STORE_STATES: S entering every 64-token chunk (hs, as _state_fwd_kernel)."""
-        i_v = tl.program_id(0) % tl.cdiv(V, BV)
-        i_nh = tl.program_id(0) // tl.cdiv(V, BV)
-        n = i_nh // H
-        i_h = i_nh % H
-        bos = tl.load(cu + n).to(tl.int64)
-        eos = tl.load(cu + n + 1).to(tl.int64)
-        c0 = tl.load(chunk_off + n).to(tl.int64)
+        i_v, i_nh, i_h, bos, eos, c0 = _scan_program(cu, chunk_off, H, V, BV)
         o_k = tl.arange(0, BK)
         mk = o_k < K
         o_v = i_v * BV + tl.arange(0, BV)
@@ -711,13 +708,7 @@ if TRITON_AVAILABLE:
         Every product on the step's chain takes its left operand from registers, as the accumulator the previous
         product left (S^T, Vn^T); W, Qg, Aqk, U and Kd do not depend on the chain and arrive through the pipeliner.
         The state in memory keeps the [K, V] layout (h0, ht, hs)."""
-        i_v = tl.program_id(0) % tl.cdiv(V, BV)
-        i_nh = tl.program_id(0) // tl.cdiv(V, BV)
-        n = i_nh // H
-        i_h = i_nh % H
-        bos = tl.load(cu + n).to(tl.int64)
-        eos = tl.load(cu + n + 1).to(tl.int64)
-        c0 = tl.load(chunk_off + n).to(tl.int64)
+        i_v, i_nh, i_h, bos, eos, c0 = _scan_program(cu, chunk_off, H, V, BV)
         o_k = tl.arange(0, BK)
         mk = o_k < K
         o_v = i_v * BV + tl.arange(0, BV)
