@@ -380,12 +380,12 @@ def test_chunk_forward_sub16(lb, K, V, T, A_shift, launch, monkeypatch):
     kw = dict(A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0[:1], output_final_state=True,
               return_chunk_states=True)
     out = {}
-    for mode in ("0", "1", "wu", "wut"):
+    for mode in ("0", "1", "wu", "wut", "tt"):
         monkeypatch.setenv("KIMI3_KDA_FWD16", mode)
         out[mode] = chunk_kda(q, k, v, f, beta, **kw)
-    assert len(calls) == 3
+    assert len(calls) == 4
     ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0[:1])
-    for mode in ("1", "wu", "wut"):  # the T form, the W/U form, the W/U form with the state transposed
+    for mode in ("1", "wu", "wut", "tt"):  # T form, W/U form, each also with the state transposed
         o, s, cs = out[mode]
         assert torch.isfinite(o).all() and rel(o, ro) < TOL[torch.float32] and rel(s, rs) < TOL[torch.float32]
         assert all(rel(a, b) < 2e-5 for a, b in zip(out[mode], out["0"]))  # the same math, another chunking
@@ -393,11 +393,11 @@ def test_chunk_forward_sub16(lb, K, V, T, A_shift, launch, monkeypatch):
     # autograd keeps the 64-token kernels, which the backward reads
     with torch.enable_grad():
         chunk_kda(q.requires_grad_(), k, v, f, beta, **kw)
-    assert len(calls) == 3
+    assert len(calls) == 4
 
 
 @needs_triton
-@pytest.mark.parametrize("form", ["1", "wu", "wut"])
+@pytest.mark.parametrize("form", ["1", "wu", "wut", "tt"])
 def test_chunk_sub16_varlen(form, monkeypatch):
     monkeypatch.setenv("KIMI3_KDA_FWD16", form)
     cu = torch.tensor([0, 0, 1, 66, 66, 97], dtype=torch.int32)  # empty, length-1, 65, empty, 31

@@ -699,15 +699,16 @@ if TRITON_AVAILABLE:
 
 
     @triton.jit
-    def _rec_t_fwd_kernel(W, Qg, Kd, Gl, As, U, h0, ht, hs, o, cu, chunk_off, H, K: tl.constexpr, V: tl.constexpr,
-                          BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
+    def _rec_t_fwd_kernel(W, Qg, Kd, Gl, Ts, As, U, h0, ht, hs, o, cu, chunk_off, H, K: tl.constexpr,
+                          V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
                           HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_STATES: tl.constexpr,
-                          PREC: tl.constexpr):
+                          WU: tl.constexpr, PREC: tl.constexpr):
         """The W/U recurrence over 16-token sub-chunks with the state transposed, S^T [BV, K] (KIMI3_KDA_FWD16=wut):
             X^T = S^T W^T;  Vn^T = U^T - X^T;  O^T = S^T Qg^T + Vn^T Aqk^T;  S^T <- S^T Diag(exp(Gam_last)) + Vn^T Kd.
         Every product on the step's chain takes its left operand from registers, as the accumulator the previous
         product left (S^T, Vn^T); W, Qg, Aqk, U and Kd do not depend on the chain and arrive through the pipeliner.
-        The state in memory keeps the [K, V] layout (h0, ht, hs)."""
+        Not WU (KIMI3_KDA_FWD16=tt): W is Kg, U is v, and Vn^T = (v^T - X^T) T^T, one more 64x16x16 product on the
+        chain. The state in memory keeps the [K, V] layout (h0, ht, hs)."""
         i_v, i_nh, i_h, bos, eos, c0 = _scan_program(cu, chunk_off, H, V, BV)
         o_k = tl.arange(0, BK)
         mk = o_k < K
@@ -738,6 +739,9 @@ if TRITON_AVAILABLE:
             Sd = S.to(DT)
             x = tl.dot(Sd, tl.load(W + offk_t, mask=mk_t, other=0.), input_precision=PREC)
             vd = (tl.load(U + offv_t, mask=mv_t, other=0.).to(tl.float32) - x).to(DT)
+            if not WU:  # T^T: element (j, i) is T[i, j], row i of Ts
+                t_t = tl.load(Ts + (rows[None, :] * H + i_h) * BC + o_c[:, None], mask=mr[None, :], other=0.)
+                vd = tl.dot(vd, t_t, input_precision=PREC).to(DT)
             # Aqk^T: element (j, i) is Aqk[i, j], row i of As
             a_t = tl.load(As + (rows[None, :] * H + i_h) * BC + o_c[:, None], mask=mr[None, :], other=0.)
             out = tl.dot(Sd, tl.load(Qg + offk_t, mask=mk_t, other=0.), input_precision=PREC)
@@ -900,9 +904,9 @@ def fwd16():
     recurrence in the T form, "wu" in the W/U form, "wut" in the W/U form with the state transposed
     (`_rec_t_fwd_kernel`); "0" off. Returns None (off), "t", "wu" or "wut"."""
     mode = env("KIMI3_KDA_FWD16", "").strip() or "0"
-    if mode not in ("0", "1", "wu", "wut"):
-        raise ValueError(f"KIMI3_KDA_FWD16 must be 0, 1, wu or wut, got {mode!r}")
-    return {"0": None, "1": "t", "wu": "wu", "wut": "wut"}[mode]
+    if mode not in ("0", "1", "wu", "wut", "tt"):
+        raise ValueError(f"KIMI3_KDA_FWD16 must be 0, 1, wu, wut or tt, got {mode!r}")
+    return {"0": None, "1": "t", "wu": "wu", "wut": "wut", "tt": "tt"}[mode]
 
 
 def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info, h0, inter_dtype, out_dtype,
@@ -937,13 +941,13 @@ def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info
             BK=min(bk, next_pow2(K)), BT=BT, BC=BC, SAFE=lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND,
             USE_LB=lower_bound is not None, L2=use_l2, WU=wu, PREC=_prec(DT), num_warps=warps, num_stages=stages,
             **regs)
-    if info.N > 0 and form == "wut":
+    if info.N > 0 and form in ("wut", "tt"):
         bv, warps, stages, regs = launch_config("rec_t_fwd")
         BV = min(bv, next_pow2(V))
         _rec_t_fwd_kernel[(cdiv(V, BV) * info.N * H,)](
-            Kg, Qg, Kd, Gl, As, U, h0 if h0 is not None else Gl, ht if ht is not None else Gl,
+            Kg, Qg, Kd, Gl, Ts, As, U if wu else v, h0 if h0 is not None else Gl, ht if ht is not None else Gl,
             hs if hs is not None else Gl, o, info.cu, info.chunk_off, H=H, K=K, V=V, BK=next_pow2(K), BV=BV, BC=BC,
-            BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, STORE_STATES=hs is not None,
+            BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, STORE_STATES=hs is not None, WU=wu,
             PREC=_prec(DT), num_warps=warps, num_stages=stages, **regs)
     elif info.N > 0:
         bv, warps, stages, regs = launch_config("rec_fwd")
