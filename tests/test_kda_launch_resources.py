@@ -41,16 +41,18 @@ def record_launches():
             setattr(m, name, Recorder(obj))
         # H=2: the forward scan's small-grid tile; H=72: 144 programs at 64 wide, its large-grid tile
         # the last ones: bounded gates' Aqk and P by block rows (KIMI3_KDA_PAIRS=rows), forward and backward, and
-        # the inference forward in 16-token sub-chunks (KIMI3_KDA_FWD16=1 and wut; the training call takes 64-token
-        # chunks)
-        rows, sub16, sub16t = dict(KIMI3_KDA_PAIRS="rows"), dict(KIMI3_KDA_FWD16="1"), dict(KIMI3_KDA_FWD16="wut")
-        for dtype, lb, H, env in ((torch.bfloat16, -5.0, 2, {}), (torch.bfloat16, None, 2, {}),
-                                  (torch.float32, -5.0, 2, {}), (torch.float32, None, 2, {}),
-                                  (torch.bfloat16, -5.0, 72, {}), (torch.float32, -5.0, 72, {}),
+        # the inference forward in 16-token sub-chunks (the default, KIMI3_KDA_FWD16=1, and wut, tt; the training
+        # call takes 64-token chunks); "0" keeps the inference call on the 64-token kernels too
+        off, rows = dict(KIMI3_KDA_FWD16="0"), dict(KIMI3_KDA_PAIRS="rows", KIMI3_KDA_FWD16="0")
+        sub16, sub16t, sub16tt = {}, dict(KIMI3_KDA_FWD16="wut"), dict(KIMI3_KDA_FWD16="tt")
+        for dtype, lb, H, env in ((torch.bfloat16, -5.0, 2, off), (torch.bfloat16, None, 2, off),
+                                  (torch.float32, -5.0, 2, off), (torch.float32, None, 2, off),
+                                  (torch.bfloat16, -5.0, 72, off), (torch.float32, -5.0, 72, off),
                                   (torch.bfloat16, -5.0, 2, rows), (torch.float32, -5.0, 2, rows),
                                   (torch.bfloat16, -5.0, 2, sub16), (torch.bfloat16, None, 2, sub16),
                                   (torch.float32, None, 2, sub16), (torch.bfloat16, -5.0, 2, sub16t),
-                                  (torch.float32, None, 2, sub16t)):
+                                  (torch.float32, None, 2, sub16t), (torch.bfloat16, -5.0, 2, sub16tt),
+                                  (torch.float32, None, 2, sub16tt)):
             for name in ENV:
                 os.environ.pop(name, None)
             os.environ.update(env)

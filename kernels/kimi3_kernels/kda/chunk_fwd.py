@@ -903,7 +903,7 @@ def fwd16():
     preparation kernels and the 64-token chunks' pairwise, solve, W/U, scan and output kernels: "1" with the
     recurrence in the T form, "wu" in the W/U form, "wut" in the W/U form with the state transposed
     (`_rec_t_fwd_kernel`); "0" off. Returns None (off), "t", "wu" or "wut"."""
-    mode = env("KIMI3_KDA_FWD16", "").strip() or "0"
+    mode = env("KIMI3_KDA_FWD16", "").strip() or "1"
     if mode not in ("0", "1", "wu", "wut", "tt"):
         raise ValueError(f"KIMI3_KDA_FWD16 must be 0, 1, wu, wut or tt, got {mode!r}")
     return {"0": None, "1": "t", "wu": "wu", "wut": "wut", "tt": "tt"}[mode]
