@@ -328,6 +328,7 @@ def test_chunk_forward_pairs_rows(dtype, K, V, T, A_shift, launch, monkeypatch):
     fp64 recurrence and the tile kernels. A_shift=3 saturates K3's gate (steps of 0 or -5 nats: the widest spans a
     16-row block can hold); a 48-wide head masks half of its second K slice."""
     monkeypatch.setenv("KIMI3_KDA_LAUNCH", launch)
+    monkeypatch.setenv("KIMI3_KDA_FWD16", "0")  # the 64-token kernels without autograd as well
     from kimi3_kernels.kda import chunk_fwd
     calls = []
     rows = chunk_fwd._pairs_rows
