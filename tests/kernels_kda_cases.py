@@ -192,21 +192,14 @@ def test_launch_config(monkeypatch):
     assert fwd16() == "t"  # the default since the H200 timings of 1a87938 (bench/results/kda_h200.md)
     monkeypatch.setenv("KIMI3_KDA_FWD16", "0")
     assert fwd16() is None
-    monkeypatch.setenv("KIMI3_KDA_FWD16", "wu")
-    assert fwd16() == "wu"
-    monkeypatch.setenv("KIMI3_KDA_FWD16", "wut")
-    assert fwd16() == "wut"
+    monkeypatch.setenv("KIMI3_KDA_FWD16", "tt")
+    assert fwd16() == "tt"
+    monkeypatch.setenv("KIMI3_KDA_FWD16", "wut")  # the W/U forms were removed
+    with pytest.raises(ValueError, match="KIMI3_KDA_FWD16"):
+        fwd16()
     monkeypatch.setenv("KIMI3_KDA_FWD16", "yes")
     with pytest.raises(ValueError, match="KIMI3_KDA_FWD16"):
         fwd16()
-    from kimi3_kernels.kda.chunk_fwd import _pairs
-    monkeypatch.delenv("KIMI3_KDA_PAIRS", raising=False)
-    assert _pairs() == "tiles"
-    monkeypatch.setenv("KIMI3_KDA_PAIRS", "rows")
-    assert _pairs() == "rows"
-    monkeypatch.setenv("KIMI3_KDA_PAIRS", "row")
-    with pytest.raises(ValueError, match="KIMI3_KDA_PAIRS"):
-        _pairs()
 
 
 def test_import_without_triton():
@@ -319,49 +312,6 @@ def test_chunk_varlen(lb):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype,K,V,T,A_shift,launch", [(torch.float32, 64, 32, 100, 0.0, ""),
-                                                       (torch.float32, 16, 16, 100, 3.0, "pairs_fwd=16:2:1"),
-                                                       (torch.float32, 48, 32, 64, 3.0, "pairs_fwd=32:8:1"),
-                                                       (torch.bfloat16, 32, 32, 70, 0.0, "")])
-def test_chunk_forward_pairs_rows(dtype, K, V, T, A_shift, launch, monkeypatch):
-    """KIMI3_KDA_PAIRS=rows (bounded gates): Aqk and P as four block rows in one kernel, then the solve, against the
-    fp64 recurrence and the tile kernels. A_shift=3 saturates K3's gate (steps of 0 or -5 nats: the widest spans a
-    16-row block can hold); a 48-wide head masks half of its second K slice."""
-    monkeypatch.setenv("KIMI3_KDA_LAUNCH", launch)
-    monkeypatch.setenv("KIMI3_KDA_FWD16", "0")  # the 64-token kernels without autograd as well
-    from kimi3_kernels.kda import chunk_fwd
-    calls = []
-    rows = chunk_fwd._pairs_rows
-    monkeypatch.setattr(chunk_fwd, "_pairs_rows", lambda *a: calls.append(1) or rows(*a))
-    q, k, v, f, beta, A_log, dtb, h0 = make(1, T, 2, K, V, dtype=dtype, seed=21, A_shift=A_shift)
-    kw = dict(A_log=A_log, dt_bias=dtb, lower_bound=-5.0, initial_state=h0[:1], output_final_state=True)
-    out = {}
-    for mode in ("tiles", "rows"):
-        monkeypatch.setenv("KIMI3_KDA_PAIRS", mode)
-        out[mode] = chunk_kda(q, k, v, f, beta, **kw)
-    assert len(calls) == 1
-    ro, rs = rec64(q, k, v, f, beta, A_log, dtb, -5.0, h0=h0[:1])
-    (o, s), (to, ts) = out["rows"], out["tiles"]
-    assert rel(o, ro) < TOL[dtype] and rel(s, rs) < TOL[dtype]
-    # the same products summed in another order: fp32 agrees to rounding, bf16 to the output's own rounding
-    assert rel(o, to) < (1e-5 if dtype == torch.float32 else 4e-3) and rel(s, ts) < 1e-5
-    # unbounded gates keep the tiles (their diagonal tiles may need the per-column loop)
-    chunk_kda(q, k, v, f, beta, **dict(kw, lower_bound=None))
-    assert len(calls) == 1
-
-
-@needs_triton
-def test_chunk_pairs_rows_varlen(monkeypatch):
-    monkeypatch.setenv("KIMI3_KDA_PAIRS", "rows")
-    cu = torch.tensor([0, 0, 1, 66, 66, 80], dtype=torch.int32)  # empty, length-1, 65, empty, 14
-    q, k, v, f, beta, A_log, dtb, h0 = make(1, 80, 2, 16, 16, N=5, seed=22)
-    o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0, initial_state=h0,
-                     output_final_state=True, cu_seqlens=cu)
-    ro, rs = rec64(q, k, v, f, beta, A_log, dtb, -5.0, h0=h0, cu=cu)
-    assert rel(o, ro) < 1e-4 and rel(s, rs) < 1e-4
-
-
-@needs_triton
 @pytest.mark.parametrize("lb,K,V,T,A_shift,launch", [(-5.0, 64, 32, 100, 0.0, ""), (None, 32, 32, 130, 0.0, ""),
                                                     # unbounded and steep: sub-chunks on both sides of the
                                                     # per-column loop's threshold
@@ -381,12 +331,12 @@ def test_chunk_forward_sub16(lb, K, V, T, A_shift, launch, monkeypatch):
     kw = dict(A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0[:1], output_final_state=True,
               return_chunk_states=True)
     out = {}
-    for mode in ("0", "1", "wu", "wut", "tt"):
+    for mode in ("0", "1", "tt"):
         monkeypatch.setenv("KIMI3_KDA_FWD16", mode)
         out[mode] = chunk_kda(q, k, v, f, beta, **kw)
-    assert len(calls) == 4
+    assert len(calls) == 2
     ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0[:1])
-    for mode in ("1", "wu", "wut", "tt"):  # T form, W/U form, each also with the state transposed
+    for mode in ("1", "tt"):  # the state as [K, BV] and transposed
         o, s, cs = out[mode]
         assert torch.isfinite(o).all() and rel(o, ro) < TOL[torch.float32] and rel(s, rs) < TOL[torch.float32]
         assert all(rel(a, b) < 2e-5 for a, b in zip(out[mode], out["0"]))  # the same math, another chunking
@@ -394,11 +344,11 @@ def test_chunk_forward_sub16(lb, K, V, T, A_shift, launch, monkeypatch):
     # autograd keeps the 64-token kernels, which the backward reads
     with torch.enable_grad():
         chunk_kda(q.requires_grad_(), k, v, f, beta, **kw)
-    assert len(calls) == 4
+    assert len(calls) == 2
 
 
 @needs_triton
-@pytest.mark.parametrize("form", ["1", "wu", "wut", "tt"])
+@pytest.mark.parametrize("form", ["1", "tt"])
 def test_chunk_sub16_varlen(form, monkeypatch):
     monkeypatch.setenv("KIMI3_KDA_FWD16", form)
     cu = torch.tensor([0, 0, 1, 66, 66, 97], dtype=torch.int32)  # empty, length-1, 65, empty, 31
@@ -443,9 +393,6 @@ def check_vs_fp64(ins, lb, do, dS=None):
                                       (None, dict(KIMI3_KDA_DIAG_INV="2"), 16, 32),
                                       (-5.0, dict(KIMI3_KDA_DIAG_INV="2"), 16, 32),
                                       (-5.0, dict(KIMI3_KDA_SAVE_FWD="0"), 16, 32),
-                                      # Aqk and P by block rows, kept for the backward or recomputed in it
-                                      (-5.0, dict(KIMI3_KDA_PAIRS="rows"), 64, 32),
-                                      (-5.0, dict(KIMI3_KDA_PAIRS="rows", KIMI3_KDA_SAVE_FWD="0"), 16, 32),
                                       # autograd keeps 64-token chunks with the 16-token inference forward on
                                       (None, dict(KIMI3_KDA_FWD16="1", KIMI3_KDA_SAVE_FWD="0"), 16, 32),
                                       (None, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="1"), 64, 32),

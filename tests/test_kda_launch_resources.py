@@ -16,7 +16,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SM90_SHARED_LIMIT = 232448  # bytes per block (227 KB) on H100 / H200
-ENV = ("KIMI3_KDA_LAUNCH", "KIMI3_KDA_PAIRS", "KIMI3_KDA_FWD16")  # the variables that pick kernels and launches
+ENV = ("KIMI3_KDA_LAUNCH", "KIMI3_KDA_FWD16")  # the variables that pick kernels and launches
 
 
 def record_launches():
@@ -40,18 +40,15 @@ def record_launches():
         for m, name, obj in swapped:
             setattr(m, name, Recorder(obj))
         # H=2: the forward scan's small-grid tile; H=72: 144 programs at 64 wide, its large-grid tile
-        # the last ones: bounded gates' Aqk and P by block rows (KIMI3_KDA_PAIRS=rows), forward and backward, and
-        # the inference forward in 16-token sub-chunks (the default, KIMI3_KDA_FWD16=1, and wut, tt; the training
-        # call takes 64-token chunks); "0" keeps the inference call on the 64-token kernels too
-        off, rows = dict(KIMI3_KDA_FWD16="0"), dict(KIMI3_KDA_PAIRS="rows", KIMI3_KDA_FWD16="0")
-        sub16, sub16t, sub16tt = {}, dict(KIMI3_KDA_FWD16="wut"), dict(KIMI3_KDA_FWD16="tt")
+        # "0" keeps the inference call on the 64-token kernels too; the last ones: the inference forward in 16-token
+        # sub-chunks (the default, KIMI3_KDA_FWD16=1, and tt; the training call takes 64-token chunks)
+        off = dict(KIMI3_KDA_FWD16="0")
+        sub16, sub16tt = {}, dict(KIMI3_KDA_FWD16="tt")
         for dtype, lb, H, env in ((torch.bfloat16, -5.0, 2, off), (torch.bfloat16, None, 2, off),
                                   (torch.float32, -5.0, 2, off), (torch.float32, None, 2, off),
                                   (torch.bfloat16, -5.0, 72, off), (torch.float32, -5.0, 72, off),
-                                  (torch.bfloat16, -5.0, 2, rows), (torch.float32, -5.0, 2, rows),
                                   (torch.bfloat16, -5.0, 2, sub16), (torch.bfloat16, None, 2, sub16),
-                                  (torch.float32, None, 2, sub16), (torch.bfloat16, -5.0, 2, sub16t),
-                                  (torch.float32, None, 2, sub16t), (torch.bfloat16, -5.0, 2, sub16tt),
+                                  (torch.float32, None, 2, sub16), (torch.bfloat16, -5.0, 2, sub16tt),
                                   (torch.float32, None, 2, sub16tt)):
             for name in ENV:
                 os.environ.pop(name, None)
@@ -125,8 +122,7 @@ def test_default_launches_fit_sm90_shared_memory():
     assert set(kernels) >= {"_gate_fwd_kernel", "_norm_fwd_kernel", "_diag_fwd_kernel", "_diag_inv_kernel",
                             "_intra_fwd_kernel", "_wu_fwd_kernel", "_state_fwd_kernel", "_output_fwd_kernel",
                             "_state_bwd_kernel", "_main_bwd_kernel", "_intra_bwd_kernel", "_prep_bwd_kernel",
-                            "_pairs_fwd_kernel", "_solve_fwd_kernel", "_sub_fwd_kernel", "_rec_fwd_kernel",
-                            "_rec_t_fwd_kernel"}, kernels
+                            "_sub_fwd_kernel", "_rec_fwd_kernel", "_rec_t_fwd_kernel"}, kernels
     # both scan tiles (small and large grids), in both dtypes
     assert sum("_state_fwd_kernel" in r for r in rows) >= 4, rows
     assert sum("_state_bwd_kernel" in r for r in rows) >= 4, rows  # the backward scan's two tiles too

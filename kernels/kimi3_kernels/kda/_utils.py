@@ -135,9 +135,11 @@ class SeqInfo:
 # (bench/results/kda_h200.md, 4f6ee34). The prep backward of the Kimi Linear (softplus) gate runs the gate's part in
 # 32-wide column slices apart from the norms' (fe825ec, in one process: H=32 T=16K kernel 0.711 -> 0.565 ms, forward+
 # backward 7.89 -> 7.74 ms); K3's gate keeps one program per chunk and head (H=96: 1.597 against 1.622-1.906 ms sliced).
-# pairs_fwd / solve_fwd (KIMI3_KDA_PAIRS=rows) and sub_fwd / rec_fwd / rec_t_fwd (KIMI3_KDA_FWD16=1, wu, wut) are
-# untimed first picks, checked only for registers and spills in an sm_90 compile (bench/kda_sass.py; seventeenth and
-# eighteenth sessions).
+# rec_t_fwd (KIMI3_KDA_FWD16=tt) is a first pick, checked for registers and spills in an sm_90 compile
+# (bench/kda_sass.py). sub_fwd / rec_fwd, the default inference forward,
+# were timed at these settings only (1a87938): their loads for step c+1 are issued at the end of step c and waited
+# for at the top of c+1 (DEPBAR.LE SB0, 0x0 in the sm_90 SASS) at 2 stages; 3 stages wait for one step older
+# (DEPBAR.LE SB0, 0x6), untimed (bench/README item 11).
 LAUNCH_DEFAULTS = {
     "prep_fwd": (64, 4, 1),
     "norm_fwd": (32, 4, 1),
@@ -145,8 +147,6 @@ LAUNCH_DEFAULTS = {
     "diag_fwd_loop": (32, 2, 1),
     "diag_inv": (None, 1, 1),
     "intra_fwd": (32, 2, 2),
-    "pairs_fwd": (32, 4, 1),
-    "solve_fwd": (None, 2, 1),
     "sub_fwd": (32, 1, 1),
     "rec_fwd": (32, 4, 2),
     "rec_t_fwd": (64, 4, 2),  # 64 value rows: one warpgroup's wgmma M

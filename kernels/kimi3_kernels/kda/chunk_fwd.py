@@ -80,20 +80,20 @@ if TRITON_AVAILABLE:
         return M
 
     @triton.jit
-    def _inv_rows(Pd, row0, eos, H, i_h, PW: tl.constexpr, col0, bs, BC: tl.constexpr):
-        """(I + Diag(beta) P)^-1 of the diagonal block whose strictly lower P sits in memory at rows row0.. and
-        columns col0.. (row width PW): forward substitution on N = M - I, each row of P loaded again from memory
+    def _inv_rows(Pd, row0, eos, H, i_h, bs, BC: tl.constexpr):
+        """(I + Diag(beta) P)^-1 of the diagonal block whose strictly lower P sits in memory at rows row0.. ([TT, H,
+        BC]): forward substitution on N = M - I, each row of P loaded again from memory
         (as fla's solve_tril does), so a step needs one cross-lane reduction where _inv_unit_lower needs two, and
         row 1 of N is -L's own."""
         o = tl.arange(0, BC)
         rows = row0 + o
         b = tl.load(bs + rows * H + i_h, mask=rows < eos, other=0.)
-        N = -b[:, None] * tl.where(o[:, None] > o[None, :], _ld(Pd, rows, eos, H, i_h, PW, col0 + o, o < BC), 0.)
+        N = -b[:, None] * tl.where(o[:, None] > o[None, :], _ld(Pd, rows, eos, H, i_h, BC, o, o < BC), 0.)
         for i in range(2, BC):
             r = row0 + i
             ok = (o < i) & ((o * 0 + r) < eos)
-            li = -tl.load(bs + r * H + i_h, mask=r < eos, other=0.) * tl.load(Pd + (r * H + i_h) * PW + col0 + o,
-                                                                                mask=ok, other=0.)
+            li = -tl.load(bs + r * H + i_h, mask=r < eos, other=0.) * tl.load(Pd + (r * H + i_h) * BC + o, mask=ok,
+                                                                                other=0.)
             N = tl.where(o[:, None] == i, (li + tl.sum(li[:, None] * N, 0))[None, :], N)
         return N + tl.where(o[:, None] == o[None, :], 1., 0.)
 
@@ -290,87 +290,6 @@ if TRITON_AVAILABLE:
                STORE_BWD, MINV)
 
     @triton.jit
-    def _row_block(a, p, q_ptr, k_ptr, g_ptr, r_i, t0, eos, last, H, i_h, K: tl.constexpr, cols, mc,
-                   W: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-        """One K slice of row block r_i's query-key and key-key products against the chunk's first W columns,
-        referenced to the block's first row n: exp2(Gam_i - n) <= 1 on its rows, exp2(n - Gam_j) <= 1 on the
-        earlier columns and < 2^119 on its own (a bounded gate: 15 steps of at least SAFE_LOWER_BOUND), so one
-        matmul per block row covers the diagonal tile and the tiles left of it. Columns after the block (the padding
-        of a 48-wide block row) may overflow; each product column depends on its key column alone, and
-        _st_row_block keeps only j <= i."""
-        rows = t0 + r_i * BC + tl.arange(0, BC)
-        n = _ld_row(g_ptr, tl.minimum(t0 + r_i * BC, last), eos, H, i_h, K, cols, mc)
-        e = tl.exp2(tl.where((rows < eos)[:, None], _ld(g_ptr, rows, eos, H, i_h, K, cols, mc) - n[None, :], 0.))
-        colj = t0 + tl.arange(0, W)
-        kt = tl.trans(_ld(k_ptr, colj, eos, H, i_h, K, cols, mc)
-                      * tl.exp2(n[None, :] - _ld(g_ptr, colj, eos, H, i_h, K, cols, mc)))
-        a = tl.dot(_ld(q_ptr, rows, eos, H, i_h, K, cols, mc) * e, kt, acc=a, input_precision=PREC)
-        p = tl.dot(_ld(k_ptr, rows, eos, H, i_h, K, cols, mc) * e, kt, acc=p, input_precision=PREC)
-        return a, p
-
-    @triton.jit
-    def _st_row_block(Aqk, Pf, a, p, r_i, t0, eos, H, i_h, scale, BT: tl.constexpr, W: tl.constexpr,
-                      BC: tl.constexpr):
-        """Row block r_i of Aqk (j <= i, scaled) and of P (j < i) over the chunk's first W columns."""
-        i = r_i * BC + tl.arange(0, BC)
-        j = tl.arange(0, W)
-        rows = t0 + i
-        _st_blk(Aqk, tl.where(j[None, :] <= i[:, None], a * scale, 0.), rows, eos, H, i_h, BT, 0, W)
-        _st_blk(Pf, tl.where(j[None, :] < i[:, None], p, 0.), rows, eos, H, i_h, BT, 0, W)
-
-    @triton.jit
-    def _pairs_fwd_kernel(qn, kn, gc, Aqk, Pf, tab, cu, scale, H, K: tl.constexpr, BK: tl.constexpr,
-                          BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-        """Bounded gates (KIMI3_KDA_PAIRS=rows): all of a chunk's Aqk and P, the diagonal tiles included, as four
-        block rows (16 x 16, 32, 64, 64 columns), one matmul each per K slice, instead of _diag_fwd_kernel's four
-        tiles and _intra_fwd_kernel's six. P (fp32, [TT, H, BT], strictly lower) goes to _solve_fwd_kernel."""
-        i_c = tl.program_id(0)
-        i_h = tl.program_id(1)
-        _, t0, eos = _chunk_span(tab, cu, i_c)
-        last = tl.minimum(eos, t0 + BT) - 1
-        a0 = tl.zeros([BC, BC], dtype=tl.float32)
-        p0 = tl.zeros([BC, BC], dtype=tl.float32)
-        a1 = tl.zeros([BC, 2 * BC], dtype=tl.float32)
-        p1 = tl.zeros([BC, 2 * BC], dtype=tl.float32)
-        a2 = tl.zeros([BC, BT], dtype=tl.float32)
-        p2 = tl.zeros([BC, BT], dtype=tl.float32)
-        a3 = tl.zeros([BC, BT], dtype=tl.float32)
-        p3 = tl.zeros([BC, BT], dtype=tl.float32)
-        for i_k in range(0, tl.cdiv(K, BK)):
-            cols = i_k * BK + tl.arange(0, BK)
-            mc = cols < K
-            a0, p0 = _row_block(a0, p0, qn, kn, gc, 0, t0, eos, last, H, i_h, K, cols, mc, BC, BC, PREC)
-            a1, p1 = _row_block(a1, p1, qn, kn, gc, 1, t0, eos, last, H, i_h, K, cols, mc, 2 * BC, BC, PREC)
-            a2, p2 = _row_block(a2, p2, qn, kn, gc, 2, t0, eos, last, H, i_h, K, cols, mc, BT, BC, PREC)
-            a3, p3 = _row_block(a3, p3, qn, kn, gc, 3, t0, eos, last, H, i_h, K, cols, mc, BT, BC, PREC)
-        _st_row_block(Aqk, Pf, a0, p0, 0, t0, eos, H, i_h, scale, BT, BC, BC)
-        _st_row_block(Aqk, Pf, a1, p1, 1, t0, eos, H, i_h, scale, BT, 2 * BC, BC)
-        _st_row_block(Aqk, Pf, a2, p2, 2, t0, eos, H, i_h, scale, BT, BT, BC)
-        _st_row_block(Aqk, Pf, a3, p3, 3, t0, eos, H, i_h, scale, BT, BT, BC)
-
-    @triton.jit
-    def _solve_fwd_kernel(Pf, bs, Mo, Tm, Md, tab, cu, H, BT: tl.constexpr, BC: tl.constexpr,
-                          STORE_BWD: tl.constexpr):
-        """_intra_fwd_kernel's solve on the P of _pairs_fwd_kernel, the diagonal blocks' inverses from
-        _diag_inv_kernel."""
-        i_c = tl.program_id(0)
-        i_h = tl.program_id(1)
-        _, t0, eos = _chunk_span(tab, cu, i_c)
-        o_c = tl.arange(0, BC)
-        r0 = t0 + o_c
-        r1 = r0 + BC
-        r2 = r1 + BC
-        r3 = r2 + BC
-        p10 = _ld(Pf, r1, eos, H, i_h, BT, o_c, o_c < BC)
-        p20 = _ld(Pf, r2, eos, H, i_h, BT, o_c, o_c < BC)
-        p21 = _ld(Pf, r2, eos, H, i_h, BT, BC + o_c, o_c < BC)
-        p30 = _ld(Pf, r3, eos, H, i_h, BT, o_c, o_c < BC)
-        p31 = _ld(Pf, r3, eos, H, i_h, BT, BC + o_c, o_c < BC)
-        p32 = _ld(Pf, r3, eos, H, i_h, BT, 2 * BC + o_c, o_c < BC)
-        z = tl.zeros([BC, BC], dtype=tl.float32)  # the diagonal blocks are not read: Md holds their inverses
-        _solve(z, p10, z, p20, p21, z, p30, p31, p32, z, bs, Mo, Tm, Md, r0, eos, H, i_h, BT, BC, STORE_BWD, True)
-
-    @triton.jit
     def _tile_span(g, ref, valid):
         """Largest Gam_ref - Gam_i over a tile's valid entries (log2 units; Gam decreases down a chunk)."""
         return tl.max(tl.max(tl.where(valid, ref[None, :] - g, 0.), 1), 0)
@@ -425,18 +344,17 @@ if TRITON_AVAILABLE:
             _st_blk(Md, _inv_unit_lower(b[:, None] * tl.where(strict, acc_k, 0.), BC), rows, eos, H, i_h, BC, 0, BC)
 
     @triton.jit
-    def _diag_inv_kernel(Pd, bs, Md, tab, cu, H, BT: tl.constexpr, BC: tl.constexpr, PW: tl.constexpr):
+    def _diag_inv_kernel(Pd, bs, Md, tab, cu, H, BT: tl.constexpr, BC: tl.constexpr):
         """(I + Diag(beta) P_dd)^-1 for each diagonal 16x16 block, one block per program: the 15-step forward
         substitution leaves the register-bound pairwise kernel (which then loads the result) and runs in many small
-        programs instead. Pd: the diagonal tiles alone ([TT, H, BC], PW = BC) or the whole P ([TT, H, BT], PW = BT).
-        Rows past the sequence end are not written."""
+        programs instead. Pd: the diagonal tiles ([TT, H, BC]). Rows past the sequence end are not written."""
         i_s = tl.program_id(0)
         i_h = tl.program_id(1)
         _, t0, eos = _chunk_span(tab, cu, i_s // (BT // BC))
         o_c = tl.arange(0, BC)
         sub = i_s % (BT // BC)
         rows = t0 + sub * BC + o_c
-        m = _inv_rows(Pd, t0 + sub * BC, eos, H, i_h, PW, sub * BC if PW == BT else 0, bs, BC)
+        m = _inv_rows(Pd, t0 + sub * BC, eos, H, i_h, bs, BC)
         _st_blk(Md, m, rows, eos, H, i_h, BC, 0, BC)
 
     @triton.jit
@@ -549,16 +467,14 @@ if TRITON_AVAILABLE:
         return tl.sum(tl.where(o_c[:, None] == i, x, 0.), 0)
 
     @triton.jit
-    def _sub_fwd_kernel(q, k, v, f, beta, A_log, dt_bias, Kg, Qg, Kd, Gl, Ts, As, U, tab, cu, scale, lower_bound,
-                        max_span, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-                        BC: tl.constexpr, SAFE: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr,
-                        WU: tl.constexpr, PREC: tl.constexpr):
-        """Inference forward in 16-token sub-chunks (KIMI3_KDA_FWD16=1), one program per sub-chunk and head, from the
+    def _sub_fwd_kernel(q, k, f, beta, A_log, dt_bias, Kg, Qg, Kd, Gl, Ts, As, tab, cu, scale, lower_bound,
+                        max_span, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                        SAFE: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
+        """Inference forward in 16-token sub-chunks (KIMI3_KDA_FWD16, default), one program per sub-chunk and head, from the
         raw inputs: the L2 norms, sigmoid(beta), the gate and its cumsum Gam from the sub-chunk's start (no
         preparation kernels, nothing per 64-token chunk); the diagonal tile's Aqk and P (one matmul per K slice, or
         the per-column loop for a steep unbounded gate, as _diag_fwd_kernel), T = (I + Diag(beta) P)^-1 Diag(beta);
-        Kg = k exp(Gam), Qg = scale q exp(Gam), Kd = k exp(Gam_last - Gam) and Gam_last, for _rec_fwd_kernel.
-        WU: W = T Kg in place of Kg and U = T v, so that the recurrence's chain has one matmul fewer per step."""
+        Kg = k exp(Gam), Qg = scale q exp(Gam), Kd = k exp(Gam_last - Gam) and Gam_last, for _rec_fwd_kernel."""
         i_s = tl.program_id(0)
         i_h = tl.program_id(1)
         _, t0, eos = _chunk_span(tab, cu, i_s // (BT // BC))
@@ -622,19 +538,7 @@ if TRITON_AVAILABLE:
             tl.store(Gl + (i_s.to(tl.int64) * H + i_h) * K + cols, gl, mask=mc)
         b = tl.where(mr, tl.sigmoid(tl.load(beta + rows * H + i_h, mask=mr, other=0.).to(tl.float32)), 0.)
         tm = _inv_unit_lower(b[:, None] * tl.where(o_c[:, None] > o_c[None, :], acc_k, 0.), BC) * b[None, :]
-        if WU:
-            tl.debug_barrier()  # Kg's rows, stored above by other lanes, are read back and overwritten with W
-            for i_k in range(0, tl.cdiv(K, BK)):
-                cols = i_k * BK + tl.arange(0, BK)
-                kg = _ld(Kg, rows, eos, H, i_h, K, cols, cols < K)
-                tl.debug_barrier()
-                _st_blk(Kg, tl.dot(tm, kg, input_precision=PREC).to(DT), rows, eos, H, i_h, K, i_k * BK, BK)
-            for i_v in range(0, tl.cdiv(V, BK)):
-                cols = i_v * BK + tl.arange(0, BK)
-                _st_blk(U, tl.dot(tm, _ld(v, rows, eos, H, i_h, V, cols, cols < V), input_precision=PREC).to(DT),
-                        rows, eos, H, i_h, V, i_v * BK, BK)
-        else:
-            _st_blk(Ts, tm.to(DT), rows, eos, H, i_h, BC, 0, BC)
+        _st_blk(Ts, tm.to(DT), rows, eos, H, i_h, BC, 0, BC)
         _st_blk(As, (tl.where(o_c[:, None] >= o_c[None, :], acc_a, 0.) * scale).to(DT), rows, eos, H, i_h, BC, 0,
                 BC)
 
@@ -642,11 +546,10 @@ if TRITON_AVAILABLE:
     def _rec_fwd_kernel(Kg, Qg, Kd, Gl, Ts, As, v, h0, ht, hs, o, cu, chunk_off, H, K: tl.constexpr,
                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
                         HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_STATES: tl.constexpr,
-                        WU: tl.constexpr, PREC: tl.constexpr):
+                        PREC: tl.constexpr):
         """The recurrence over 16-token sub-chunks with the output formed on the way, one program per sequence,
         head and value tile, the state S [K, BV] in registers throughout:
             Vn = T (v - Kg S);  O = Qg S + Aqk Vn;  S <- Diag(exp(Gam_last)) S + Kd^T Vn.
-        WU: Kg holds W = T Kg and v holds U = T v, and Vn = U - W S.
         STORE_STATES: S entering every 64-token chunk (hs, as _state_fwd_kernel)."""
         i_v, i_nh, i_h, bos, eos, c0 = _scan_program(cu, chunk_off, H, V, BV)
         o_k = tl.arange(0, BK)
@@ -682,11 +585,8 @@ if TRITON_AVAILABLE:
             Sd = S.to(DT)
             x = tl.dot(tl.load(Kg + offk, mask=mrk, other=0.), Sd, input_precision=PREC)
             u = tl.load(v + offv, mask=mrv, other=0.).to(tl.float32)
-            if WU:
-                vd = (u - x).to(DT)
-            else:
-                t = tl.load(Ts + offc, mask=mr[:, None], other=0.).to(tl.float32)
-                vd = tl.dot(t, u - x, input_precision=PREC).to(DT)
+            t = tl.load(Ts + offc, mask=mr[:, None], other=0.).to(tl.float32)
+            vd = tl.dot(t, u - x, input_precision=PREC).to(DT)
             a = tl.load(As + offc, mask=mr[:, None], other=0.)
             out = tl.dot(tl.load(Qg + offk, mask=mrk, other=0.), Sd, input_precision=PREC)
             out = tl.dot(a, vd, acc=out, input_precision=PREC)
@@ -699,23 +599,23 @@ if TRITON_AVAILABLE:
 
 
     @triton.jit
-    def _rec_t_fwd_kernel(W, Qg, Kd, Gl, Ts, As, U, h0, ht, hs, o, cu, chunk_off, H, K: tl.constexpr,
+    def _rec_t_fwd_kernel(Kg, Qg, Kd, Gl, Ts, As, v, h0, ht, hs, o, cu, chunk_off, H, K: tl.constexpr,
                           V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
                           HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_STATES: tl.constexpr,
-                          WU: tl.constexpr, PREC: tl.constexpr):
-        """The W/U recurrence over 16-token sub-chunks with the state transposed, S^T [BV, K] (KIMI3_KDA_FWD16=wut):
-            X^T = S^T W^T;  Vn^T = U^T - X^T;  O^T = S^T Qg^T + Vn^T Aqk^T;  S^T <- S^T Diag(exp(Gam_last)) + Vn^T Kd.
+                          PREC: tl.constexpr):
+        """_rec_fwd_kernel's recurrence with the state transposed, S^T [BV, K] (KIMI3_KDA_FWD16=tt):
+            X^T = S^T Kg^T;  Vn^T = (v^T - X^T) T^T;  O^T = S^T Qg^T + Vn^T Aqk^T;
+            S^T <- S^T Diag(exp(Gam_last)) + Vn^T Kd.
         Every product on the step's chain takes its left operand from registers, as the accumulator the previous
-        product left (S^T, Vn^T); W, Qg, Aqk, U and Kd do not depend on the chain and arrive through the pipeliner.
-        Not WU (KIMI3_KDA_FWD16=tt): W is Kg, U is v, and Vn^T = (v^T - X^T) T^T, one more 64x16x16 product on the
-        chain. The state in memory keeps the [K, V] layout (h0, ht, hs)."""
+        product left (S^T, Vn^T); Kg, Qg, T, Aqk, v and Kd do not depend on the chain and arrive through the
+        pipeliner. The state in memory keeps the [K, V] layout (h0, ht, hs)."""
         i_v, i_nh, i_h, bos, eos, c0 = _scan_program(cu, chunk_off, H, V, BV)
         o_k = tl.arange(0, BK)
         mk = o_k < K
         o_v = i_v * BV + tl.arange(0, BV)
         mv = o_v < V
         o_c = tl.arange(0, BC)
-        DT = W.dtype.element_ty
+        DT = Kg.dtype.element_ty
         s_off = (i_nh.to(tl.int64) * K + o_k[None, :]) * V + o_v[:, None]  # element (v, k) of a [K, V] state
         m_s = mv[:, None] & mk[None, :]
         S = tl.zeros([BV, BK], dtype=tl.float32)
@@ -732,16 +632,16 @@ if TRITON_AVAILABLE:
                 if c % (BT // BC) == 0:
                     tl.store(hs + ((c0 + c // (BT // BC)) * H * K + i_h * K + o_k[None, :]) * V + o_v[:, None],
                              S.to(hs.dtype.element_ty), mask=m_s)
-            offk_t = (rows[None, :] * H + i_h) * K + o_k[:, None]  # [BK, BC]: W^T, Qg^T
-            offv_t = (rows[None, :] * H + i_h) * V + o_v[:, None]  # [BV, BC]: U^T, O^T
+            offk_t = (rows[None, :] * H + i_h) * K + o_k[:, None]  # [BK, BC]: Kg^T, Qg^T
+            offv_t = (rows[None, :] * H + i_h) * V + o_v[:, None]  # [BV, BC]: v^T, O^T
             mk_t = mk[:, None] & mr[None, :]
             mv_t = mv[:, None] & mr[None, :]
             Sd = S.to(DT)
-            x = tl.dot(Sd, tl.load(W + offk_t, mask=mk_t, other=0.), input_precision=PREC)
-            vd = (tl.load(U + offv_t, mask=mv_t, other=0.).to(tl.float32) - x).to(DT)
-            if not WU:  # T^T: element (j, i) is T[i, j], row i of Ts
-                t_t = tl.load(Ts + (rows[None, :] * H + i_h) * BC + o_c[:, None], mask=mr[None, :], other=0.)
-                vd = tl.dot(vd, t_t, input_precision=PREC).to(DT)
+            x = tl.dot(Sd, tl.load(Kg + offk_t, mask=mk_t, other=0.), input_precision=PREC)
+            vd = (tl.load(v + offv_t, mask=mv_t, other=0.).to(tl.float32) - x).to(DT)
+            # T^T: element (j, i) is T[i, j], row i of Ts
+            t_t = tl.load(Ts + (rows[None, :] * H + i_h) * BC + o_c[:, None], mask=mr[None, :], other=0.)
+            vd = tl.dot(vd, t_t, input_precision=PREC).to(DT)
             # Aqk^T: element (j, i) is Aqk[i, j], row i of As
             a_t = tl.load(As + (rows[None, :] * H + i_h) * BC + o_c[:, None], mask=mr[None, :], other=0.)
             out = tl.dot(Sd, tl.load(Qg + offk_t, mask=mk_t, other=0.), input_precision=PREC)
@@ -771,35 +671,6 @@ def _prec(dtype):
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def _pairs():
-    """How the forward forms Aqk and P for bounded gates, KIMI3_KDA_PAIRS: "tiles" (default) the diagonal 16x16 tiles
-    in `_diag_fwd_kernel` and the six below them in `_intra_fwd_kernel`; "rows" all of them in `_pairs_fwd_kernel`,
-    one matmul per 16-row block row and K slice, then the solve in `_solve_fwd_kernel`. Unbounded gates always take
-    the tiles (their diagonal tiles may need the per-column loop). "rows" is not timed yet (bench/README)."""
-    mode = env("KIMI3_KDA_PAIRS", "").strip() or "tiles"
-    if mode not in ("tiles", "rows"):
-        raise ValueError(f"KIMI3_KDA_PAIRS must be 'tiles' or 'rows', got {mode!r}")
-    return mode
-
-
-def _pairs_rows(qn, kn, gc, bs, Aqk, Mo, Po, Tm, info, scale, store_bwd):
-    TT, H, K = qn.shape
-    BT = CHUNK_SIZE
-    # P whole, fp32: the backward keeps it (Po) or the solve reads it once
-    Pf = Po if store_bwd else torch.empty(TT, H, BT, device=qn.device, dtype=torch.float32)
-    Md = torch.empty(TT, H, 16, device=qn.device, dtype=torch.float32)
-    bk, warps, stages, regs = launch_config("pairs_fwd")
-    _pairs_fwd_kernel[(info.NC, H)](qn, kn, gc, Aqk, Pf, info.chunk_tab, info.cu, scale, H=H, K=K,
-                                    BK=min(bk, next_pow2(K)), BT=BT, BC=16, PREC=_prec(qn.dtype),
-                                    num_warps=warps, num_stages=stages, **regs)
-    _, warps, stages, regs = launch_config("diag_inv")
-    _diag_inv_kernel[(info.NC * (BT // 16), H)](Pf, bs, Md, info.chunk_tab, info.cu, H=H, BT=BT, BC=16, PW=BT,
-                                                 num_warps=warps, num_stages=stages, **regs)
-    _, warps, stages, regs = launch_config("solve_fwd")
-    _solve_fwd_kernel[(info.NC, H)](Pf, bs, Mo, Tm, Md, info.chunk_tab, info.cu, H=H, BT=BT, BC=16,
-                                    STORE_BWD=store_bwd, num_warps=warps, num_stages=stages, **regs)
-
-
 def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
     TT, H, K = qn.shape
     V = v.shape[-1]
@@ -820,9 +691,7 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
     # unbounded gates: the chunks with a diagonal tile too steep for one matmul (the backward runs them apart)
     steep = None if safe else torch.zeros(max(info.NC, 1), H, device=dev, dtype=torch.int8)
     Tm = torch.empty(TT, H, BT, device=dev, dtype=DT)
-    if info.NC > 0 and safe and _pairs() == "rows":
-        _pairs_rows(qn, kn, gc, bs, Aqk, Mo, Po, Tm, info, scale, store_bwd)
-    elif info.NC > 0:
+    if info.NC > 0:
         Pd = torch.empty(TT, H, 16, device=dev, dtype=torch.float32)  # the diagonal tiles' key-key products
         # The diagonal 16x16 tiles in their own kernel (a quarter of a chunk per program, few registers), the
         # off-diagonal ones and the solve in the pairwise kernel: forward 1.38x at H=32, T=16K and 1.05x at H=96
@@ -839,7 +708,7 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
         if inv == 1:
             _, warps, stages, regs = launch_config("diag_inv")
             _diag_inv_kernel[(info.NC * (BT // 16), H)](Pd, bs, Md, info.chunk_tab, info.cu, H=H, BT=BT, BC=16,
-                                                         PW=16, num_warps=warps, num_stages=stages, **regs)
+                                                         num_warps=warps, num_stages=stages, **regs)
         # at K = 128 the pairwise kernel sits at sm_90's 255-register cap
         bk, warps, stages, regs = launch_config("intra_fwd")
         _intra_fwd_kernel[(info.NC, H)](
@@ -900,23 +769,22 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, states_dtype, s
 
 def fwd16():
     """KIMI3_KDA_FWD16: the inference forward (no autograd) in 16-token sub-chunks, `sub16_fwd`, in place of the
-    preparation kernels and the 64-token chunks' pairwise, solve, W/U, scan and output kernels: "1" with the
-    recurrence in the T form, "wu" in the W/U form, "wut" in the W/U form with the state transposed
-    (`_rec_t_fwd_kernel`); "0" off. Returns None (off), "t", "wu" or "wut"."""
+    preparation kernels and the 64-token chunks' pairwise, solve, W/U, scan and output kernels: "1" (default) with
+    `_rec_fwd_kernel`, "tt" with the state transposed (`_rec_t_fwd_kernel`), "0" off. Returns None (off), "t" or
+    "tt". The W/U forms (the sub-chunk kernel also forming W = T Kg and U = T v) were timed slower on the H200 and
+    removed (bench/results/kda_h200.md, 1a87938)."""
     mode = env("KIMI3_KDA_FWD16", "").strip() or "1"
-    if mode not in ("0", "1", "wu", "wut", "tt"):
-        raise ValueError(f"KIMI3_KDA_FWD16 must be 0, 1, wu, wut or tt, got {mode!r}")
-    return {"0": None, "1": "t", "wu": "wu", "wut": "wut", "tt": "tt"}[mode]
+    if mode not in ("0", "1", "tt"):
+        raise ValueError(f"KIMI3_KDA_FWD16 must be 0, 1 or tt, got {mode!r}")
+    return {"0": None, "1": "t", "tt": "tt"}[mode]
 
 
 def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info, h0, inter_dtype, out_dtype,
               output_final_state, states_dtype, o=None, form="t"):
     """The forward in 16-token sub-chunks, from the raw (flattened) inputs: `_sub_fwd_kernel` (per sub-chunk: norms,
-    gate, the diagonal tile and its 16x16 inverse, Kg, Qg, Kd; fully parallel), then `_rec_fwd_kernel` (the
-    recurrence with the output, parallel over sequences, heads and value tiles). form "t": the recurrence applies
-    T per step; "wu": the sub-chunk kernel forms W = T Kg and U = T v; "wut": that, and `_rec_t_fwd_kernel`. Returns
-    (o, final state, the states at 64-token chunk boundaries or None)."""
-    wu = form in ("wu", "wut")
+    gate, the diagonal tile and its 16x16 inverse T, Kg, Qg, Kd; fully parallel), then the recurrence with the output
+    (parallel over sequences, heads and value tiles): `_rec_fwd_kernel` (form "t") or `_rec_t_fwd_kernel` ("tt").
+    Returns (o, final state, the states at 64-token chunk boundaries or None)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -930,31 +798,22 @@ def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info
     Qg = torch.empty_like(Kg)
     Kd = torch.empty_like(Kg)
     As = torch.empty(TT, H, BC, device=dev, dtype=DT)
-    Ts = As.new_empty(0) if wu else torch.empty_like(As)
-    U = torch.empty(TT, H, V, device=dev, dtype=DT) if wu else Ts
+    Ts = torch.empty_like(As)
     Gl = torch.empty(max(info.NC, 1) * (BT // BC), H, K, device=dev, dtype=torch.float32)
     if info.NC > 0:
         bk, warps, stages, regs = launch_config("sub_fwd")
         _sub_fwd_kernel[(info.NC * (BT // BC), H)](
-            q, k, v, f, beta, A_log, dt_bias, Kg, Qg, Kd, Gl, Ts, As, U, info.chunk_tab, info.cu, scale,
-            float(lower_bound) if lower_bound is not None else 0.0, DENSE_MAX_SPAN, H=H, K=K, V=V,
+            q, k, f, beta, A_log, dt_bias, Kg, Qg, Kd, Gl, Ts, As, info.chunk_tab, info.cu, scale,
+            float(lower_bound) if lower_bound is not None else 0.0, DENSE_MAX_SPAN, H=H, K=K,
             BK=min(bk, next_pow2(K)), BT=BT, BC=BC, SAFE=lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND,
-            USE_LB=lower_bound is not None, L2=use_l2, WU=wu, PREC=_prec(DT), num_warps=warps, num_stages=stages,
-            **regs)
-    if info.N > 0 and form in ("wut", "tt"):
-        bv, warps, stages, regs = launch_config("rec_t_fwd")
+            USE_LB=lower_bound is not None, L2=use_l2, PREC=_prec(DT), num_warps=warps, num_stages=stages, **regs)
+    if info.N > 0:
+        name, kernel = ("rec_t_fwd", _rec_t_fwd_kernel) if form == "tt" else ("rec_fwd", _rec_fwd_kernel)
+        bv, warps, stages, regs = launch_config(name)
         BV = min(bv, next_pow2(V))
-        _rec_t_fwd_kernel[(cdiv(V, BV) * info.N * H,)](
-            Kg, Qg, Kd, Gl, Ts, As, U if wu else v, h0 if h0 is not None else Gl, ht if ht is not None else Gl,
+        kernel[(cdiv(V, BV) * info.N * H,)](
+            Kg, Qg, Kd, Gl, Ts, As, v, h0 if h0 is not None else Gl, ht if ht is not None else Gl,
             hs if hs is not None else Gl, o, info.cu, info.chunk_off, H=H, K=K, V=V, BK=next_pow2(K), BV=BV, BC=BC,
-            BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, STORE_STATES=hs is not None, WU=wu,
-            PREC=_prec(DT), num_warps=warps, num_stages=stages, **regs)
-    elif info.N > 0:
-        bv, warps, stages, regs = launch_config("rec_fwd")
-        BV = min(bv, next_pow2(V))
-        _rec_fwd_kernel[(cdiv(V, BV) * info.N * H,)](
-            Kg, Qg, Kd, Gl, Ts, As, U if wu else v, h0 if h0 is not None else Gl, ht if ht is not None else Gl,
-            hs if hs is not None else Gl, o, info.cu, info.chunk_off, H=H, K=K, V=V, BK=next_pow2(K), BV=BV, BC=BC,
-            BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, STORE_STATES=hs is not None, WU=wu,
+            BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, STORE_STATES=hs is not None,
             PREC=_prec(DT), num_warps=warps, num_stages=stages, **regs)
     return o, ht, (hs[:info.NC] if hs is not None else None)
