@@ -367,6 +367,39 @@ def test_chunk_sub16_varlen(form, monkeypatch):
     assert cs.shape == (4, 2, 16, 16) and rel(cs, rcs) < 1e-4
 
 
+@needs_triton
+@pytest.mark.parametrize("form", ["1", "tt"])
+def test_chunk_sub16_segments(form, monkeypatch):
+    """KIMI3_KDA_FWD16_SEGS: the 16-token forward in segments of the chunks, the state carried between the recurrence's
+    launches: bit-identical to one segment (the same steps, the state through memory in fp32), sequences spanning
+    segment boundaries, empty ones between them, and the fp64 recurrence."""
+    from kimi3_kernels.kda import chunk_fwd
+    monkeypatch.setenv("KIMI3_KDA_FWD16", form)
+    monkeypatch.setattr(chunk_fwd, "SEG_MIN_CHUNKS", 1)
+    assert chunk_fwd.fwd16_segments(7) == [(0, 7)]
+    monkeypatch.setenv("KIMI3_KDA_FWD16_SEGS", "3")
+    assert chunk_fwd.fwd16_segments(7) == [(0, 3), (3, 6), (6, 7)] and chunk_fwd.fwd16_segments(0) == [(0, 0)]
+    # chunks: 1 (length 1), 3 (149 tokens: chunks 1-3, across the first boundary), 3 (150: chunks 4-6, across the
+    # second); the empty sequences sit at chunks 1 and 4
+    cu = torch.tensor([0, 0, 1, 150, 150, 300], dtype=torch.int32)
+    q, k, v, f, beta, A_log, dtb, h0 = make(1, 300, 2, 16, 16, N=5, seed=25)
+    kw = dict(A_log=A_log, dt_bias=dtb, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+              return_chunk_states=True)
+    for lb in (-5.0, None):
+        out = {}
+        for segs in ("1", "3"):
+            monkeypatch.setenv("KIMI3_KDA_FWD16_SEGS", segs)
+            out[segs] = chunk_kda(q, k, v, f, beta, lower_bound=lb, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(out["1"], out["3"]))
+        ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0, cu=cu)
+        o, s, _ = out["3"]
+        assert rel(o, ro) < 1e-4 and rel(s, rs) < 1e-4
+        assert torch.equal(s[0], h0[0]) and torch.equal(s[3], h0[3])
+    monkeypatch.setenv("KIMI3_KDA_FWD16_SEGS", "0")
+    with pytest.raises(ValueError, match="KIMI3_KDA_FWD16_SEGS"):
+        chunk_fwd.fwd16_segments(7)
+
+
 def check_vs_fp64(ins, lb, do, dS=None):
     """chunk_kda's output, final state and the gradients of every input (q, k, v, g, beta, A_log, dt_bias, h0: fp32)
     against the fp64 recurrence, for the loss <o, do> + <state, dS> (dS: ones)."""

@@ -16,7 +16,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SM90_SHARED_LIMIT = 232448  # bytes per block (227 KB) on H100 / H200
-ENV = ("KIMI3_KDA_LAUNCH", "KIMI3_KDA_FWD16")  # the variables that pick kernels and launches
+ENV = ("KIMI3_KDA_LAUNCH", "KIMI3_KDA_FWD16", "KIMI3_KDA_FWD16_SEGS")  # the variables that pick kernels and launches
 
 
 def record_launches():
@@ -41,15 +41,19 @@ def record_launches():
             setattr(m, name, Recorder(obj))
         # H=2: the forward scan's small-grid tile; H=72: 144 programs at 64 wide, its large-grid tile
         # "0" keeps the inference call on the 64-token kernels too; the last ones: the inference forward in 16-token
-        # sub-chunks (the default, KIMI3_KDA_FWD16=1, and tt; the training call takes 64-token chunks)
+        # sub-chunks (the default, KIMI3_KDA_FWD16=1, and tt; the training call takes 64-token chunks), also in
+        # segments (one chunk each here)
         off = dict(KIMI3_KDA_FWD16="0")
         sub16, sub16tt = {}, dict(KIMI3_KDA_FWD16="tt")
+        seg, segtt = dict(KIMI3_KDA_FWD16_SEGS="2"), dict(KIMI3_KDA_FWD16="tt", KIMI3_KDA_FWD16_SEGS="2")
+        chunk_fwd.SEG_MIN_CHUNKS = 1
         for dtype, lb, H, env in ((torch.bfloat16, -5.0, 2, off), (torch.bfloat16, None, 2, off),
                                   (torch.float32, -5.0, 2, off), (torch.float32, None, 2, off),
                                   (torch.bfloat16, -5.0, 72, off), (torch.float32, -5.0, 72, off),
                                   (torch.bfloat16, -5.0, 2, sub16), (torch.bfloat16, None, 2, sub16),
                                   (torch.float32, None, 2, sub16), (torch.bfloat16, -5.0, 2, sub16tt),
-                                  (torch.float32, None, 2, sub16tt)):
+                                  (torch.float32, None, 2, sub16tt), (torch.bfloat16, -5.0, 2, seg),
+                                  (torch.float32, None, 2, seg), (torch.bfloat16, -5.0, 2, segtt)):
             for name in ENV:
                 os.environ.pop(name, None)
             os.environ.update(env)

@@ -69,7 +69,7 @@ def kernel_status(device=None, requested=None):
     # the chunk kernels' A/B options (environment variables read at each call; bench/kda.py sweeps them)
     options = {name: os.environ.get(name) for name in ("KIMI3_KDA_LAUNCH", "KIMI3_KDA_DIAG_INV",
                                                        "KIMI3_KDA_MAIN_BWD_KSPLIT", "KIMI3_KDA_SAVE_FWD",
-                                                       "KIMI3_KDA_FWD16")
+                                                       "KIMI3_KDA_FWD16", "KIMI3_KDA_FWD16_SEGS")
                if os.environ.get(name)}
     return {"device": str(device), "available": available,
             "kda_backend": resolve_backend(device, requested, announce=False),

@@ -20,6 +20,8 @@ The PyTorch reference is `reference.naive_chunk_kda`.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, env, launch_config, next_pow2, state_scan_tile
@@ -135,6 +137,33 @@ if TRITON_AVAILABLE:
         n = i_nh // H
         return (i_v, i_nh, i_nh % H, tl.load(cu + n).to(tl.int64), tl.load(cu + n + 1).to(tl.int64),
                 tl.load(chunk_off + n).to(tl.int64))
+
+    @triton.jit
+    def _seg_span(chunk_off, i_nh, H, c0, bos, eos, c_lo, c_hi, o_v, BT: tl.constexpr, BC: tl.constexpr,
+                  SEG: tl.constexpr):
+        """A 16-token recurrence program's part of the segment of global chunks [c_lo, c_hi): its first and end
+        sub-chunk (relative to the sequence), and as vectors over o_v (the interpreter refuses a scalar bool in a
+        mask) whether it runs at all (an empty sequence runs in the first segment, to carry its initial state to the
+        final one) and whether the sequence starts / ends in the segment. Not SEG: one segment, the whole sequence."""
+        n_sub = tl.cdiv(eos - bos, BC)
+        if SEG:
+            n = i_nh // H
+            c1 = tl.load(chunk_off + n + 1)
+            lo = tl.maximum(c0, c_lo)
+            hi = tl.minimum(c1, c_hi)
+            s_lo = (lo - c0) * (BT // BC)
+            s_hi = tl.minimum(n_sub, (hi - c0) * (BT // BC))
+            empty = c0 == c1
+            run_v = (o_v * 0 + ((lo < hi) | (empty & (c_lo == 0))).to(tl.int32)) > 0
+            first_v = run_v & ((o_v * 0 + ((c0 >= c_lo) | empty).to(tl.int32)) > 0)
+            last_v = run_v & ((o_v * 0 + ((c1 <= c_hi) | empty).to(tl.int32)) > 0)
+        else:
+            s_lo = n_sub * 0
+            s_hi = n_sub
+            run_v = o_v >= 0
+            first_v = run_v
+            last_v = run_v
+        return s_lo, s_hi, run_v, first_v, last_v
 
     @triton.jit
     def _chunk_span(tab, cu, i_c):
@@ -468,14 +497,18 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _sub_fwd_kernel(q, k, f, beta, A_log, dt_bias, Kg, Qg, Kd, Gl, Ts, As, tab, cu, scale, lower_bound,
-                        max_span, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                        SAFE: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr, PREC: tl.constexpr):
+                        max_span, s_first, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                        SAFE: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr, SEG: tl.constexpr,
+                        PREC: tl.constexpr):
         """Inference forward in 16-token sub-chunks (KIMI3_KDA_FWD16, default), one program per sub-chunk and head, from the
         raw inputs: the L2 norms, sigmoid(beta), the gate and its cumsum Gam from the sub-chunk's start (no
         preparation kernels, nothing per 64-token chunk); the diagonal tile's Aqk and P (one matmul per K slice, or
         the per-column loop for a steep unbounded gate, as _diag_fwd_kernel), T = (I + Diag(beta) P)^-1 Diag(beta);
-        Kg = k exp(Gam), Qg = scale q exp(Gam), Kd = k exp(Gam_last - Gam) and Gam_last, for _rec_fwd_kernel."""
+        Kg = k exp(Gam), Qg = scale q exp(Gam), Kd = k exp(Gam_last - Gam) and Gam_last, for _rec_fwd_kernel.
+        SEG: the launch starts at sub-chunk s_first (a segment of the chunks, see sub16_fwd)."""
         i_s = tl.program_id(0)
+        if SEG:
+            i_s += s_first
         i_h = tl.program_id(1)
         _, t0, eos = _chunk_span(tab, cu, i_s // (BT // BC))
         s0 = t0 + (i_s % (BT // BC)) * BC
@@ -543,14 +576,16 @@ if TRITON_AVAILABLE:
                 BC)
 
     @triton.jit
-    def _rec_fwd_kernel(Kg, Qg, Kd, Gl, Ts, As, v, h0, ht, hs, o, cu, chunk_off, H, K: tl.constexpr,
+    def _rec_fwd_kernel(Kg, Qg, Kd, Gl, Ts, As, v, h0, ht, hs, hc, o, cu, chunk_off, c_lo, c_hi, H, K: tl.constexpr,
                         V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
                         HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_STATES: tl.constexpr,
-                        PREC: tl.constexpr):
+                        SEG: tl.constexpr, PREC: tl.constexpr):
         """The recurrence over 16-token sub-chunks with the output formed on the way, one program per sequence,
         head and value tile, the state S [K, BV] in registers throughout:
             Vn = T (v - Kg S);  O = Qg S + Aqk Vn;  S <- Diag(exp(Gam_last)) S + Kd^T Vn.
-        STORE_STATES: S entering every 64-token chunk (hs, as _state_fwd_kernel)."""
+        STORE_STATES: S entering every 64-token chunk (hs, as _state_fwd_kernel). SEG: only the global chunks
+        [c_lo, c_hi) are walked; a sequence that goes on past them leaves its state in hc for the next segment's
+        launch, one that began before them takes it from there."""
         i_v, i_nh, i_h, bos, eos, c0 = _scan_program(cu, chunk_off, H, V, BV)
         o_k = tl.arange(0, BK)
         mk = o_k < K
@@ -560,17 +595,19 @@ if TRITON_AVAILABLE:
         DT = Kg.dtype.element_ty
         s_off = (i_nh.to(tl.int64) * K + o_k[:, None]) * V + o_v[None, :]
         m_s = mk[:, None] & mv[None, :]
+        s_lo, s_hi, run_v, first_v, last_v = _seg_span(chunk_off, i_nh, H, c0, bos, eos, c_lo, c_hi, o_v, BT, BC,
+                                                        SEG)
         S = tl.zeros([BK, BV], dtype=tl.float32)
         if HAS_H0:
-            S += tl.load(h0 + s_off, mask=m_s, other=0.)
-        n_sub = tl.cdiv(eos - bos, BC)
+            S += tl.load(h0 + s_off, mask=m_s & first_v[None, :], other=0.)
+        if SEG:
+            S += tl.load(hc + s_off, mask=m_s & (run_v & ~first_v)[None, :], other=0.)
         # the sub-chunk's global index in Gl: 4 per 64-token chunk of the sequence. Loaded a step ahead: the pipeliner
-        # leaves this load in place, and its latency sat on every step's chain before the state update (the masks as
-        # vectors: the interpreter refuses a scalar bool in a mask)
+        # leaves this load in place, and its latency sat on every step's chain before the state update
         gl_row = Gl + (c0 * (BT // BC) * H + i_h) * K + o_k
-        gl = tl.load(gl_row, mask=mk & (o_k * 0 < n_sub), other=0.)
-        for c in range(0, n_sub):
-            gl_next = tl.load(gl_row + (c + 1) * H * K, mask=mk & (o_k * 0 + c + 1 < n_sub), other=0.)
+        gl = tl.load(gl_row + s_lo * H * K, mask=mk & (o_k * 0 + s_lo < s_hi), other=0.)
+        for c in range(s_lo, s_hi):
+            gl_next = tl.load(gl_row + (c + 1) * H * K, mask=mk & (o_k * 0 + c + 1 < s_hi), other=0.)
             rows = bos + c * BC + o_c
             mr = rows < eos
             if STORE_STATES:
@@ -595,20 +632,22 @@ if TRITON_AVAILABLE:
             S = S * tl.exp2(gl)[:, None] + tl.dot(tl.trans(kd), vd, input_precision=PREC)
             gl = gl_next
         if STORE_FINAL:
-            tl.store(ht + s_off, S, mask=m_s)
+            tl.store(ht + s_off, S, mask=m_s & last_v[None, :])
+        if SEG:
+            tl.store(hc + s_off, S, mask=m_s & (run_v & ~last_v)[None, :])
 
 
     @triton.jit
-    def _rec_t_fwd_kernel(Kg, Qg, Kd, Gl, Ts, As, v, h0, ht, hs, o, cu, chunk_off, H, K: tl.constexpr,
+    def _rec_t_fwd_kernel(Kg, Qg, Kd, Gl, Ts, As, v, h0, ht, hs, hc, o, cu, chunk_off, c_lo, c_hi, H, K: tl.constexpr,
                           V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
                           HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_STATES: tl.constexpr,
-                          PREC: tl.constexpr):
+                          SEG: tl.constexpr, PREC: tl.constexpr):
         """_rec_fwd_kernel's recurrence with the state transposed, S^T [BV, K] (KIMI3_KDA_FWD16=tt):
             X^T = S^T Kg^T;  Vn^T = (v^T - X^T) T^T;  O^T = S^T Qg^T + Vn^T Aqk^T;
             S^T <- S^T Diag(exp(Gam_last)) + Vn^T Kd.
         Every product on the step's chain takes its left operand from registers, as the accumulator the previous
         product left (S^T, Vn^T); Kg, Qg, T, Aqk, v and Kd do not depend on the chain and arrive through the
-        pipeliner. The state in memory keeps the [K, V] layout (h0, ht, hs)."""
+        pipeliner. The state in memory keeps the [K, V] layout (h0, ht, hs, hc). Segments as _rec_fwd_kernel's."""
         i_v, i_nh, i_h, bos, eos, c0 = _scan_program(cu, chunk_off, H, V, BV)
         o_k = tl.arange(0, BK)
         mk = o_k < K
@@ -618,14 +657,17 @@ if TRITON_AVAILABLE:
         DT = Kg.dtype.element_ty
         s_off = (i_nh.to(tl.int64) * K + o_k[None, :]) * V + o_v[:, None]  # element (v, k) of a [K, V] state
         m_s = mv[:, None] & mk[None, :]
+        s_lo, s_hi, run_v, first_v, last_v = _seg_span(chunk_off, i_nh, H, c0, bos, eos, c_lo, c_hi, o_v, BT, BC,
+                                                        SEG)
         S = tl.zeros([BV, BK], dtype=tl.float32)
         if HAS_H0:
-            S += tl.load(h0 + s_off, mask=m_s, other=0.)
-        n_sub = tl.cdiv(eos - bos, BC)
+            S += tl.load(h0 + s_off, mask=m_s & first_v[:, None], other=0.)
+        if SEG:
+            S += tl.load(hc + s_off, mask=m_s & (run_v & ~first_v)[:, None], other=0.)
         gl_row = Gl + (c0 * (BT // BC) * H + i_h) * K + o_k  # as _rec_fwd_kernel: a step ahead
-        gl = tl.load(gl_row, mask=mk & (o_k * 0 < n_sub), other=0.)
-        for c in range(0, n_sub):
-            gl_next = tl.load(gl_row + (c + 1) * H * K, mask=mk & (o_k * 0 + c + 1 < n_sub), other=0.)
+        gl = tl.load(gl_row + s_lo * H * K, mask=mk & (o_k * 0 + s_lo < s_hi), other=0.)
+        for c in range(s_lo, s_hi):
+            gl_next = tl.load(gl_row + (c + 1) * H * K, mask=mk & (o_k * 0 + c + 1 < s_hi), other=0.)
             rows = bos + c * BC + o_c
             mr = rows < eos
             if STORE_STATES:
@@ -651,7 +693,9 @@ if TRITON_AVAILABLE:
             S = S * tl.exp2(gl)[None, :] + tl.dot(vd, kd, input_precision=PREC)
             gl = gl_next
         if STORE_FINAL:
-            tl.store(ht + s_off, S, mask=m_s)
+            tl.store(ht + s_off, S, mask=m_s & last_v[:, None])
+        if SEG:
+            tl.store(hc + s_off, S, mask=m_s & (run_v & ~last_v)[:, None])
 
 def _diag_inv(safe):
     """Where the inverses of the diagonal 16x16 blocks are formed, KIMI3_KDA_DIAG_INV: 0 inside the pairwise kernel,
@@ -779,12 +823,35 @@ def fwd16():
     return {"0": None, "1": "t", "tt": "tt"}[mode]
 
 
+def fwd16_segments(n_chunks):
+    """KIMI3_KDA_FWD16_SEGS: the 16-token forward in this many segments of the chunks (default 1), each a sub-chunk
+    launch on a side stream and a recurrence launch on the caller's, so that the next segment's sub-chunk kernel runs
+    beside this segment's recurrence (the recurrence alone leaves most of each SM idle at H=32: one program per SM,
+    bound by each step's latency). Segments hold at least SEG_MIN_CHUNKS chunks. Untimed: bench/README item 11."""
+    value = env("KIMI3_KDA_FWD16_SEGS", "").strip() or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"KIMI3_KDA_FWD16_SEGS must be a positive integer, got {value!r}")
+    size = max(SEG_MIN_CHUNKS, cdiv(n_chunks, int(value)))
+    return [(lo, min(lo + size, n_chunks)) for lo in range(0, n_chunks, size)] or [(0, 0)]
+
+
+SEG_MIN_CHUNKS = 16  # below ~1K tokens a segment's launches cost more than the overlap gains
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device):
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info, h0, inter_dtype, out_dtype,
               output_final_state, states_dtype, o=None, form="t"):
     """The forward in 16-token sub-chunks, from the raw (flattened) inputs: `_sub_fwd_kernel` (per sub-chunk: norms,
     gate, the diagonal tile and its 16x16 inverse T, Kg, Qg, Kd; fully parallel), then the recurrence with the output
-    (parallel over sequences, heads and value tiles): `_rec_fwd_kernel` (form "t") or `_rec_t_fwd_kernel` ("tt").
-    Returns (o, final state, the states at 64-token chunk boundaries or None)."""
+    (parallel over sequences, heads and value tiles): `_rec_fwd_kernel` (form "t") or `_rec_t_fwd_kernel` ("tt"),
+    segment by segment (`fwd16_segments`). Returns (o, final state, the states at 64-token chunk boundaries or
+    None)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -800,20 +867,31 @@ def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info
     As = torch.empty(TT, H, BC, device=dev, dtype=DT)
     Ts = torch.empty_like(As)
     Gl = torch.empty(max(info.NC, 1) * (BT // BC), H, K, device=dev, dtype=torch.float32)
-    if info.NC > 0:
-        bk, warps, stages, regs = launch_config("sub_fwd")
-        _sub_fwd_kernel[(info.NC * (BT // BC), H)](
-            q, k, f, beta, A_log, dt_bias, Kg, Qg, Kd, Gl, Ts, As, info.chunk_tab, info.cu, scale,
-            float(lower_bound) if lower_bound is not None else 0.0, DENSE_MAX_SPAN, H=H, K=K,
-            BK=min(bk, next_pow2(K)), BT=BT, BC=BC, SAFE=lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND,
-            USE_LB=lower_bound is not None, L2=use_l2, PREC=_prec(DT), num_warps=warps, num_stages=stages, **regs)
-    if info.N > 0:
-        name, kernel = ("rec_t_fwd", _rec_t_fwd_kernel) if form == "tt" else ("rec_fwd", _rec_fwd_kernel)
-        bv, warps, stages, regs = launch_config(name)
-        BV = min(bv, next_pow2(V))
+    segs = fwd16_segments(info.NC) if info.N > 0 else []
+    # the state between segments (a sequence may span several)
+    hc = torch.empty(info.N, H, K, V, device=dev, dtype=torch.float32) if len(segs) > 1 else Gl
+    side = _side_stream(dev) if len(segs) > 1 and dev.type == "cuda" else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(dev))
+    sb, s_warps, s_stages, s_regs = launch_config("sub_fwd")
+    name, kernel = ("rec_t_fwd", _rec_t_fwd_kernel) if form == "tt" else ("rec_fwd", _rec_fwd_kernel)
+    bv, r_warps, r_stages, r_regs = launch_config(name)
+    BV = min(bv, next_pow2(V))
+    for c_lo, c_hi in segs:
+        if c_hi > c_lo:
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                _sub_fwd_kernel[((c_hi - c_lo) * (BT // BC), H)](
+                    q, k, f, beta, A_log, dt_bias, Kg, Qg, Kd, Gl, Ts, As, info.chunk_tab, info.cu, scale,
+                    float(lower_bound) if lower_bound is not None else 0.0, DENSE_MAX_SPAN, c_lo * (BT // BC), H=H,
+                    K=K, BK=min(sb, next_pow2(K)), BT=BT, BC=BC,
+                    SAFE=lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND, USE_LB=lower_bound is not None,
+                    L2=use_l2, SEG=len(segs) > 1, PREC=_prec(DT), num_warps=s_warps, num_stages=s_stages, **s_regs)
+            if side is not None:
+                torch.cuda.current_stream(dev).wait_stream(side)
         kernel[(cdiv(V, BV) * info.N * H,)](
             Kg, Qg, Kd, Gl, Ts, As, v, h0 if h0 is not None else Gl, ht if ht is not None else Gl,
-            hs if hs is not None else Gl, o, info.cu, info.chunk_off, H=H, K=K, V=V, BK=next_pow2(K), BV=BV, BC=BC,
-            BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state, STORE_STATES=hs is not None,
-            PREC=_prec(DT), num_warps=warps, num_stages=stages, **regs)
+            hs if hs is not None else Gl, hc, o, info.cu, info.chunk_off, c_lo, c_hi, H=H, K=K, V=V,
+            BK=next_pow2(K), BV=BV, BC=BC, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state,
+            STORE_STATES=hs is not None, SEG=len(segs) > 1, PREC=_prec(DT), num_warps=r_warps, num_stages=r_stages,
+            **r_regs)
     return o, ht, (hs[:info.NC] if hs is not None else None)
