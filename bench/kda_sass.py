@@ -34,8 +34,8 @@ CLASSES = {"mma": ("HMMA", "HGMMA"), "mufu": ("MUFU",), "fp32": ("FFMA", "FMUL",
            "mov": ("MOV", "IMAD.MOV", "CS2R"), "ldg": ("LDG",), "stg": ("STG",), "smem": ("LDS", "STS", "LDSM"),
            "bar": ("BAR",), "shfl": ("SHFL",), "cvt": ("F2F", "F2FP", "I2F", "F2I", "PRMT")}
 # trip counts of each kernel's loops, in address order: "k" = cdiv(K, BK); "chunk" = once per BC-token step of a
-# scan (BC = 64, or the constexpr BC: 16 for the _rec_fwd_kernel and _rec_t_fwd_kernel). _sub_fwd_kernel: the norms' pass, the main one, the
-# inverse (ptxas may unroll the first: then no estimate)
+# scan (BC = 64, or the constexpr BC: 16 for _rec_fwd_kernel and _rec_t_fwd_kernel). _sub_fwd_kernel: the norms'
+# pass, the main one, the inverse (ptxas may unroll the first: then no estimate)
 TRIPS = {"_diag_fwd_kernel": ("k", 15), "_diag_inv_kernel": (14,), "_intra_fwd_kernel": ("k",),
          "_output_fwd_kernel": ("k",), "_state_fwd_kernel": ("chunk",),
          "_wu_fwd_kernel": (), "_gate_fwd_kernel": (), "_norm_fwd_kernel": (),

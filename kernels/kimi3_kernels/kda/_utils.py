@@ -136,10 +136,9 @@ class SeqInfo:
 # 32-wide column slices apart from the norms' (fe825ec, in one process: H=32 T=16K kernel 0.711 -> 0.565 ms, forward+
 # backward 7.89 -> 7.74 ms); K3's gate keeps one program per chunk and head (H=96: 1.597 against 1.622-1.906 ms sliced).
 # rec_t_fwd (KIMI3_KDA_FWD16=tt) is a first pick, checked for registers and spills in an sm_90 compile
-# (bench/kda_sass.py). sub_fwd / rec_fwd, the default inference forward,
-# were timed at these settings only (1a87938): their loads for step c+1 are issued at the end of step c and waited
-# for at the top of c+1 (DEPBAR.LE SB0, 0x0 in the sm_90 SASS) at 2 stages; 3 stages wait for one step older
-# (DEPBAR.LE SB0, 0x6), untimed (bench/README item 11).
+# (bench/kda_sass.py). sub_fwd / rec_fwd, the default inference forward, were timed at these settings only (1a87938):
+# at 2 stages the loads for step c+1 are issued at the end of step c and waited for at the top of c+1 (DEPBAR.LE SB0,
+# 0x0 in the sm_90 SASS); 3 stages wait for one step older (0x6), untimed (bench/README item 11).
 LAUNCH_DEFAULTS = {
     "prep_fwd": (64, 4, 1),
     "norm_fwd": (32, 4, 1),
