@@ -171,6 +171,11 @@ def test_launch_config(monkeypatch):
     assert launch_config("state_fwd") == (LAUNCH_DEFAULTS["state_fwd"][0], 4, 3, {})
     assert launch_config("wu_fwd") == (*LAUNCH_DEFAULTS["wu_fwd"], {"maxnreg": 128})
     assert launch_config("diag_fwd") == (*LAUNCH_DEFAULTS["diag_fwd"], {})
+    assert launch_config("sub_fwd") == (32, 1, 1, {"maxnreg": 160})  # a default cap, lifted by 0
+    monkeypatch.setenv("KIMI3_KDA_LAUNCH", "sub_fwd=:::0")
+    assert launch_config("sub_fwd") == (32, 1, 1, {})
+    monkeypatch.setenv("KIMI3_KDA_LAUNCH", "sub_fwd=16::")
+    assert launch_config("sub_fwd") == (16, 1, 1, {"maxnreg": 160})
     for bad in ("intra_fwd=64:2", "intra=64:2:1", "intra_fwd=a:2:1", "wu_fwd=1:2:3:4:5", "wu_fwd=:::x"):
         monkeypatch.setenv("KIMI3_KDA_LAUNCH", bad)
         with pytest.raises(ValueError, match="KIMI3_KDA_LAUNCH"):
@@ -375,10 +380,15 @@ def test_chunk_sub16_segments(form, monkeypatch):
     segment boundaries, empty ones between them, and the fp64 recurrence."""
     from kimi3_kernels.kda import chunk_fwd
     monkeypatch.setenv("KIMI3_KDA_FWD16", form)
+    cpu = torch.device("cpu")  # an H200's 132 SMs stand in
+    # auto: one segment per 64 chunks (at most 16) where the recurrence has at most one program per SM
+    auto = chunk_fwd.fwd16_segments
+    assert auto(7, 128, cpu) == [(0, 7)] and auto(127, 128, cpu) == [(0, 127)] and auto(0, 128, cpu) == [(0, 0)]
+    assert auto(256, 132, cpu) == [(0, 64), (64, 128), (128, 192), (192, 256)] and auto(256, 133, cpu) == [(0, 256)]
+    assert len(auto(1024, 128, cpu)) == 16 and len(auto(4096, 128, cpu)) == 16 and auto(4096, 128, cpu)[1][0] == 256
     monkeypatch.setattr(chunk_fwd, "SEG_MIN_CHUNKS", 1)
-    assert chunk_fwd.fwd16_segments(7) == [(0, 7)]
     monkeypatch.setenv("KIMI3_KDA_FWD16_SEGS", "3")
-    assert chunk_fwd.fwd16_segments(7) == [(0, 3), (3, 6), (6, 7)] and chunk_fwd.fwd16_segments(0) == [(0, 0)]
+    assert auto(7, 999, cpu) == [(0, 3), (3, 6), (6, 7)] and auto(0, 999, cpu) == [(0, 0)]
     # chunks: 1 (length 1), 3 (149 tokens: chunks 1-3, across the first boundary), 3 (150: chunks 4-6, across the
     # second); the empty sequences sit at chunks 1 and 4
     cu = torch.tensor([0, 0, 1, 150, 150, 300], dtype=torch.int32)
@@ -395,9 +405,10 @@ def test_chunk_sub16_segments(form, monkeypatch):
         o, s, _ = out["3"]
         assert rel(o, ro) < 1e-4 and rel(s, rs) < 1e-4
         assert torch.equal(s[0], h0[0]) and torch.equal(s[3], h0[3])
-    monkeypatch.setenv("KIMI3_KDA_FWD16_SEGS", "0")
-    with pytest.raises(ValueError, match="KIMI3_KDA_FWD16_SEGS"):
-        chunk_fwd.fwd16_segments(7)
+    for bad in ("0", "x", "-2"):
+        monkeypatch.setenv("KIMI3_KDA_FWD16_SEGS", bad)
+        with pytest.raises(ValueError, match="KIMI3_KDA_FWD16_SEGS"):
+            chunk_fwd.fwd16_segments(7, 1, cpu)
 
 
 def check_vs_fp64(ins, lb, do, dS=None):

@@ -135,10 +135,11 @@ class SeqInfo:
 # (bench/results/kda_h200.md, 4f6ee34). The prep backward of the Kimi Linear (softplus) gate runs the gate's part in
 # 32-wide column slices apart from the norms' (fe825ec, in one process: H=32 T=16K kernel 0.711 -> 0.565 ms, forward+
 # backward 7.89 -> 7.74 ms); K3's gate keeps one program per chunk and head (H=96: 1.597 against 1.622-1.906 ms sliced).
-# rec_t_fwd (KIMI3_KDA_FWD16=tt) is a first pick, checked for registers and spills in an sm_90 compile
-# (bench/kda_sass.py). sub_fwd / rec_fwd, the default inference forward, were timed at these settings only (1a87938):
-# at 2 stages the loads for step c+1 are issued at the end of step c and waited for at the top of c+1 (DEPBAR.LE SB0,
-# 0x0 in the sm_90 SASS); 3 stages wait for one step older (0x6), untimed (bench/README item 11).
+# The inference forward's two kernels (an H100 A/B in one process against fla, 93dfac0, kda_h200.md): the recurrence on
+# 3 stages, so the loads for step c+1 are waited for one step later (DEPBAR.LE SB0, 0x6 in the sm_90 SASS, 0x0 on 2):
+# per call 1.71 -> 1.50 ms at H=96 T=16K, 1.32 -> 0.89 ms at H=32 T=16K (4 stages the same, 16-wide value tiles
+# 1.9x slower at H=96); the sub-chunk kernel capped at 160 registers (a fourth field: Triton's maxnreg), so more of its
+# one-warp programs fit on an SM: 1.86 -> 1.64 ms at H=96 T=16K (128: slower; 2 or 4 warps: 1.2x / 1.6x slower).
 LAUNCH_DEFAULTS = {
     "prep_fwd": (64, 4, 1),
     "norm_fwd": (32, 4, 1),
@@ -146,8 +147,8 @@ LAUNCH_DEFAULTS = {
     "diag_fwd_loop": (32, 2, 1),
     "diag_inv": (None, 1, 1),
     "intra_fwd": (32, 2, 2),
-    "sub_fwd": (32, 1, 1),
-    "rec_fwd": (32, 4, 2),
+    "sub_fwd": (32, 1, 1, 160),
+    "rec_fwd": (32, 4, 3),
     "rec_t_fwd": (64, 4, 2),  # 64 value rows: one warpgroup's wgmma M
     "wu_fwd": (128, 8, 2),
     "state_fwd": (None, 4, None),
@@ -164,11 +165,11 @@ LAUNCH_DEFAULTS = {
 def launch_config(name: str):
     """(tile, num_warps, num_stages, extra launch options) of chunk kernel `name`: LAUNCH_DEFAULTS, or what
     KIMI3_KDA_LAUNCH says, e.g. KIMI3_KDA_LAUNCH="intra_fwd=32:2:1,state_fwd=:4:" (an empty field keeps the default).
-    An optional fourth field caps the kernel's registers per thread (Triton's `maxnreg`; "wu_fwd=:::128"), for timing
-    what the compiler's register allocation costs (bench/results/kda_h200.md). Read at every call, so bench/kda.py
+    An optional fourth field caps the kernel's registers per thread (Triton's `maxnreg`; "wu_fwd=:::128"; 0 lifts a
+    default cap), for timing what the compiler's register allocation costs (bench/results/kda_h200.md). Read at every call, so bench/kda.py
     --sections tune can time the options in one process."""
-    tile, warps, stages = LAUNCH_DEFAULTS[name]
-    extra = {}
+    tile, warps, stages, *cap = LAUNCH_DEFAULTS[name]
+    extra = {"maxnreg": cap[0]} if cap else {}
     spec = env("KIMI3_KDA_LAUNCH", "").strip()
     for item in filter(None, (s.strip() for s in spec.split(","))):
         key, _, vals = item.partition("=")
@@ -182,6 +183,6 @@ def launch_config(name: str):
             tile = new[0] if new[0] is not None else tile
             warps = new[1] or warps
             stages = new[2] or stages
-            if len(new) == 4 and new[3]:
-                extra = {"maxnreg": new[3]}
+            if len(new) == 4 and new[3] is not None:  # 0 lifts a default cap
+                extra = {"maxnreg": new[3]} if new[3] else {}
     return tile, warps, stages, extra

@@ -823,15 +823,25 @@ def fwd16():
     return {"0": None, "1": "t", "tt": "tt"}[mode]
 
 
-def fwd16_segments(n_chunks):
-    """KIMI3_KDA_FWD16_SEGS: the 16-token forward in this many segments of the chunks (default 1), each a sub-chunk
-    launch on a side stream and a recurrence launch on the caller's, so that the next segment's sub-chunk kernel runs
-    beside this segment's recurrence (the recurrence alone leaves most of each SM idle at H=32: one program per SM,
-    bound by each step's latency). Segments hold at least SEG_MIN_CHUNKS chunks. Untimed: bench/README item 11."""
-    value = env("KIMI3_KDA_FWD16_SEGS", "").strip() or "1"
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"KIMI3_KDA_FWD16_SEGS must be a positive integer, got {value!r}")
-    size = max(SEG_MIN_CHUNKS, cdiv(n_chunks, int(value)))
+def fwd16_segments(n_chunks, programs, device):
+    """The 16-token forward's segments of the chunks, [(first, end), ...]: each a sub-chunk launch on a side stream
+    and a recurrence launch on the caller's, so that the next segment's sub-chunk kernel runs beside this segment's
+    recurrence. That pays where the recurrence leaves SMs idle: with at most one program per SM (H=32 at B=1: 128
+    programs) each is bound by its steps' latency, not by the SM. KIMI3_KDA_FWD16_SEGS: "auto" (default) takes one
+    segment per 64 chunks (4K tokens), at most 16, when the recurrence has no more programs than the GPU has SMs, else
+    one segment; n > 0 asks for n, each of at least SEG_MIN_CHUNKS chunks. On an H100 at H=32 T=16K / 64K one segment
+    took 1.63 / 6.03 ms, auto 1.45 / 4.95 (93dfac0); at H=96 (384 programs) 8 segments were 1.06x slower. Off the GPU
+    an H200's 132 SMs stand in, as in `state_scan_tile`."""
+    value = env("KIMI3_KDA_FWD16_SEGS", "").strip() or "auto"
+    if value == "auto":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        n, size = (min(16, n_chunks // 64), 64) if programs <= sms else (1, n_chunks)
+        size = max(size, cdiv(n_chunks, max(n, 1)))
+    elif value.isdigit() and int(value) >= 1:
+        size = max(SEG_MIN_CHUNKS, cdiv(n_chunks, int(value)))
+    else:
+        raise ValueError(f"KIMI3_KDA_FWD16_SEGS must be 'auto' or a positive integer, got {value!r}")
+    size = max(size, 1)
     return [(lo, min(lo + size, n_chunks)) for lo in range(0, n_chunks, size)] or [(0, 0)]
 
 
@@ -867,16 +877,16 @@ def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info
     As = torch.empty(TT, H, BC, device=dev, dtype=DT)
     Ts = torch.empty_like(As)
     Gl = torch.empty(max(info.NC, 1) * (BT // BC), H, K, device=dev, dtype=torch.float32)
-    segs = fwd16_segments(info.NC) if info.N > 0 else []
+    name, kernel = ("rec_t_fwd", _rec_t_fwd_kernel) if form == "tt" else ("rec_fwd", _rec_fwd_kernel)
+    bv, r_warps, r_stages, r_regs = launch_config(name)
+    BV = min(bv, next_pow2(V))
+    segs = fwd16_segments(info.NC, cdiv(V, BV) * info.N * H, dev) if info.N > 0 else []
     # the state between segments (a sequence may span several)
     hc = torch.empty(info.N, H, K, V, device=dev, dtype=torch.float32) if len(segs) > 1 else Gl
     side = _side_stream(dev) if len(segs) > 1 and dev.type == "cuda" else None
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(dev))
     sb, s_warps, s_stages, s_regs = launch_config("sub_fwd")
-    name, kernel = ("rec_t_fwd", _rec_t_fwd_kernel) if form == "tt" else ("rec_fwd", _rec_fwd_kernel)
-    bv, r_warps, r_stages, r_regs = launch_config(name)
-    BV = min(bv, next_pow2(V))
     for c_lo, c_hi in segs:
         if c_hi > c_lo:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
