@@ -194,14 +194,13 @@ def test_launch_config(monkeypatch):
         _diag_inv(True)
     from kimi3_kernels.kda.chunk_fwd import fwd16
     monkeypatch.delenv("KIMI3_KDA_FWD16", raising=False)
-    assert fwd16() == "t"  # the default since the H200 timings of 1a87938 (bench/results/kda_h200.md)
+    assert fwd16() is True  # the default since the H200 timings of 1a87938 (bench/results/kda_h200.md)
     monkeypatch.setenv("KIMI3_KDA_FWD16", "0")
-    assert fwd16() is None
-    monkeypatch.setenv("KIMI3_KDA_FWD16", "tt")
-    assert fwd16() == "tt"
-    monkeypatch.setenv("KIMI3_KDA_FWD16", "wut")  # the W/U forms were removed
-    with pytest.raises(ValueError, match="KIMI3_KDA_FWD16"):
-        fwd16()
+    assert fwd16() is False
+    for removed in ("tt", "wut"):  # the transposed-state and W/U forms, timed slower and removed
+        monkeypatch.setenv("KIMI3_KDA_FWD16", removed)
+        with pytest.raises(ValueError, match="KIMI3_KDA_FWD16"):
+            fwd16()
     monkeypatch.setenv("KIMI3_KDA_FWD16", "yes")
     with pytest.raises(ValueError, match="KIMI3_KDA_FWD16"):
         fwd16()
@@ -321,7 +320,7 @@ def test_chunk_varlen(lb):
                                                     # unbounded and steep: sub-chunks on both sides of the
                                                     # per-column loop's threshold
                                                     (None, 16, 16, 100, 3.0, "sub_fwd=16:2:1,rec_fwd=16:2:1"),
-                                                    (-5.0, 48, 32, 70, 3.0, "rec_fwd=64:4:3,rec_t_fwd=16:2:1"),
+                                                    (-5.0, 48, 32, 70, 3.0, "rec_fwd=64:4:3,sub_fwd=:::0"),
                                                     (-5.0, 32, 64, 1, 0.0, "sub_fwd=64:4:1,rec_fwd=32:2:1")])
 def test_chunk_forward_sub16(lb, K, V, T, A_shift, launch, monkeypatch):
     """KIMI3_KDA_FWD16=1: the inference forward in 16-token sub-chunks (the diagonal tiles, their inverses and the
@@ -336,26 +335,24 @@ def test_chunk_forward_sub16(lb, K, V, T, A_shift, launch, monkeypatch):
     kw = dict(A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0[:1], output_final_state=True,
               return_chunk_states=True)
     out = {}
-    for mode in ("0", "1", "tt"):
+    for mode in ("0", "1"):
         monkeypatch.setenv("KIMI3_KDA_FWD16", mode)
         out[mode] = chunk_kda(q, k, v, f, beta, **kw)
-    assert len(calls) == 2
+    assert len(calls) == 1
     ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0[:1])
-    for mode in ("1", "tt"):  # the state as [K, BV] and transposed
-        o, s, cs = out[mode]
-        assert torch.isfinite(o).all() and rel(o, ro) < TOL[torch.float32] and rel(s, rs) < TOL[torch.float32]
-        assert all(rel(a, b) < 2e-5 for a, b in zip(out[mode], out["0"]))  # the same math, another chunking
-        assert cs.shape == out["0"][2].shape and torch.equal(cs[0], h0[0])
+    o, s, cs = out["1"]
+    assert torch.isfinite(o).all() and rel(o, ro) < TOL[torch.float32] and rel(s, rs) < TOL[torch.float32]
+    assert all(rel(a, b) < 2e-5 for a, b in zip(out["1"], out["0"]))  # the same math, another chunking
+    assert cs.shape == out["0"][2].shape and torch.equal(cs[0], h0[0])
     # autograd keeps the 64-token kernels, which the backward reads
     with torch.enable_grad():
         chunk_kda(q.requires_grad_(), k, v, f, beta, **kw)
-    assert len(calls) == 2
+    assert len(calls) == 1
 
 
 @needs_triton
-@pytest.mark.parametrize("form", ["1", "tt"])
-def test_chunk_sub16_varlen(form, monkeypatch):
-    monkeypatch.setenv("KIMI3_KDA_FWD16", form)
+def test_chunk_sub16_varlen(monkeypatch):
+    monkeypatch.delenv("KIMI3_KDA_FWD16", raising=False)
     cu = torch.tensor([0, 0, 1, 66, 66, 97], dtype=torch.int32)  # empty, length-1, 65, empty, 31
     q, k, v, f, beta, A_log, dtb, h0 = make(1, 100, 2, 16, 16, N=5, seed=24)
     for lb in (-5.0, None):
@@ -373,13 +370,12 @@ def test_chunk_sub16_varlen(form, monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("form", ["1", "tt"])
-def test_chunk_sub16_segments(form, monkeypatch):
+def test_chunk_sub16_segments(monkeypatch):
     """KIMI3_KDA_FWD16_SEGS: the 16-token forward in segments of the chunks, the state carried between the recurrence's
     launches: bit-identical to one segment (the same steps, the state through memory in fp32), sequences spanning
     segment boundaries, empty ones between them, and the fp64 recurrence."""
     from kimi3_kernels.kda import chunk_fwd
-    monkeypatch.setenv("KIMI3_KDA_FWD16", form)
+    monkeypatch.delenv("KIMI3_KDA_FWD16", raising=False)
     cpu = torch.device("cpu")  # an H200's 132 SMs stand in
     # auto: one segment per 64 chunks (at most 16) where the recurrence has at most one program per SM
     auto = chunk_fwd.fwd16_segments

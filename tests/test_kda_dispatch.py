@@ -14,8 +14,8 @@ def test_default_on_cpu_is_the_reference_and_is_reported(monkeypatch):
     assert status["kda_backend"] == "torch" and status["available"] == {"triton": False, "fla": False, "torch": True}
     monkeypatch.setenv("KIMI3_KDA_SAVE_FWD", "1")  # the chunk kernels' options in effect are reported too
     assert kda.kernel_status("cpu")["kernel_options"] == {"KIMI3_KDA_SAVE_FWD": "1"}
-    monkeypatch.setenv("KIMI3_KDA_FWD16", "tt")  # the inference forward's form too
-    assert kda.kernel_status("cpu")["kernel_options"] == {"KIMI3_KDA_SAVE_FWD": "1", "KIMI3_KDA_FWD16": "tt"}
+    monkeypatch.setenv("KIMI3_KDA_FWD16", "0")  # the inference forward's form too
+    assert kda.kernel_status("cpu")["kernel_options"] == {"KIMI3_KDA_SAVE_FWD": "1", "KIMI3_KDA_FWD16": "0"}
 
 
 @pytest.mark.parametrize("requested", ["triton", "fla", "fla_chunk"])

@@ -41,19 +41,17 @@ def record_launches():
             setattr(m, name, Recorder(obj))
         # H=2: the forward scan's small-grid tile; H=72: 144 programs at 64 wide, its large-grid tile
         # "0" keeps the inference call on the 64-token kernels too; the last ones: the inference forward in 16-token
-        # sub-chunks (the default, KIMI3_KDA_FWD16=1, and tt; the training call takes 64-token chunks), also in
-        # segments (one chunk each here)
+        # sub-chunks (the default, KIMI3_KDA_FWD16=1; the training call takes 64-token chunks), also in segments
+        # (one chunk each here)
         off = dict(KIMI3_KDA_FWD16="0")
-        sub16, sub16tt = {}, dict(KIMI3_KDA_FWD16="tt")
-        seg, segtt = dict(KIMI3_KDA_FWD16_SEGS="2"), dict(KIMI3_KDA_FWD16="tt", KIMI3_KDA_FWD16_SEGS="2")
+        sub16, seg = {}, dict(KIMI3_KDA_FWD16_SEGS="2")
         chunk_fwd.SEG_MIN_CHUNKS = 1
         for dtype, lb, H, env in ((torch.bfloat16, -5.0, 2, off), (torch.bfloat16, None, 2, off),
                                   (torch.float32, -5.0, 2, off), (torch.float32, None, 2, off),
                                   (torch.bfloat16, -5.0, 72, off), (torch.float32, -5.0, 72, off),
                                   (torch.bfloat16, -5.0, 2, sub16), (torch.bfloat16, None, 2, sub16),
-                                  (torch.float32, None, 2, sub16), (torch.bfloat16, -5.0, 2, sub16tt),
-                                  (torch.float32, None, 2, sub16tt), (torch.bfloat16, -5.0, 2, seg),
-                                  (torch.float32, None, 2, seg), (torch.bfloat16, -5.0, 2, segtt)):
+                                  (torch.float32, None, 2, sub16), (torch.bfloat16, -5.0, 2, seg),
+                                  (torch.float32, None, 2, seg)):
             for name in ENV:
                 os.environ.pop(name, None)
             os.environ.update(env)
@@ -126,7 +124,7 @@ def test_default_launches_fit_sm90_shared_memory():
     assert set(kernels) >= {"_gate_fwd_kernel", "_norm_fwd_kernel", "_diag_fwd_kernel", "_diag_inv_kernel",
                             "_intra_fwd_kernel", "_wu_fwd_kernel", "_state_fwd_kernel", "_output_fwd_kernel",
                             "_state_bwd_kernel", "_main_bwd_kernel", "_intra_bwd_kernel", "_prep_bwd_kernel",
-                            "_sub_fwd_kernel", "_rec_fwd_kernel", "_rec_t_fwd_kernel"}, kernels
+                            "_sub_fwd_kernel", "_rec_fwd_kernel"}, kernels
     # both scan tiles (small and large grids), in both dtypes
     assert sum("_state_fwd_kernel" in r for r in rows) >= 4, rows
     assert sum("_state_bwd_kernel" in r for r in rows) >= 4, rows  # the backward scan's two tiles too

@@ -149,7 +149,6 @@ LAUNCH_DEFAULTS = {
     "intra_fwd": (32, 2, 2),
     "sub_fwd": (32, 1, 1, 160),
     "rec_fwd": (32, 4, 3),
-    "rec_t_fwd": (64, 4, 2),  # 64 value rows: one warpgroup's wgmma M
     "wu_fwd": (128, 8, 2),
     "state_fwd": (None, 4, None),
     "output_fwd": (64, 4, 2),

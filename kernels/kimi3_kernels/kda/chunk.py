@@ -59,11 +59,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         grad = any(ctx.needs_input_grad)
         save = _save_fwd() and grad
         o = torch.zeros(B * T, H, V, device=q.device, dtype=q.dtype) if info.tokens < B * T else None
-        form = None if grad else fwd16()
-        if form:  # no preparation kernels: the sub-chunk kernel reads the raw inputs
+        if not grad and fwd16():  # no preparation kernels: the sub-chunk kernel reads the raw inputs
             o, ht, hs = sub16_fwd(qf, kf, vf, gf, bf, A_log_c, dt_c, scale, lower_bound, use_l2, info, h0, inter,
-                                  q.dtype, output_final_state, torch.float32 if return_chunk_states else None, o=o,
-                                  form=form)
+                                  q.dtype, output_final_state, torch.float32 if return_chunk_states else None, o=o)
             qn = kn = gc = bs = rq = rk = None
         else:
             qn, kn, gc, bs, rq, rk = prep_fwd(qf, kf, gf, bf, A_log_c, dt_c, lower_bound, use_l2, info, inter)

@@ -637,66 +637,6 @@ if TRITON_AVAILABLE:
             tl.store(hc + s_off, S, mask=m_s & (run_v & ~last_v)[None, :])
 
 
-    @triton.jit
-    def _rec_t_fwd_kernel(Kg, Qg, Kd, Gl, Ts, As, v, h0, ht, hs, hc, o, cu, chunk_off, c_lo, c_hi, H, K: tl.constexpr,
-                          V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr,
-                          HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, STORE_STATES: tl.constexpr,
-                          SEG: tl.constexpr, PREC: tl.constexpr):
-        """_rec_fwd_kernel's recurrence with the state transposed, S^T [BV, K] (KIMI3_KDA_FWD16=tt):
-            X^T = S^T Kg^T;  Vn^T = (v^T - X^T) T^T;  O^T = S^T Qg^T + Vn^T Aqk^T;
-            S^T <- S^T Diag(exp(Gam_last)) + Vn^T Kd.
-        Every product on the step's chain takes its left operand from registers, as the accumulator the previous
-        product left (S^T, Vn^T); Kg, Qg, T, Aqk, v and Kd do not depend on the chain and arrive through the
-        pipeliner. The state in memory keeps the [K, V] layout (h0, ht, hs, hc). Segments as _rec_fwd_kernel's."""
-        i_v, i_nh, i_h, bos, eos, c0 = _scan_program(cu, chunk_off, H, V, BV)
-        o_k = tl.arange(0, BK)
-        mk = o_k < K
-        o_v = i_v * BV + tl.arange(0, BV)
-        mv = o_v < V
-        o_c = tl.arange(0, BC)
-        DT = Kg.dtype.element_ty
-        s_off = (i_nh.to(tl.int64) * K + o_k[None, :]) * V + o_v[:, None]  # element (v, k) of a [K, V] state
-        m_s = mv[:, None] & mk[None, :]
-        s_lo, s_hi, run_v, first_v, last_v = _seg_span(chunk_off, i_nh, H, c0, bos, eos, c_lo, c_hi, o_v, BT, BC,
-                                                        SEG)
-        S = tl.zeros([BV, BK], dtype=tl.float32)
-        if HAS_H0:
-            S += tl.load(h0 + s_off, mask=m_s & first_v[:, None], other=0.)
-        if SEG:
-            S += tl.load(hc + s_off, mask=m_s & (run_v & ~first_v)[:, None], other=0.)
-        gl_row = Gl + (c0 * (BT // BC) * H + i_h) * K + o_k  # as _rec_fwd_kernel: a step ahead
-        gl = tl.load(gl_row + s_lo * H * K, mask=mk & (o_k * 0 + s_lo < s_hi), other=0.)
-        for c in range(s_lo, s_hi):
-            gl_next = tl.load(gl_row + (c + 1) * H * K, mask=mk & (o_k * 0 + c + 1 < s_hi), other=0.)
-            rows = bos + c * BC + o_c
-            mr = rows < eos
-            if STORE_STATES:
-                if c % (BT // BC) == 0:
-                    tl.store(hs + ((c0 + c // (BT // BC)) * H * K + i_h * K + o_k[None, :]) * V + o_v[:, None],
-                             S.to(hs.dtype.element_ty), mask=m_s)
-            offk_t = (rows[None, :] * H + i_h) * K + o_k[:, None]  # [BK, BC]: Kg^T, Qg^T
-            offv_t = (rows[None, :] * H + i_h) * V + o_v[:, None]  # [BV, BC]: v^T, O^T
-            mk_t = mk[:, None] & mr[None, :]
-            mv_t = mv[:, None] & mr[None, :]
-            Sd = S.to(DT)
-            x = tl.dot(Sd, tl.load(Kg + offk_t, mask=mk_t, other=0.), input_precision=PREC)
-            vd = (tl.load(v + offv_t, mask=mv_t, other=0.).to(tl.float32) - x).to(DT)
-            # T^T: element (j, i) is T[i, j], row i of Ts
-            t_t = tl.load(Ts + (rows[None, :] * H + i_h) * BC + o_c[:, None], mask=mr[None, :], other=0.)
-            vd = tl.dot(vd, t_t, input_precision=PREC).to(DT)
-            # Aqk^T: element (j, i) is Aqk[i, j], row i of As
-            a_t = tl.load(As + (rows[None, :] * H + i_h) * BC + o_c[:, None], mask=mr[None, :], other=0.)
-            out = tl.dot(Sd, tl.load(Qg + offk_t, mask=mk_t, other=0.), input_precision=PREC)
-            out = tl.dot(vd, a_t, acc=out, input_precision=PREC)
-            tl.store(o + offv_t, out.to(o.dtype.element_ty), mask=mv_t)
-            kd = tl.load(Kd + (rows[:, None] * H + i_h) * K + o_k[None, :], mask=mr[:, None] & mk[None, :], other=0.)
-            S = S * tl.exp2(gl)[None, :] + tl.dot(vd, kd, input_precision=PREC)
-            gl = gl_next
-        if STORE_FINAL:
-            tl.store(ht + s_off, S, mask=m_s & last_v[:, None])
-        if SEG:
-            tl.store(hc + s_off, S, mask=m_s & (run_v & ~last_v)[:, None])
-
 def _diag_inv(safe):
     """Where the inverses of the diagonal 16x16 blocks are formed, KIMI3_KDA_DIAG_INV: 0 inside the pairwise kernel,
     1 in `_diag_inv_kernel`, 2 at the end of `_diag_fwd_kernel` (one launch and one read of the blocks fewer). Default:
@@ -812,15 +752,14 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, states_dtype, s
 
 
 def fwd16():
-    """KIMI3_KDA_FWD16: the inference forward (no autograd) in 16-token sub-chunks, `sub16_fwd`, in place of the
-    preparation kernels and the 64-token chunks' pairwise, solve, W/U, scan and output kernels: "1" (default) with
-    `_rec_fwd_kernel`, "tt" with the state transposed (`_rec_t_fwd_kernel`), "0" off. Returns None (off), "t" or
-    "tt". The W/U forms (the sub-chunk kernel also forming W = T Kg and U = T v) were timed slower on the H200 and
-    removed (bench/results/kda_h200.md, 1a87938)."""
+    """KIMI3_KDA_FWD16: whether the inference forward (no autograd) runs in 16-token sub-chunks, `sub16_fwd`, in place
+    of the preparation kernels and the 64-token chunks' pairwise, solve, W/U, scan and output kernels: "1" (default)
+    or "0". Other forms were timed slower and removed (bench/results/kda_h200.md): the W/U forms (the sub-chunk kernel
+    also forming W = T Kg and U = T v; H200, 1a87938) and the transposed-state recurrence (H100, 93dfac0)."""
     mode = env("KIMI3_KDA_FWD16", "").strip() or "1"
-    if mode not in ("0", "1", "tt"):
-        raise ValueError(f"KIMI3_KDA_FWD16 must be 0, 1 or tt, got {mode!r}")
-    return {"0": None, "1": "t", "tt": "tt"}[mode]
+    if mode not in ("0", "1"):
+        raise ValueError(f"KIMI3_KDA_FWD16 must be 0 or 1, got {mode!r}")
+    return mode == "1"
 
 
 def fwd16_segments(n_chunks, programs, device):
@@ -856,11 +795,10 @@ def _side_stream(device):
 
 
 def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info, h0, inter_dtype, out_dtype,
-              output_final_state, states_dtype, o=None, form="t"):
+              output_final_state, states_dtype, o=None):
     """The forward in 16-token sub-chunks, from the raw (flattened) inputs: `_sub_fwd_kernel` (per sub-chunk: norms,
     gate, the diagonal tile and its 16x16 inverse T, Kg, Qg, Kd; fully parallel), then the recurrence with the output
-    (parallel over sequences, heads and value tiles): `_rec_fwd_kernel` (form "t") or `_rec_t_fwd_kernel` ("tt"),
-    segment by segment (`fwd16_segments`). Returns (o, final state, the states at 64-token chunk boundaries or
+    (parallel over sequences, heads and value tiles): `_rec_fwd_kernel`, segment by segment (`fwd16_segments`). Returns (o, final state, the states at 64-token chunk boundaries or
     None)."""
     TT, H, K = q.shape
     V = v.shape[-1]
@@ -877,8 +815,7 @@ def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info
     As = torch.empty(TT, H, BC, device=dev, dtype=DT)
     Ts = torch.empty_like(As)
     Gl = torch.empty(max(info.NC, 1) * (BT // BC), H, K, device=dev, dtype=torch.float32)
-    name, kernel = ("rec_t_fwd", _rec_t_fwd_kernel) if form == "tt" else ("rec_fwd", _rec_fwd_kernel)
-    bv, r_warps, r_stages, r_regs = launch_config(name)
+    bv, r_warps, r_stages, r_regs = launch_config("rec_fwd")
     BV = min(bv, next_pow2(V))
     segs = fwd16_segments(info.NC, cdiv(V, BV) * info.N * H, dev) if info.N > 0 else []
     # the state between segments (a sequence may span several)
@@ -898,7 +835,7 @@ def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info
                     L2=use_l2, SEG=len(segs) > 1, PREC=_prec(DT), num_warps=s_warps, num_stages=s_stages, **s_regs)
             if side is not None:
                 torch.cuda.current_stream(dev).wait_stream(side)
-        kernel[(cdiv(V, BV) * info.N * H,)](
+        _rec_fwd_kernel[(cdiv(V, BV) * info.N * H,)](
             Kg, Qg, Kd, Gl, Ts, As, v, h0 if h0 is not None else Gl, ht if ht is not None else Gl,
             hs if hs is not None else Gl, hc, o, info.cu, info.chunk_off, c_lo, c_hi, H=H, K=K, V=V,
             BK=next_pow2(K), BV=BV, BC=BC, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state,
