@@ -6,7 +6,7 @@ they follow LAUNCH_DEFAULTS and the KIMI3_KDA_* variables of this process. Run i
 (3.6), whose ptxas decides the registers:
 
     PYTHONPATH=/path/to/triton-3.6:src:kernels python bench/kda_sass.py [--softplus] [--bwd] [--kernels a,b]
-    KIMI3_KDA_FWD16=tt PYTHONPATH=... python bench/kda_sass.py --kernels _rec_t_fwd_kernel
+    KIMI3_KDA_LAUNCH=rec_fwd=32:4:2 PYTHONPATH=... python bench/kda_sass.py --kernels _rec_fwd_kernel
 
 The dynamic estimate multiplies each loop body (a backward branch in the SASS) by its trip count: K / BK for the
 loops over K slices, 15 for `_inv_unit_lower`'s substitution and 14 for `_inv_rows`' (TRIPS below; a kernel whose
@@ -34,12 +34,12 @@ CLASSES = {"mma": ("HMMA", "HGMMA"), "mufu": ("MUFU",), "fp32": ("FFMA", "FMUL",
            "mov": ("MOV", "IMAD.MOV", "CS2R"), "ldg": ("LDG",), "stg": ("STG",), "smem": ("LDS", "STS", "LDSM"),
            "bar": ("BAR",), "shfl": ("SHFL",), "cvt": ("F2F", "F2FP", "I2F", "F2I", "PRMT")}
 # trip counts of each kernel's loops, in address order: "k" = cdiv(K, BK); "chunk" = once per BC-token step of a
-# scan (BC = 64, or the constexpr BC: 16 for _rec_fwd_kernel and _rec_t_fwd_kernel). _sub_fwd_kernel: the norms'
+# scan (BC = 64, or the constexpr BC: 16 for _rec_fwd_kernel). _sub_fwd_kernel: the norms'
 # pass, the main one, the inverse (ptxas may unroll the first: then no estimate)
 TRIPS = {"_diag_fwd_kernel": ("k", 15), "_diag_inv_kernel": (14,), "_intra_fwd_kernel": ("k",),
          "_output_fwd_kernel": ("k",), "_state_fwd_kernel": ("chunk",),
          "_wu_fwd_kernel": (), "_gate_fwd_kernel": (), "_norm_fwd_kernel": (),
-         "_sub_fwd_kernel": ("k", "k", 15), "_rec_fwd_kernel": ("chunk",), "_rec_t_fwd_kernel": ("chunk",)}
+         "_sub_fwd_kernel": ("k", "k", 15), "_rec_fwd_kernel": ("chunk",)}
 T_REC, K_REC = 128, 128  # the recorded call: two chunks, K = V = 128
 
 
