@@ -165,8 +165,8 @@ def launch_config(name: str):
     """(tile, num_warps, num_stages, extra launch options) of chunk kernel `name`: LAUNCH_DEFAULTS, or what
     KIMI3_KDA_LAUNCH says, e.g. KIMI3_KDA_LAUNCH="intra_fwd=32:2:1,state_fwd=:4:" (an empty field keeps the default).
     An optional fourth field caps the kernel's registers per thread (Triton's `maxnreg`; "wu_fwd=:::128"; 0 lifts a
-    default cap), for timing what the compiler's register allocation costs (bench/results/kda_h200.md). Read at every call, so bench/kda.py
-    --sections tune can time the options in one process."""
+    default cap), for timing what the compiler's register allocation costs (bench/results/kda_h200.md). Read at every
+    call, so bench/kda.py --sections tune can time the options in one process."""
     tile, warps, stages, *cap = LAUNCH_DEFAULTS[name]
     extra = {"maxnreg": cap[0]} if cap else {}
     spec = env("KIMI3_KDA_LAUNCH", "").strip()

@@ -798,8 +798,8 @@ def sub16_fwd(q, k, v, f, beta, A_log, dt_bias, scale, lower_bound, use_l2, info
               output_final_state, states_dtype, o=None):
     """The forward in 16-token sub-chunks, from the raw (flattened) inputs: `_sub_fwd_kernel` (per sub-chunk: norms,
     gate, the diagonal tile and its 16x16 inverse T, Kg, Qg, Kd; fully parallel), then the recurrence with the output
-    (parallel over sequences, heads and value tiles): `_rec_fwd_kernel`, segment by segment (`fwd16_segments`). Returns (o, final state, the states at 64-token chunk boundaries or
-    None)."""
+    (parallel over sequences, heads and value tiles): `_rec_fwd_kernel`, segment by segment (`fwd16_segments`).
+    Returns (o, final state, the states at 64-token chunk boundaries or None)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
