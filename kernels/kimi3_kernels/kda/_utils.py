@@ -27,13 +27,16 @@ def require_triton():
             "kimi3_kernels.kda.naive_chunk_kda / naive_recurrent_kda")
 
 
+def sm_count(device) -> int:
+    """The GPU's SM count; off the GPU (the interpreter) an H200's 132, so tests take the same branches."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def state_scan_tile(programs_at_64: int, device) -> tuple[int, int]:
     """(value-tile width, pipeline stages) of the forward state scan: (64, 2), or (32, 3) when 64-wide tiles give
     fewer programs than the GPU has SMs (H=32, B=1: 64 programs on an H200's 132 SMs; the scan is latency-bound, so
-    more, smaller programs win). Off the GPU (the interpreter) an H200's count stands in, so tests take the same
-    branches."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return (64, 2) if programs_at_64 >= sms else (32, 3)
+    more, smaller programs win)."""
+    return (64, 2) if programs_at_64 >= sm_count(device) else (32, 3)
 
 
 class SeqInfo:

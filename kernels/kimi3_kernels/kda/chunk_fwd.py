@@ -24,7 +24,7 @@ import contextlib
 
 import torch
 
-from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, env, launch_config, next_pow2, state_scan_tile
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, env, launch_config, next_pow2, sm_count, state_scan_tile
 
 # K3's bound (-5): 15 steps inside a 16-row sub-tile stay above -75 nats, so exp(+span) < 4e32.
 SAFE_LOWER_BOUND = -5.5
@@ -769,19 +769,16 @@ def fwd16_segments(n_chunks, programs, device):
     programs) each is bound by its steps' latency, not by the SM. KIMI3_KDA_FWD16_SEGS: "auto" (default) takes one
     segment per 64 chunks (4K tokens), at most 16, when the recurrence has no more programs than the GPU has SMs, else
     one segment; n > 0 asks for n, each of at least SEG_MIN_CHUNKS chunks. On an H100 at H=32 T=16K / 64K one segment
-    took 1.63 / 6.03 ms, auto 1.45 / 4.95 (93dfac0); at H=96 (384 programs) 8 segments were 1.06x slower. Off the GPU
-    an H200's 132 SMs stand in, as in `state_scan_tile`."""
+    took 1.63 / 6.03 ms, auto 1.45 / 4.95 (93dfac0); at H=96 (384 programs) 8 segments were 1.06x slower."""
     value = env("KIMI3_KDA_FWD16_SEGS", "").strip() or "auto"
     if value == "auto":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        n, size = (min(16, n_chunks // 64), 64) if programs <= sms else (1, n_chunks)
-        size = max(size, cdiv(n_chunks, max(n, 1)))
+        n = max(1, min(16, n_chunks // 64)) if programs <= sm_count(device) else 1
+        size = cdiv(n_chunks, n)
     elif value.isdigit() and int(value) >= 1:
         size = max(SEG_MIN_CHUNKS, cdiv(n_chunks, int(value)))
     else:
         raise ValueError(f"KIMI3_KDA_FWD16_SEGS must be 'auto' or a positive integer, got {value!r}")
-    size = max(size, 1)
-    return [(lo, min(lo + size, n_chunks)) for lo in range(0, n_chunks, size)] or [(0, 0)]
+    return [(lo, min(lo + size, n_chunks)) for lo in range(0, n_chunks, max(size, 1))] or [(0, 0)]
 
 
 SEG_MIN_CHUNKS = 16  # below ~1K tokens a segment's launches cost more than the overlap gains
