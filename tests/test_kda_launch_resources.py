@@ -45,7 +45,7 @@ def record_launches():
         # (one chunk each here)
         off = dict(KIMI3_KDA_FWD16="0")
         sub16, seg = {}, dict(KIMI3_KDA_FWD16_SEGS="2")
-        chunk_fwd.SEG_MIN_CHUNKS = 1
+        seg_min, chunk_fwd.SEG_MIN_CHUNKS = chunk_fwd.SEG_MIN_CHUNKS, 1
         for dtype, lb, H, env in ((torch.bfloat16, -5.0, 2, off), (torch.bfloat16, None, 2, off),
                                   (torch.float32, -5.0, 2, off), (torch.float32, None, 2, off),
                                   (torch.bfloat16, -5.0, 72, off), (torch.float32, -5.0, 72, off),
@@ -69,6 +69,7 @@ def record_launches():
             os.environ.pop(name, None)
         for m, name, obj in swapped:
             setattr(m, name, obj)
+        chunk_fwd.SEG_MIN_CHUNKS = seg_min
     return launches
 
 
@@ -82,6 +83,8 @@ def compile_sm90(fn, args, kwargs):
            torch.int64: "*i64", torch.uint8: "*u8", torch.int8: "*i8"}
     vals = dict(zip(fn.arg_names, args), **kwargs)
     options = dict(num_warps=vals.pop("num_warps", 4), num_stages=vals.pop("num_stages", 3))
+    if "maxnreg" in vals:  # a launch's register cap (LAUNCH_DEFAULTS' fourth field) changes what ptxas allocates
+        options["maxnreg"] = vals.pop("maxnreg")
     sig, consts, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         v = vals[name]
@@ -128,6 +131,9 @@ def test_default_launches_fit_sm90_shared_memory():
     # both scan tiles (small and large grids), in both dtypes
     assert sum("_state_fwd_kernel" in r for r in rows) >= 4, rows
     assert sum("_state_bwd_kernel" in r for r in rows) >= 4, rows  # the backward scan's two tiles too
+    # the sub-chunk kernel compiled under its default register cap, as it launches
+    sub = [r for r in rows if r.startswith("_sub_fwd_kernel ")]
+    assert sub and all("'maxnreg': 160" in r for r in sub), sub
 
 
 if __name__ == "__main__":
