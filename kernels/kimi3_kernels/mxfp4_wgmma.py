@@ -68,6 +68,32 @@ def _e2m1_shift_ptx():
     bf16 bits sign << 15 | code << 6. A code's exponent bits land in the bf16 exponent's low two bits, so normal
     codes read 2^-126 times their value and code 1 (0.5) the subnormal 2^-127: one multiply by 2^126 2^(e-127)
     gives the exact product. Needs e <= 128 (the multiplier's exponent 126 + e must stay finite); the caller checks.
+    The signs come from two words shared by the four pairs: the odd nibbles' signs (bit 7 of each byte) and the even
+    ones' moved there. Shifted by 0 or 8, each puts pair p's two signs at bits 15 and 31 and its other set bits
+    only at 7 and 23, which lie inside the code mask and are dropped by the select: one shift and one select per
+    word, plus two shifts and two masks per register (the table decode's byte permutes kept the ALU pipe 66% busy at
+    1,024 tokens, the kernel's bound: ncu, bench/results/moe_h200.md)."""
+    body = ["mov.b32 nz, 0x80008000;",
+            "and.b32 so, $4, 0x80808080;",  # odd nibbles' signs, at bit 7 of their byte
+            "shl.b32 se, $4, 4;",
+            "and.b32 se, se, 0x80808080;"]  # even nibbles' signs
+    for p, (sa, sgn, sb) in enumerate(((6, "se", 8), (2, "so", 8), (-2, "se", 0), (-6, "so", 0))):
+        # right shifts stay shifts (ALU): as multiplies (IMAD.HI) they overloaded the FMA pipe, which also runs
+        # the products and ptxas's left shifts (ncu at 1,024 tokens: dispatch stalls 10% -> 20%)
+        body.append(f"shl.b32 a, $4, {sa};" if sa >= 0 else f"shr.u32 a, $4, {-sa};")
+        if sb:
+            body.append(f"shl.b32 b, {sgn}, {sb};")
+        body.append(f"lop3.b32 a, a, 0x01C001C0, {'b' if sb else sgn}, 0xE2;")  # (a & mask) | (signs & ~mask)
+        body.append(f"fma.rn.bf16x2 ${p}, a, ${5 + p}, nz;")
+    return "{.reg .b32 a, b, so, se, nz;\n" + "\n".join(body) + "}"
+
+
+def _e2m1_shift_ptx_per_word():  # TEMP A/B: the signs masked per word
+    """The decode without tables ($4 = 4 packed bytes, $5..$8 their multipliers 2^(e-1) as bf16x2, e the E8M0
+    exponent): word p = nibbles p and p + 4 of the register (one element each of bytes p/2 and p/2 + 2), each as
+    bf16 bits sign << 15 | code << 6. A code's exponent bits land in the bf16 exponent's low two bits, so normal
+    codes read 2^-126 times their value and code 1 (0.5) the subnormal 2^-127: one multiply by 2^126 2^(e-127)
+    gives the exact product. Needs e <= 128 (the multiplier's exponent 126 + e must stay finite); the caller checks.
     Two masks and two shifts per word, which ptxas splits between the ALU and FMA pipes: the table decode's byte
     permutes kept the ALU pipe 66% busy at 1,024 tokens, the kernel's bound (ncu, bench/results/moe_h200.md)."""
     body = ["mov.b32 nz, 0x80008000;"]
@@ -86,6 +112,7 @@ def _e2m1_shift_ptx():
 if HAS_GLUON:
     _E2M1 = gl.constexpr(_e2m1_ptx(True))
     _E2M1_SHIFT = gl.constexpr(_e2m1_shift_ptx())
+    _E2M1_SHIFT_W = gl.constexpr(_e2m1_shift_ptx_per_word())
     _CONS = gl.constexpr("=r,=r,=r,=r" + ",r" * 13)
     _ZERO = gl.constexpr(ZERO_PTX)
     _LUT_A = gl.constexpr(LUT_WORDS[0])
@@ -99,8 +126,12 @@ if HAS_GLUON:
         if NIB:
             b = (s.to(gl.int32) + 126) << 7
             sb = gl.broadcast(gl.expand_dims(b | (b << 16), 2), p)[0]
-            w = gl.inline_asm_elementwise(_E2M1_SHIFT, "=r,=r,=r,=r,r,r,r,r,r", [p, sb], dtype=gl.int32,
-                                          is_pure=True, pack=4)
+            if NIB == 1:
+                w = gl.inline_asm_elementwise(_E2M1_SHIFT, "=r,=r,=r,=r,r,r,r,r,r", [p, sb], dtype=gl.int32,
+                                              is_pure=True, pack=4)
+            else:
+                w = gl.inline_asm_elementwise(_E2M1_SHIFT_W, "=r,=r,=r,=r,r,r,r,r,r", [p, sb], dtype=gl.int32,
+                                              is_pure=True, pack=4)
         else:
             b = gl.maximum(s.to(gl.int32) << 7, 0x40)
             sb = gl.broadcast(gl.expand_dims(b | (b << 16), 2), p)[0]
