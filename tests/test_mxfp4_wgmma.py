@@ -34,13 +34,13 @@ on_h100_class = pytest.mark.skipif(
 
 def _compile(BM, BK, STAGES, DUAL, PAIR, act=2, NIB=0, ROW=False):
     """The kernel for sm_90; gate+up (DUAL) writes its output in the down GEMM's K order (C_PERM), as the module
-    runs it. BM=24: the 24-row tile (32 activation rows in shared memory)."""
+    runs it."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kern = W.mxfp4_wgmma_kernel
-    consts = dict(BM=32 if BM == 24 else BM, ROWS=BM, BN=64, BK=BK, STAGES=STAGES, E_CHUNK=1024, NUM_E_CHUNKS=1,
-                  DUAL=DUAL, PAIR=PAIR, TWO=int(bool(DUAL or PAIR)), ACT=act if DUAL else 0, LINEAR_UP=False,
+    consts = dict(BM=BM, BN=64, BK=BK, STAGES=STAGES, E_CHUNK=1024, NUM_E_CHUNKS=1, DUAL=DUAL, PAIR=PAIR,
+                  TWO=int(bool(DUAL or PAIR)), ACT=act if DUAL else 0, LINEAR_UP=False,
                   GATHER_A=bool(DUAL) and not ROW, A_DIV=16 if ROW else 1, SCATTER_C=not (DUAL or ROW),
                   P_LAYOUT=W.byte_layout(64, BK, 4), NIB=NIB, ROW_EXPERT=ROW, C_PERM=bool(DUAL), num_warps=4)
     sig, attrs = {}, {}
@@ -73,13 +73,11 @@ def _main_loop(sass):
 @pytest.mark.parametrize("BM,STAGES,DUAL,PAIR,NIB,ROW", [(16, 4, 1, 0, 0, 0), (32, 4, 1, 0, 0, 0), (16, 4, 0, 1, 0, 0),
                                                          (32, 4, 0, 1, 0, 0), (16, 4, 0, 0, 0, 0), (32, 4, 1, 0, 1, 0),
                                                          (32, 4, 0, 1, 1, 0), (16, 4, 1, 0, 1, 0), (16, 4, 1, 0, 1, 1),
-                                                         (16, 4, 0, 1, 1, 1), (16, 4, 0, 0, 1, 1), (24, 4, 1, 0, 1, 0),
-                                                         (24, 4, 0, 1, 1, 0)])
+                                                         (16, 4, 0, 1, 1, 1), (16, 4, 0, 0, 1, 1)])
 def test_compiles_for_sm90_with_asynchronous_register_operand_wgmma(BM, STAGES, DUAL, PAIR, NIB, ROW):
     """The default tiles (gate+up with SiTU fused; down with two row tiles per program) and the single-tile GEMM
     stepping two K tiles at a time, with the table decode and the table-free one (NIB), also with one route per
-    program (ROW, decode), and the 24-row tile (BM=24: an MMA of 16 and one of 8 columns from the same decoded
-    words): the MMAs read the decoded tile from registers, each wait leaves one tile's MMAs in flight (a
+    program (ROW, decode): the MMAs read the decoded tile from registers, each wait leaves one MMA in flight (a
     synchronous MMA would wait for 0), nothing spills, and the table-free decode issues no byte permutes (the table
     decode: ~10 per 4 words) and fewer ALU-pipe instructions."""
     try:
@@ -96,12 +94,9 @@ def test_compiles_for_sm90_with_asynchronous_register_operand_wgmma(BM, STAGES, 
     loop = _main_loop(sass)
     mmas = [t for t in loop if t.startswith("HGMMA")]
     waits = [t for t in loop if "WARPGROUP.DEPBAR" in t]
-    # two weight tiles of K 128 per loop (gate and up, two row or K tiles): 8 MMAs each, of each width
-    widths = (16, 8) if BM == 24 else (BM,)
-    assert len(mmas) == 16 * len(widths), loop
-    for n in widths:
-        assert len([t for t in mmas if re.match(r"HGMMA\.64x%dx16\.F32\.BF16 R\d+, R\d+, gdesc" % n, t)]) == 16, mmas
-    assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x%d" % len(widths)] * 2, waits
+    assert len(mmas) == 16, loop  # two weight tiles of K 128 per loop (gate and up, two row or K tiles): 8 MMAs each
+    assert all(re.match(r"HGMMA\.64x%dx16\.F32\.BF16 R\d+, R\d+, gdesc" % BM, t) for t in mmas), mmas
+    assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] * 2, waits
     # the decoded tile goes from the decode to the MMA in registers: no shared-memory stores in the loop
     assert not [t for t in loop if t.startswith("STS")], loop
     prmt = [t for t in loop if t.startswith("PRMT")]
@@ -137,24 +132,19 @@ def test_default_tiles_and_dispatch(monkeypatch):
 
 
 def test_gluon_tail_tiles(monkeypatch):
-    """By default (KIMI3_MXFP4_WG_TAIL=24,16, read at each call; 0: off) the BM=32 Gluon tiles hand each expert's
-    last block of 17-24 rows to a launch of 24-row Gluon tiles and one of at most 16 rows to BM=16 ones, with the
-    same BK (the activations are permuted for it); never for one route per program."""
+    """By default (KIMI3_MXFP4_WG_TAIL=16, read at each call; 0: off) the BM=32 Gluon tiles hand each expert's last
+    block of at most 16 rows to a launch of the BM=16 Gluon tiles, with the same BK (the activations are permuted for
+    it); never for one route per program."""
     monkeypatch.setattr(G, "wgmma_enabled", lambda device=None: True)
     E, D, I = 896, 3584, 3072
     monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "0")
     assert G.default_config(1024 * 16, E, I, D, "out")["TAIL"] == ()
     monkeypatch.delenv("KIMI3_MXFP4_WG_TAIL")
     up, dn = G.default_config(1024 * 16, E, I, D, "out"), G.default_config(1024 * 16, E, D, I)
-    assert up["TAIL"] == dn["TAIL"] == (24, 16) and up["BM"] == dn["BM"] == 32
-    for t in (24, 16):
-        t_up, t_dn = G._tail_config(up, t, "out", False, None), G._tail_config(dn, t, None, False, None)
-        for tile, pair in ((t_up, 0), (t_dn, 1)):
-            got = tuple(tile[k] for k in ("BM", "WG", "BN", "BK", "num_warps", "PAIR"))
-            assert got == (t, 1, 64, 128, 4, pair), tile
-    monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "16")
-    assert G.default_config(1024 * 16, E, I, D, "out")["TAIL"] == (16,)
-    monkeypatch.delenv("KIMI3_MXFP4_WG_TAIL")
+    assert up["TAIL"] == dn["TAIL"] == (16,) and up["BM"] == dn["BM"] == 32
+    t_up, t_dn = G._tail_config(up, 16, "out", False, None), G._tail_config(dn, 16, None, False, None)
+    assert (t_up["BM"], t_up["WG"], t_up["BN"], t_up["BK"], t_up["num_warps"], t_up["PAIR"]) == (16, 1, 64, 128, 4, 0)
+    assert (t_dn["BM"], t_dn["WG"], t_dn["BN"], t_dn["BK"], t_dn["num_warps"], t_dn["PAIR"]) == (16, 1, 64, 128, 4, 1)
     assert G.default_config(64 * 16, E, I, D, "out")["TAIL"] == ()  # BM=16 has nothing smaller
     assert G.default_config(16, 16, I, D, "out", row_expert=True)["TAIL"] == ()
     monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "8")
@@ -279,8 +269,8 @@ def _case(E, N, K, counts, seed):
 @pytest.mark.parametrize("rows", [[0, 1, 17, 3, 40, 0, 9], [2, 2, 2, 2, 2, 2, 2]])
 def test_matches_triton_kernel_and_reference_on_gpu(rows, BN, BK, warps, monkeypatch):
     """gate+up (GLU fused and not) and down (scattered rows; two tiles per program, and one stepping K two tiles
-    at a time) against the Triton kernel (bit-identical expected; its BM=32 tile for the 24-row one) and
-    dequantise-then-matmul (fp32), for each weight tile shape of the default tables or timed against them."""
+    at a time) against the Triton kernel (bit-identical expected) and dequantise-then-matmul (fp32), for each
+    weight tile shape of the default tables or timed against them."""
     E, D, I = len(rows), 256, 512
     M = sum(rows)
     wp, ws, offs = _case(E, I, D, rows, 0)
@@ -291,10 +281,10 @@ def test_matches_triton_kernel_and_reference_on_gpu(rows, BN, BK, warps, monkeyp
     a_rows = torch.randint(0, 11, (M,), generator=gen, dtype=torch.int32).cuda()
     h = torch.randn(M, I, generator=gen).bfloat16().cuda()
     c_rows = torch.randperm(M, generator=gen).to(torch.int32).cuda()
-    for BM in (16, 24, 32):
+    for BM in (16, 32):
         for stages, pair in ((4, 1), (3, 0), (5, 1)):
             wg = dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, PERM=1, WG=1, PAIR=pair)
-            tri = dict(BM=32 if BM == 24 else BM, BN=64, BK=BK, num_warps=4, num_stages=3, PERM=1)
+            tri = dict(BM=BM, BN=64, BK=BK, num_warps=4, num_stages=3, PERM=1)
             for act in (None, "situ", "silu"):
                 kw = dict(a_rows=a_rows, dual="out", b_packed=bp, b_scale=bs, act=act, out_dtype=torch.bfloat16,
                           a_kperm=BK)
@@ -373,12 +363,11 @@ def test_one_route_per_program_on_gpu():
 @on_h100_class
 @needs_gluon
 def test_tail_launch_matches_one_launch_on_gpu(monkeypatch):
-    """The default tiles at ~17 rows per expert (BM=32, KIMI3_MXFP4_WG_TAIL=24,16): experts of 17-24 rows (and the
-    last 17-24 of 49-56) in a launch of 24-row tiles, of at most 16 rows (and the last 16 of 33-48) in one of BM=16
-    tiles; also with the 16-row tails alone; all give the same bits as one launch (KIMI3_MXFP4_WG_TAIL=0):
+    """The default tiles at ~17 rows per expert (BM=32, KIMI3_MXFP4_WG_TAIL=16): experts of at most 16 rows (and the
+    last 16 of 33-48) in a second launch of BM=16 tiles give the same bits as one launch (KIMI3_MXFP4_WG_TAIL=0):
     each row's sums run over K in the same order whatever the tile height. gate+up with the GLU fused writing h in
     the down GEMM's K order, and down, both with the table-free decode, as the module runs them."""
-    rows = [0, 1, 17, 3, 40, 0, 9, 33, 16, 32, 48, 20, 24, 25, 56, 57]
+    rows = [0, 1, 17, 3, 40, 0, 9, 33, 16, 32, 48]
     E, D, I = len(rows), 256, 512
     M = sum(rows)
     wp, ws, offs = _case(E, I, D, rows, 0)
@@ -400,12 +389,10 @@ def test_tail_launch_matches_one_launch_on_gpu(monkeypatch):
 
     monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "0")
     h1, y1 = run()
-    monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "16")
-    h3, y3 = run()
     monkeypatch.delenv("KIMI3_MXFP4_WG_TAIL")
-    assert G.default_config(M, E, I, D, "out")["TAIL"] == (24, 16)
+    assert G.default_config(M, E, I, D, "out")["TAIL"] == (16,)
     h2, y2 = run()
-    assert torch.equal(h1, h2) and torch.equal(y1, y2) and torch.equal(h1, h3) and torch.equal(y1, y3)
+    assert torch.equal(h1, h2) and torch.equal(y1, y2)
     h = torch.empty_like(h1)
     h[:, G.kperm_index(I, 128, h1.device, nib=True)] = h1  # back in stored order
     ref = R.mxfp4_grouped_gemm_ref(h, w2p, w2s, offs, c_rows=c_rows, num_c_rows=M)

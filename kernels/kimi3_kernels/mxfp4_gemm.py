@@ -632,13 +632,10 @@ _PERM_TILES = {  # (BM, dual): (BN, BK, num_warps, num_stages, AK)
 # tiles above; ms, Triton -> Gluon): 64 tokens gate+up 3.59-3.81 -> 3.05-3.25, down 1.89-2.16 -> 1.71-2.0 (PAIR);
 # 1,024 tokens gate+up 5.69-5.95 -> 4.75-5.19 (4 stages), down 2.70-2.81 -> 2.50-2.82 (PAIR, 4 stages). 3 stages
 # timed the same, but there ptxas serialises the MMAs (C7515: accumulators defined inside the pipeline stage), and
-# 5-6 stages were no faster. BM=64 and above keep the Triton tiles (not measured with this kernel). BM=24: the
-# 24-row tile, only for the last block of a BM=32 tile's experts (tails, `_TAILS["wg"]`).
+# 5-6 stages were no faster. BM=64 and above keep the Triton tiles (not measured with this kernel).
 _WGMMA_TILES = {
     (16, "out"): (64, 128, 4, 4, 0),
     (16, None): (64, 128, 4, 4, 1),
-    (24, "out"): (64, 128, 4, 4, 0),
-    (24, None): (64, 128, 4, 4, 1),
     (32, "out"): (64, 128, 4, 4, 0),
     (32, None): (64, 128, 4, 4, 1),
 }
@@ -691,7 +688,7 @@ def default_config(M, E, N, K, dual=None, trans_w=False, row_expert=False):
     if fwd and (BM, dual) in wg_tiles and not K % 128 and wgmma_enabled():
         BN, BK, warps, stages, pair = wg_tiles[BM, dual]
         if BM == 32 and not row_expert:  # experts of at most 16 rows in BM=16 tiles (KIMI3_MXFP4_WG_TAIL; 0: none)
-            tail = _env_tails("KIMI3_MXFP4_WG_TAIL", _TAILS["wg"], (16, 24))
+            tail = _env_tails("KIMI3_MXFP4_WG_TAIL", _TAILS["wg"])
         return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, DEQ=0, PERM=1, AK=1, TAIL=tail,
                     WG=1, PAIR=pair)
     if fwd and (BM, dual) in _PERM_TILES and not (row_expert and dual is None):
@@ -714,10 +711,10 @@ def default_config(M, E, N, K, dual=None, trans_w=False, row_expert=False):
 # in BM=16 tiles, which multiply half the padded columns. bench/moe_tiles.py on an H200 (da17b05, module path, CUDA
 # graph, 8 interleaved rounds, medians): 7.49 -> 7.20 ms (gate+up 4.97 -> 4.77, down 2.45 -> 2.39), faster in every
 # round; the run is power-capped (700 W), so less tensor-core work shows as time (bench/results/moe_h200.md).
-_TAILS = {"out": (64, 32), None: (64,), "bwd": (64, 32), "wg": (24, 16)}
+_TAILS = {"out": (64, 32), None: (64,), "bwd": (64, 32), "wg": (16,)}
 
 
-def _env_tails(name, default, allowed=(16, 32, 64)):
+def _env_tails(name, default):
     """The tail heights the environment variable `name` sets ('64,32'; 0: none), else `default`."""
     v = env(name)
     if v is None:
@@ -726,8 +723,8 @@ def _env_tails(name, default, allowed=(16, 32, 64)):
         tails = _tails(v)
     except ValueError:
         tails = None
-    if tails is None or not set(tails) <= set(allowed):
-        raise ValueError(f"{name} must list tail heights from {', '.join(map(str, allowed))} (0: none), not {v!r}")
+    if tails is None or not set(tails) <= {16, 32, 64}:
+        raise ValueError(f"{name} must list tail heights from 16, 32, 64 ('64,32'; 0: none), not {v!r}")
     return tails
 
 
@@ -1018,10 +1015,7 @@ class _Plan:
         for t in sorted(_tails(cfg.get("TAIL", ())), reverse=True):
             if not 0 < t < cfg["BM"]:
                 continue
-            launch = _GemmLaunch(cfg, nblocks, N, K, meta, config)
-            if t == 24 and not launch.gluon:  # 24-row tiles are the Gluon kernel's only (its N of 16 + 8)
-                continue
-            self.steps.append((t, launch))
+            self.steps.append((t, _GemmLaunch(cfg, nblocks, N, K, meta, config)))
             cfg, nblocks = _tail_config(cfg, t, dual, trans_w, config), min(E, M)
         self.steps.append((0, _GemmLaunch(cfg, nblocks, N, K, meta, config)))
 
@@ -1092,9 +1086,6 @@ class _GemmLaunch:
             # NIB, c_pos: no other kernel reads / writes those K orders
             if not gluon and ((config and config.get("WG")) or cfg.get("NIB") or cfg.get("c_pos") is not None):
                 raise ValueError(f"the wgmma kernel does not compute this launch (tile {cfg})")
-        if BM == 24 and not gluon:
-            raise ValueError(f"24-row tiles need the Gluon kernel (Hopper, WG=1, whole tiles), got tile {cfg}")
-        self.gluon = gluon
         self.grid, self.deq, self.kernel = (nblocks * cdiv(N, BN),), int(cfg.get("DEQ", 0)), None
         self.run = mxfp4_wgmma.prepare(nblocks, self.meta, cfg, N) if gluon else self._run_triton
 

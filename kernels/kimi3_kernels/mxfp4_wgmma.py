@@ -190,55 +190,17 @@ if HAS_GLUON:
         slot = k % STAGES
         p = p_smem.index(slot).load(P_LAYOUT)
         q = q_smem.index(slot).load(P_LAYOUT) if TWO else p
-        return p, q, x_smem.index(slot)
+        return p, q, x_smem.index(slot).permute((1, 0))
 
     @gluon.jit
-    def _mma(p, s, x, acc, accb, acc_other, accb_other, w_prev, BN: gl.constexpr, BK: gl.constexpr,
-             A_LAYOUT: gl.constexpr, B_LAYOUT: gl.constexpr, NIB: gl.constexpr, NA: gl.constexpr,
-             SPLIT: gl.constexpr):
+    def _mma(p, s, xt, acc, acc_other, w_prev, BN: gl.constexpr, BK: gl.constexpr, A_LAYOUT: gl.constexpr,
+             NIB: gl.constexpr):
         """Decode one weight tile, issue its MMA into acc and wait for the MMA before it (which read w_prev, the
-        words kept in their registers until here). x: the activation tile [BM, BK]. SPLIT (24-row tiles): rows
-        [0, 16) into acc and [16, 24) into accb, two MMAs from the same decoded words; else accb is unused.
-        Returns (acc, accb, acc_other, accb_other, this tile's words)."""
+        words kept in their registers until here). Returns (acc, acc_other, this tile's words)."""
         wt, w = _decode(p, s, BN, BK, A_LAYOUT, NIB)
-        if SPLIT:
-            acc = warpgroup_mma(wt, x.slice(0, NA, dim=0).permute((1, 0)), acc, is_async=True)
-            accb = warpgroup_mma(gl.convert_layout(wt, B_LAYOUT, assert_trivial=True),
-                                 x.slice(NA, 8, dim=0).permute((1, 0)), accb, is_async=True)
-            acc, accb, acc_other, accb_other, w_prev = warpgroup_mma_wait(
-                2, deps=[acc, accb, acc_other, accb_other, w_prev])
-        else:
-            acc = warpgroup_mma(wt, x.permute((1, 0)), acc, is_async=True)
-            acc, acc_other, w_prev = warpgroup_mma_wait(1, deps=[acc, acc_other, w_prev])
-        return acc, accb, acc_other, accb_other, w
-
-    @gluon.jit
-    def _store(acc, acc2, m0, NR: gl.constexpr, row_end, pid_n, c_ptr, c_rows_ptr, stride_cm, c_pos_ptr, N,
-               beta1, beta2, BN: gl.constexpr, DUAL: gl.constexpr, PAIR: gl.constexpr, ACT: gl.constexpr,
-               LINEAR_UP: gl.constexpr, SCATTER_C: gl.constexpr, C_PERM: gl.constexpr, MMA: gl.constexpr):
-        """Write the accumulators [BN, NR] of rows m0 .. m0 + NR (those below row_end) of C."""
-        offs_m = m0 + gl.arange(0, NR, layout=gl.SliceLayout(0, MMA))
-        m_mask = offs_m < row_end
-        offs_n = pid_n * BN * (1 + PAIR) + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-        if SCATTER_C:
-            crow = gl.load(c_rows_ptr + offs_m, mask=m_mask, other=0).to(gl.int64)
-        else:
-            crow = offs_m.to(gl.int64)
-        if C_PERM:  # output column n at position c_pos[n]: the K order of the GEMM that reads C next
-            offs_n = gl.load(c_pos_ptr + offs_n)
-        c_ptrs = c_ptr + crow[None, :] * stride_cm + offs_n[:, None]
-        c_mask = gl.broadcast(m_mask[None, :], c_ptrs)[0]
-        if DUAL:
-            if ACT == 0:
-                gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-                gl.store(c_ptrs + N, acc2.to(c_ptr.dtype.element_ty), mask=c_mask)
-            else:
-                gl.store(c_ptrs, _glu(acc, acc2, beta1, beta2, ACT, LINEAR_UP).to(c_ptr.dtype.element_ty),
-                         mask=c_mask)
-        else:
-            gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-            if PAIR:
-                gl.store(c_ptrs + BN, acc2.to(c_ptr.dtype.element_ty), mask=c_mask)
+        acc = warpgroup_mma(wt, xt, acc, is_async=True)
+        acc, acc_other, w_prev = warpgroup_mma_wait(1, deps=[acc, acc_other, w_prev])
+        return acc, acc_other, w
 
     @gluon.jit
     def _zero_row(m, pid_n, c_ptr, c_rows_ptr, stride_cm, N, W: gl.constexpr, DUAL: gl.constexpr, ACT: gl.constexpr,
@@ -260,7 +222,7 @@ if HAS_GLUON:
         w_ptr, ws_ptr, b_ptr, bs_ptr, stride_we, stride_wr, stride_se, stride_sr,
         lo_ptr, hi_ptr, bcum_ptr, eid_ptr, c_ptr, c_rows_ptr, stride_cm, c_pos_ptr,
         N, K, E, beta1, beta2,
-        BM: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
         E_CHUNK: gl.constexpr, NUM_E_CHUNKS: gl.constexpr,
         DUAL: gl.constexpr, PAIR: gl.constexpr, TWO: gl.constexpr, ACT: gl.constexpr, LINEAR_UP: gl.constexpr,
         GATHER_A: gl.constexpr, A_DIV: gl.constexpr, SCATTER_C: gl.constexpr,
@@ -268,16 +230,9 @@ if HAS_GLUON:
         num_warps: gl.constexpr,
     ):
         G: gl.constexpr = BK // 32
-        # ROWS < BM: the 24-row tile (BM = 32 activation rows in shared memory, ROWS = 24 a block), whose MMAs
-        # multiply 16 + 8 columns instead of 32: experts of 17-24 rows (most at 1,024 tokens of K3), power-capped
-        SPLIT: gl.constexpr = ROWS != BM
-        NA: gl.constexpr = BM - (BM - 16) * SPLIT
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, NA, 16])
-        MMB: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, 8, 16])
+                                                      instr_shape=[16, BM, 16])
         A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        B_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMB, k_width=2)
         S_LAYOUT: gl.constexpr = gl.SliceLayout(2, P_LAYOUT)
         P_LOAD: gl.constexpr = gl.BlockedLayout([1, 1, 16], [32 // G, G, 1], [num_warps, 1, 1], [2, 1, 0])
         X_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BK // 8), BK // 8], [num_warps, 1], [1, 0])
@@ -308,8 +263,7 @@ if HAS_GLUON:
                 e += gl.sum((ends <= pid_m).to(gl.int32), axis=0)
             blk0 = gl.load(bcum_ptr + e)
             seg_end = gl.load(hi_ptr + e)
-            m_start = gl.load(lo_ptr + e) + (pid_m - blk0) * ROWS
-            seg_end = gl.minimum(seg_end, m_start + ROWS)
+            m_start = gl.load(lo_ptr + e) + (pid_m - blk0) * BM
         e64 = e.to(gl.int64)
 
         # activation rows of this tile, for the cp.async tiles [BM, BK]
@@ -346,14 +300,8 @@ if HAS_GLUON:
             _issue(i, n_k, i, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
                    BK, TWO, P_LOAD, X_LOAD)
 
-        acc = gl.zeros([BN, NA], gl.float32, MMA)
-        acc2 = gl.zeros([BN, NA], gl.float32, MMA)
-        if SPLIT:
-            accb = gl.zeros([BN, 8], gl.float32, MMB)
-            acc2b = gl.zeros([BN, 8], gl.float32, MMB)
-        else:  # placeholders, never read
-            accb = acc
-            acc2b = acc2
+        acc = gl.zeros([BN, BM], gl.float32, MMA)
+        acc2 = gl.zeros([BN, BM], gl.float32, MMA)
         wa = gl.zeros([BN, G, 16], gl.int32, P_LAYOUT)
         wb = wa
         # scales: prefetched one step ahead by hand (too narrow for cp.async)
@@ -369,38 +317,48 @@ if HAS_GLUON:
                 k_nxt = gl.minimum(k + 1, n_k - 1) * G
                 s_nxt = gl.load(ws_ptr + s_off + k_nxt)
                 s2_nxt = gl.load(bs_ptr + s_off + k_nxt)
-                p, q, x = _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
-                                 BK, STAGES, TWO, P_LOAD, X_LOAD, P_LAYOUT)
-                acc, accb, acc2, acc2b, wa = _mma(p, s_cur, x, acc, accb, acc2, acc2b, wb, BN, BK, A_LAYOUT,
-                                                  B_LAYOUT, NIB, NA, SPLIT)
-                acc2, acc2b, acc, accb, wb = _mma(q, s2_cur, x, acc2, acc2b, acc, accb, wa, BN, BK, A_LAYOUT,
-                                                  B_LAYOUT, NIB, NA, SPLIT)
+                p, q, xt = _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
+                                  BK, STAGES, TWO, P_LOAD, X_LOAD, P_LAYOUT)
+                acc, acc2, wa = _mma(p, s_cur, xt, acc, acc2, wb, BN, BK, A_LAYOUT, NIB)
+                acc2, acc, wb = _mma(q, s2_cur, xt, acc2, acc, wa, BN, BK, A_LAYOUT, NIB)
         else:
             for k in range(0, n_k, 2):
                 s_cur = s_nxt
                 s_nxt = gl.load(ws_ptr + s_off + (k + 1) * G)
-                p, q, x = _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
-                                 BK, STAGES, TWO, P_LOAD, X_LOAD, P_LAYOUT)
-                acc, accb, acc2, acc2b, wa = _mma(p, s_cur, x, acc, accb, acc2, acc2b, wb, BN, BK, A_LAYOUT,
-                                                  B_LAYOUT, NIB, NA, SPLIT)
+                p, q, xt = _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
+                                  BK, STAGES, TWO, P_LOAD, X_LOAD, P_LAYOUT)
+                acc, acc2, wa = _mma(p, s_cur, xt, acc, acc2, wb, BN, BK, A_LAYOUT, NIB)
                 s_cur = s_nxt
                 s_nxt = gl.load(ws_ptr + s_off + gl.minimum(k + 2, n_k - 1) * G)
-                p, q, x = _ready(k + 1, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem,
-                                 x_smem, BK, STAGES, TWO, P_LOAD, X_LOAD, P_LAYOUT)
-                acc, accb, acc2, acc2b, wb = _mma(p, s_cur, x, acc, accb, acc2, acc2b, wa, BN, BK, A_LAYOUT,
-                                                  B_LAYOUT, NIB, NA, SPLIT)
+                p, q, xt = _ready(k + 1, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem,
+                                  x_smem, BK, STAGES, TWO, P_LOAD, X_LOAD, P_LAYOUT)
+                acc, acc2, wb = _mma(p, s_cur, xt, acc, acc2, wa, BN, BK, A_LAYOUT, NIB)
         # the last MMA's words stay live until it is done
-        if SPLIT:
-            acc, accb, acc2, acc2b, wa, wb = warpgroup_mma_wait(0, deps=[acc, accb, acc2, acc2b, wa, wb])
-        else:
-            acc, acc2, wa, wb = warpgroup_mma_wait(0, deps=[acc, acc2, wa, wb])
+        acc, acc2, wa, wb = warpgroup_mma_wait(0, deps=[acc, acc2, wa, wb])
         async_copy.wait_group(0)
 
-        _store(acc, acc2, m_start, NA, seg_end, pid_n, c_ptr, c_rows_ptr, stride_cm, c_pos_ptr, N, beta1, beta2,
-               BN, DUAL, PAIR, ACT, LINEAR_UP, SCATTER_C, C_PERM, MMA)
-        if SPLIT:
-            _store(accb, acc2b, m_start + NA, 8, seg_end, pid_n, c_ptr, c_rows_ptr, stride_cm, c_pos_ptr, N, beta1,
-                   beta2, BN, DUAL, PAIR, ACT, LINEAR_UP, SCATTER_C, C_PERM, MMB)
+        offs_m = m_start + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
+        m_mask = offs_m < seg_end
+        offs_n = pid_n * BN * (1 + PAIR) + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+        if SCATTER_C:
+            crow = gl.load(c_rows_ptr + offs_m, mask=m_mask, other=0).to(gl.int64)
+        else:
+            crow = offs_m.to(gl.int64)
+        if C_PERM:  # output column n at position c_pos[n]: the K order of the GEMM that reads C next
+            offs_n = gl.load(c_pos_ptr + offs_n)
+        c_ptrs = c_ptr + crow[None, :] * stride_cm + offs_n[:, None]
+        c_mask = gl.broadcast(m_mask[None, :], c_ptrs)[0]
+        if DUAL:
+            if ACT == 0:
+                gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+                gl.store(c_ptrs + N, acc2.to(c_ptr.dtype.element_ty), mask=c_mask)
+            else:
+                gl.store(c_ptrs, _glu(acc, acc2, beta1, beta2, ACT, LINEAR_UP).to(c_ptr.dtype.element_ty),
+                         mask=c_mask)
+        else:
+            gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+            if PAIR:
+                gl.store(c_ptrs + BN, acc2.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 def supported(meta, cfg, N, K):
@@ -409,7 +367,7 @@ def supported(meta, cfg, N, K):
     return (HAS_GLUON and not meta["TRANS_W"] and meta["DUAL"] in (0, 1)
             and meta["PTX"] and meta["A_KPERM"] and meta["EVEN"] and meta["PERM"]
             and cfg["BN"] == 16 * cfg["num_warps"] and cfg["num_warps"] in (4, 8) and cfg["BK"] in (64, 128)
-            and cfg["BM"] in (16, 24, 32, 64) and int(cfg["num_stages"]) >= 3 and N % (cfg["BN"] * (1 + pair)) == 0
+            and cfg["BM"] in (16, 32, 64) and int(cfg["num_stages"]) >= 3 and N % (cfg["BN"] * (1 + pair)) == 0
             and (meta["DUAL"] or pair or (K // cfg["BK"]) % 2 == 0))  # one weight steps through K two tiles at a time
 
 
@@ -425,8 +383,7 @@ def prepare(nblocks, meta, cfg, N):
     BN, pair = cfg["BN"], _pair(meta, cfg)
     grid = (nblocks * (N // (BN * (1 + pair))),)
     kernel = _launch.Launcher(
-        mxfp4_wgmma_kernel, BM=32 if cfg["BM"] == 24 else cfg["BM"], ROWS=cfg["BM"], BN=BN, BK=cfg["BK"],
-        STAGES=int(cfg["num_stages"]),
+        mxfp4_wgmma_kernel, BM=cfg["BM"], BN=BN, BK=cfg["BK"], STAGES=int(cfg["num_stages"]),
         E_CHUNK=meta["E_CHUNK"], NUM_E_CHUNKS=meta["NUM_E_CHUNKS"], DUAL=meta["DUAL"], PAIR=pair,
         TWO=meta["DUAL"] or pair, ACT=meta["ACT"],
         LINEAR_UP=meta["LINEAR_UP"], GATHER_A=meta["GATHER_A"], A_DIV=meta["A_DIV"], SCATTER_C=meta["SCATTER_C"],
