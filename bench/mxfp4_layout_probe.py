@@ -84,12 +84,15 @@ def main():
     base = importlib.import_module(f"kimi3_kernels.{args.base}") if args.base else None
     state = {"cfg": {}, "name": ""}
 
-    def patched(nblocks, meta, cfg, N):
+    def patched(nblocks, meta, cfg, N, *K):  # K: this tree's prepare takes it, older copies do not
         cfg = dict(cfg, **state["cfg"])
         if not state["name"].startswith("base"):
-            return orig(nblocks, meta, cfg, N)
+            return orig(nblocks, meta, cfg, N, *K)
         if hasattr(base, "prepare"):
-            return base.prepare(nblocks, meta, cfg, N)
+            try:
+                return base.prepare(nblocks, meta, cfg, N, *K)
+            except TypeError:
+                return base.prepare(nblocks, meta, cfg, N)
         return lambda a: base.launch(nblocks, a, meta, cfg)  # a copy from before the launch plans
 
     W.prepare = patched

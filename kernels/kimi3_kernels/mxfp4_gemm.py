@@ -923,7 +923,8 @@ def tile_state(device):
 
 
 _SWITCHES = ("TRITON_INTERPRET", "KIMI3_MXFP4_WGMMA", "KIMI3_MXFP4_DECODE", "KIMI3_MXFP4_SPLIT", "KIMI3_MXFP4_TAIL",
-             "KIMI3_MXFP4_TAIL_BWD", "KIMI3_MXFP4_WG_TAIL", "KIMI3_MXFP4_NIB_W")
+             "KIMI3_MXFP4_TAIL_BWD", "KIMI3_MXFP4_WG_TAIL", "KIMI3_MXFP4_NIB_W",
+             "KIMI3_MXFP4_L2_PREFETCH")
 
 
 def _plan_key(a, w_packed, w_scale, expert_offsets, a_rows, c_rows, a2, b_packed, b_scale, expert_ids, opts):
@@ -1087,7 +1088,7 @@ class _GemmLaunch:
             if not gluon and ((config and config.get("WG")) or cfg.get("NIB") or cfg.get("c_pos") is not None):
                 raise ValueError(f"the wgmma kernel does not compute this launch (tile {cfg})")
         self.grid, self.deq, self.kernel = (nblocks * cdiv(N, BN),), int(cfg.get("DEQ", 0)), None
-        self.run = mxfp4_wgmma.prepare(nblocks, self.meta, cfg, N) if gluon else self._run_triton
+        self.run = mxfp4_wgmma.prepare(nblocks, self.meta, cfg, N, K) if gluon else self._run_triton
 
     def __call__(self, head, lo, hi, eid, rest):
         self.run(head + (lo, hi, eid if self.row_expert else block_prefix(lo, hi, self.BM), eid) + rest)

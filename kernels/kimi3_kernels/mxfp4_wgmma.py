@@ -22,6 +22,7 @@ keeps the Triton kernel for every other layout.
 import functools
 
 from . import _launch
+from ._host import env
 
 try:
     from triton.experimental import gluon
@@ -110,6 +111,12 @@ def _e2m1_shift_ptx_per_word():  # TEMP A/B: the signs masked per word
 
 
 if HAS_GLUON:
+    @gluon.constexpr_function
+    def _PREFETCH_ASM(pf):
+        """L2 prefetches of the 128-byte lines [$1, $1 + pf) where $2 != 0."""
+        lines = " ".join(f"@p prefetch.global.L2 [$1+{o}];" for o in range(0, pf, 128))
+        return "{.reg .pred p; setp.ne.b32 p, $2, 0; " + lines + " mov.b32 $0, 0;}"
+
     _E2M1 = gl.constexpr(_e2m1_ptx(True))
     _E2M1_SHIFT = gl.constexpr(_e2m1_shift_ptx())
     _E2M1_SHIFT_W = gl.constexpr(_e2m1_shift_ptx_per_word())
@@ -147,6 +154,16 @@ if HAS_GLUON:
         x = gl.reshape(x, [BN, BK])
         # w: the bf16x2 words the wgmma reads (LLVM folds the split and re-pack), the dependency to keep alive
         return gl.convert_layout(x, A_LAYOUT, assert_trivial=True), w
+
+    @gluon.jit
+    def _prefetch_rows(ptrs, off, lim, PF: gl.constexpr):
+        """Prefetch bytes [off, off + PF) of each weight row into L2 (those below lim), a 128-byte line per
+        instruction, one row per thread (a bulk prefetch wants a uniform address: per-thread rows became a loop over
+        the lanes): each row's bytes are then read from DRAM in PF-byte runs, not in the BK/2-byte strips a K step
+        copies."""
+        ok = (off < lim).to(gl.int32)
+        gl.inline_asm_elementwise(_PREFETCH_ASM(PF), "=r,l,r", [ptrs + off, ok], dtype=gl.int32, is_pure=False,
+                                  pack=1)
 
     @gluon.jit
     def _tanh(x):
@@ -227,7 +244,7 @@ if HAS_GLUON:
         DUAL: gl.constexpr, PAIR: gl.constexpr, TWO: gl.constexpr, ACT: gl.constexpr, LINEAR_UP: gl.constexpr,
         GATHER_A: gl.constexpr, A_DIV: gl.constexpr, SCATTER_C: gl.constexpr,
         P_LAYOUT: gl.constexpr, NIB: gl.constexpr, ROW_EXPERT: gl.constexpr, C_PERM: gl.constexpr,
-        num_warps: gl.constexpr,
+        PF: gl.constexpr, num_warps: gl.constexpr,
     ):
         G: gl.constexpr = BK // 32
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -296,6 +313,13 @@ if HAS_GLUON:
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], X_SMEM)
 
         n_k = K // BK
+        if PF:  # one pointer per weight row of the program (both weights), rows over the threads
+            PF_L: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+            r = gl.arange(0, 2 * BN, layout=PF_L)
+            row = (pid_n * BN * (1 + PAIR) + r % BN).to(gl.int64) * stride_wr + e64 * stride_we
+            pf_ptrs = gl.where(r < BN, w_ptr + row, b_ptr + row)
+            PF_STEPS: gl.constexpr = PF // (BK // 2)
+            _prefetch_rows(pf_ptrs, 0, K // 2, PF)
         for i in gl.static_range(STAGES - 2):
             _issue(i, n_k, i, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
                    BK, TWO, P_LOAD, X_LOAD)
@@ -312,6 +336,9 @@ if HAS_GLUON:
         # a single GEMM is unrolled by two steps
         if TWO:
             for k in range(n_k):
+                if PF:  # the next run, two or more K steps ahead of its copies
+                    if k % PF_STEPS == 0:
+                        _prefetch_rows(pf_ptrs, (k // PF_STEPS + 1) * PF, K // 2, PF)
                 s_cur = s_nxt
                 s2_cur = s2_nxt
                 k_nxt = gl.minimum(k + 1, n_k - 1) * G
@@ -323,6 +350,9 @@ if HAS_GLUON:
                 acc2, acc, wb = _mma(q, s2_cur, xt, acc2, acc, wa, BN, BK, A_LAYOUT, NIB)
         else:
             for k in range(0, n_k, 2):
+                if PF:
+                    if k % PF_STEPS == 0:
+                        _prefetch_rows(pf_ptrs, (k // PF_STEPS + 1) * PF, K // 2, PF)
                 s_cur = s_nxt
                 s_nxt = gl.load(ws_ptr + s_off + (k + 1) * G)
                 p, q, xt = _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
@@ -376,7 +406,14 @@ def _pair(meta, cfg):
     return int(bool(cfg.get("PAIR")) and meta["DUAL"] == 0)
 
 
-def prepare(nblocks, meta, cfg, N):
+def prefetch_bytes(K, BK):
+    """The L2 prefetch run per weight row (KIMI3_MXFP4_L2_PREFETCH: bytes, 0: off; read when a launch is planned),
+    where it is a multiple of a K step's BK/2 bytes and divides a row's K/2."""
+    pf = int(env("KIMI3_MXFP4_L2_PREFETCH", "0") or 0)
+    return pf if pf and pf % (BK // 2) == 0 and (K // 2) % pf == 0 else 0
+
+
+def prepare(nblocks, meta, cfg, N, K):
     """The launch over nblocks row blocks of `mxfp4_gemm`'s tile cfg and meta, bound once: a function of
     the Triton kernel's arguments, in its order (`mxfp4_gemm._GemmLaunch`), which `mxfp4_gemm`'s launch plans keep."""
     c_pos = cfg.get("c_pos")
@@ -388,7 +425,8 @@ def prepare(nblocks, meta, cfg, N):
         TWO=meta["DUAL"] or pair, ACT=meta["ACT"],
         LINEAR_UP=meta["LINEAR_UP"], GATHER_A=meta["GATHER_A"], A_DIV=meta["A_DIV"], SCATTER_C=meta["SCATTER_C"],
         P_LAYOUT=byte_layout(BN, cfg["BK"], cfg["num_warps"]), NIB=int(cfg.get("NIB", 0)),
-        ROW_EXPERT=meta["ROW_EXPERT"], C_PERM=c_pos is not None, num_warps=cfg["num_warps"])
+        ROW_EXPERT=meta["ROW_EXPERT"], C_PERM=c_pos is not None,
+        PF=0 if meta["ROW_EXPERT"] else prefetch_bytes(K, cfg["BK"]), num_warps=cfg["num_warps"])
 
     def run(args):
         (a, _a2, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, eid, c, c_rows, stride_cm,
