@@ -244,7 +244,7 @@ if HAS_GLUON:
         DUAL: gl.constexpr, PAIR: gl.constexpr, TWO: gl.constexpr, ACT: gl.constexpr, LINEAR_UP: gl.constexpr,
         GATHER_A: gl.constexpr, A_DIV: gl.constexpr, SCATTER_C: gl.constexpr,
         P_LAYOUT: gl.constexpr, NIB: gl.constexpr, ROW_EXPERT: gl.constexpr, C_PERM: gl.constexpr,
-        PF: gl.constexpr, num_warps: gl.constexpr,
+        PF: gl.constexpr, PF_AHEAD: gl.constexpr, num_warps: gl.constexpr,
     ):
         G: gl.constexpr = BK // 32
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -319,7 +319,8 @@ if HAS_GLUON:
             row = (pid_n * BN * (1 + PAIR) + r % BN).to(gl.int64) * stride_wr + e64 * stride_we
             pf_ptrs = gl.where(r < BN, w_ptr + row, b_ptr + row)
             PF_STEPS: gl.constexpr = PF // (BK // 2)
-            _prefetch_rows(pf_ptrs, 0, K // 2, PF)
+            for i in gl.static_range(PF_AHEAD):
+                _prefetch_rows(pf_ptrs, i * PF, K // 2, PF)
         for i in gl.static_range(STAGES - 2):
             _issue(i, n_k, i, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
                    BK, TWO, P_LOAD, X_LOAD)
@@ -338,7 +339,7 @@ if HAS_GLUON:
             for k in range(n_k):
                 if PF:  # the next run, two or more K steps ahead of its copies
                     if k % PF_STEPS == 0:
-                        _prefetch_rows(pf_ptrs, (k // PF_STEPS + 1) * PF, K // 2, PF)
+                        _prefetch_rows(pf_ptrs, (k // PF_STEPS + PF_AHEAD) * PF, K // 2, PF)
                 s_cur = s_nxt
                 s2_cur = s2_nxt
                 k_nxt = gl.minimum(k + 1, n_k - 1) * G
@@ -352,7 +353,7 @@ if HAS_GLUON:
             for k in range(0, n_k, 2):
                 if PF:
                     if k % PF_STEPS == 0:
-                        _prefetch_rows(pf_ptrs, (k // PF_STEPS + 1) * PF, K // 2, PF)
+                        _prefetch_rows(pf_ptrs, (k // PF_STEPS + PF_AHEAD) * PF, K // 2, PF)
                 s_cur = s_nxt
                 s_nxt = gl.load(ws_ptr + s_off + (k + 1) * G)
                 p, q, xt = _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
@@ -407,10 +408,11 @@ def _pair(meta, cfg):
 
 
 def prefetch_bytes(K, BK):
-    """The L2 prefetch run per weight row (KIMI3_MXFP4_L2_PREFETCH: bytes, 0: off; read when a launch is planned),
-    where it is a multiple of a K step's BK/2 bytes and divides a row's K/2."""
-    pf = int(env("KIMI3_MXFP4_L2_PREFETCH", "0") or 0)
-    return pf if pf and pf % (BK // 2) == 0 and (K // 2) % pf == 0 else 0
+    """(bytes, runs ahead) of the L2 prefetch per weight row (KIMI3_MXFP4_L2_PREFETCH='bytes[:ahead]', 0: off;
+    read when a launch is planned), where it is a multiple of a K step's BK/2 bytes and divides a row's K/2."""
+    pf, _, ahead = (env("KIMI3_MXFP4_L2_PREFETCH", "0") or "0").partition(":")
+    pf, ahead = int(pf), int(ahead or 1)
+    return (pf, ahead) if pf and pf % (BK // 2) == 0 and (K // 2) % pf == 0 else (0, 1)
 
 
 def prepare(nblocks, meta, cfg, N, K):
@@ -418,6 +420,7 @@ def prepare(nblocks, meta, cfg, N, K):
     the Triton kernel's arguments, in its order (`mxfp4_gemm._GemmLaunch`), which `mxfp4_gemm`'s launch plans keep."""
     c_pos = cfg.get("c_pos")
     BN, pair = cfg["BN"], _pair(meta, cfg)
+    pf, ahead = (0, 1) if meta["ROW_EXPERT"] else prefetch_bytes(K, cfg["BK"])
     grid = (nblocks * (N // (BN * (1 + pair))),)
     kernel = _launch.Launcher(
         mxfp4_wgmma_kernel, BM=cfg["BM"], BN=BN, BK=cfg["BK"], STAGES=int(cfg["num_stages"]),
@@ -426,7 +429,7 @@ def prepare(nblocks, meta, cfg, N, K):
         LINEAR_UP=meta["LINEAR_UP"], GATHER_A=meta["GATHER_A"], A_DIV=meta["A_DIV"], SCATTER_C=meta["SCATTER_C"],
         P_LAYOUT=byte_layout(BN, cfg["BK"], cfg["num_warps"]), NIB=int(cfg.get("NIB", 0)),
         ROW_EXPERT=meta["ROW_EXPERT"], C_PERM=c_pos is not None,
-        PF=0 if meta["ROW_EXPERT"] else prefetch_bytes(K, cfg["BK"]), num_warps=cfg["num_warps"])
+        PF=pf, PF_AHEAD=ahead, num_warps=cfg["num_warps"])
 
     def run(args):
         (a, _a2, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, eid, c, c_rows, stride_cm,
