@@ -42,8 +42,7 @@ def _compile(BM, BK, STAGES, DUAL, PAIR, act=2, NIB=0, ROW=False, PF=0):
     consts = dict(BM=BM, BN=64, BK=BK, STAGES=STAGES, E_CHUNK=1024, NUM_E_CHUNKS=1, DUAL=DUAL, PAIR=PAIR,
                   TWO=int(bool(DUAL or PAIR)), ACT=act if DUAL else 0, LINEAR_UP=False,
                   GATHER_A=bool(DUAL) and not ROW, A_DIV=16 if ROW else 1, SCATTER_C=not (DUAL or ROW),
-                  P_LAYOUT=W.byte_layout(64, BK, 4), NIB=NIB, ROW_EXPERT=ROW, C_PERM=bool(DUAL), PF=PF, PF_AHEAD=1,
-                  num_warps=4)
+                  P_LAYOUT=W.byte_layout(64, BK, 4), NIB=NIB, ROW_EXPERT=ROW, C_PERM=bool(DUAL), PF=PF, num_warps=4)
     sig, attrs = {}, {}
     for i, a in enumerate(kern.arg_names):
         if a in consts:
@@ -83,7 +82,7 @@ def test_compiles_for_sm90_with_asynchronous_register_operand_wgmma(BM, STAGES, 
     decode: ~10 per 4 words) and fewer ALU-pipe instructions."""
     try:
         cuobjdump = triton.knobs.nvidia.cuobjdump.path
-        ck = _compile(BM, 128, STAGES, DUAL, PAIR, NIB=NIB, ROW=bool(ROW))
+        ck = _compile(BM, 128, STAGES, DUAL, PAIR, NIB=NIB, ROW=bool(ROW), PF=128)
     except (AttributeError, FileNotFoundError, RuntimeError) as ex:  # no CUDA backend tools in this install
         pytest.skip(f"cannot compile for sm_90 here: {ex!r}")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -100,6 +99,8 @@ def test_compiles_for_sm90_with_asynchronous_register_operand_wgmma(BM, STAGES, 
     assert waits == ["WARPGROUP.DEPBAR.LE gsb0, 0x1"] * 2, waits
     # the decoded tile goes from the decode to the MMA in registers: no shared-memory stores in the loop
     assert not [t for t in loop if t.startswith("STS")], loop
+    # the next 128-byte line of each weight row into L2 (`prefetch_bytes`): one line-prefetch per thread
+    assert len([t for t in loop if "CCTL.E.PF2" in t]) == 1, loop
     prmt = [t for t in loop if t.startswith("PRMT")]
     words = 64  # decoded bf16 pairs per thread per loop: two 64x128 tiles over 128 threads
     if NIB:  # a few PRMTs move scale bytes; none decode
@@ -151,6 +152,19 @@ def test_gluon_tail_tiles(monkeypatch):
     monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "8")
     with pytest.raises(ValueError, match="KIMI3_MXFP4_WG_TAIL"):
         G.default_config(1024 * 16, E, I, D, "out")
+
+
+def test_l2_prefetch_bytes(monkeypatch):
+    """The weight rows' L2 prefetch: 128 bytes by default, where that is a whole number of K steps (BK/2 bytes) and
+    lines of a row (K/2 bytes); KIMI3_MXFP4_L2_PREFETCH sets it (0: off)."""
+    monkeypatch.delenv("KIMI3_MXFP4_L2_PREFETCH", raising=False)
+    assert W.prefetch_bytes(3584, 128) == W.prefetch_bytes(3072, 128) == W.prefetch_bytes(256, 64) == 128
+    assert W.prefetch_bytes(3584 + 128, 128) == 0  # a row of 1,856 bytes: no whole lines
+    assert W.prefetch_bytes(3584, 512) == 0  # a K step of 256 bytes: longer than a run
+    monkeypatch.setenv("KIMI3_MXFP4_L2_PREFETCH", "0")
+    assert W.prefetch_bytes(3584, 128) == 0
+    monkeypatch.setenv("KIMI3_MXFP4_L2_PREFETCH", "256")
+    assert W.prefetch_bytes(3584, 128) == 256
 
 
 def test_table_free_decode_ptx_gives_the_e2m1_values():
@@ -366,8 +380,9 @@ def test_one_route_per_program_on_gpu():
 def test_tail_launch_matches_one_launch_on_gpu(monkeypatch):
     """The default tiles at ~17 rows per expert (BM=32, KIMI3_MXFP4_WG_TAIL=16): experts of at most 16 rows (and the
     last 16 of 33-48) in a second launch of BM=16 tiles give the same bits as one launch (KIMI3_MXFP4_WG_TAIL=0):
-    each row's sums run over K in the same order whatever the tile height. gate+up with the GLU fused writing h in
-    the down GEMM's K order, and down, both with the table-free decode, as the module runs them."""
+    each row's sums run over K in the same order whatever the tile height; so does turning the L2 prefetch off.
+    gate+up with the GLU fused writing h in the down GEMM's K order, and down, both with the table-free decode, as
+    the module runs them."""
     rows = [0, 1, 17, 3, 40, 0, 9, 33, 16, 32, 48]
     E, D, I = len(rows), 256, 512
     M = sum(rows)
@@ -394,6 +409,10 @@ def test_tail_launch_matches_one_launch_on_gpu(monkeypatch):
     assert G.default_config(M, E, I, D, "out")["TAIL"] == (16,)
     h2, y2 = run()
     assert torch.equal(h1, h2) and torch.equal(y1, y2)
+    monkeypatch.setenv("KIMI3_MXFP4_L2_PREFETCH", "0")  # the weight rows' L2 prefetch moves no result bit
+    h3, y3 = run()
+    monkeypatch.delenv("KIMI3_MXFP4_L2_PREFETCH")
+    assert torch.equal(h1, h3) and torch.equal(y1, y3)
     h = torch.empty_like(h1)
     h[:, G.kperm_index(I, 128, h1.device, nib=True)] = h1  # back in stored order
     ref = R.mxfp4_grouped_gemm_ref(h, w2p, w2s, offs, c_rows=c_rows, num_c_rows=M)

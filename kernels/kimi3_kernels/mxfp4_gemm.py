@@ -923,7 +923,7 @@ def tile_state(device):
 
 
 _SWITCHES = ("TRITON_INTERPRET", "KIMI3_MXFP4_WGMMA", "KIMI3_MXFP4_DECODE", "KIMI3_MXFP4_SPLIT", "KIMI3_MXFP4_TAIL",
-             "KIMI3_MXFP4_TAIL_BWD", "KIMI3_MXFP4_WG_TAIL", "KIMI3_MXFP4_NIB_W",
+             "KIMI3_MXFP4_TAIL_BWD", "KIMI3_MXFP4_WG_TAIL",
              "KIMI3_MXFP4_L2_PREFETCH")
 
 
@@ -989,7 +989,7 @@ class _Plan:
             if not a_kperm or not cfg.get("WG"):
                 raise ValueError("a_nib: activations in the table-free decode's order need a_kperm and a Gluon tile "
                                  f"(WG=1; `kperm_tile`), got a_kperm={a_kperm}, tile {cfg}")
-            cfg["NIB"] = 2 if env("KIMI3_MXFP4_NIB_W", "0") == "1" else 1  # TEMP A/B
+            cfg["NIB"] = 1
         if a2 is not None and a2.shape != a.shape:
             raise ValueError("a2 must have the shape of a")
         b_packed = w_packed if b_packed is None else b_packed

@@ -89,27 +89,6 @@ def _e2m1_shift_ptx():
     return "{.reg .b32 a, b, so, se, nz;\n" + "\n".join(body) + "}"
 
 
-def _e2m1_shift_ptx_per_word():  # TEMP A/B: the signs masked per word
-    """The decode without tables ($4 = 4 packed bytes, $5..$8 their multipliers 2^(e-1) as bf16x2, e the E8M0
-    exponent): word p = nibbles p and p + 4 of the register (one element each of bytes p/2 and p/2 + 2), each as
-    bf16 bits sign << 15 | code << 6. A code's exponent bits land in the bf16 exponent's low two bits, so normal
-    codes read 2^-126 times their value and code 1 (0.5) the subnormal 2^-127: one multiply by 2^126 2^(e-127)
-    gives the exact product. Needs e <= 128 (the multiplier's exponent 126 + e must stay finite); the caller checks.
-    Two masks and two shifts per word, which ptxas splits between the ALU and FMA pipes: the table decode's byte
-    permutes kept the ALU pipe 66% busy at 1,024 tokens, the kernel's bound (ncu, bench/results/moe_h200.md)."""
-    body = ["mov.b32 nz, 0x80008000;"]
-    for p, (sa, sb) in enumerate(((6, 12), (2, 8), (-2, 4), (-6, 0))):
-        # right shifts stay shifts (ALU): as multiplies (IMAD.HI) they overloaded the FMA pipe, which also runs
-        # the products and ptxas's left shifts (ncu at 1,024 tokens: dispatch stalls 10% -> 20%; 1-2% faster than
-        # the table decode instead of ~7%)
-        body.append(f"shl.b32 a, $4, {sa};" if sa >= 0 else f"shr.u32 a, $4, {-sa};")
-        body.append(f"shl.b32 b, $4, {sb};" if sb else "mov.b32 b, $4;")
-        body.append("and.b32 b, b, 0x80008000;")
-        body.append("lop3.b32 a, a, 0x01C001C0, b, 0xEA;")  # (a & mask) | b
-        body.append(f"fma.rn.bf16x2 ${p}, a, ${5 + p}, nz;")
-    return "{.reg .b32 a, b, nz;\n" + "\n".join(body) + "}"
-
-
 if HAS_GLUON:
     @gluon.constexpr_function
     def _PREFETCH_ASM(pf):
@@ -119,7 +98,6 @@ if HAS_GLUON:
 
     _E2M1 = gl.constexpr(_e2m1_ptx(True))
     _E2M1_SHIFT = gl.constexpr(_e2m1_shift_ptx())
-    _E2M1_SHIFT_W = gl.constexpr(_e2m1_shift_ptx_per_word())
     _CONS = gl.constexpr("=r,=r,=r,=r" + ",r" * 13)
     _ZERO = gl.constexpr(ZERO_PTX)
     _LUT_A = gl.constexpr(LUT_WORDS[0])
@@ -133,12 +111,8 @@ if HAS_GLUON:
         if NIB:
             b = (s.to(gl.int32) + 126) << 7
             sb = gl.broadcast(gl.expand_dims(b | (b << 16), 2), p)[0]
-            if NIB == 1:
-                w = gl.inline_asm_elementwise(_E2M1_SHIFT, "=r,=r,=r,=r,r,r,r,r,r", [p, sb], dtype=gl.int32,
-                                              is_pure=True, pack=4)
-            else:
-                w = gl.inline_asm_elementwise(_E2M1_SHIFT_W, "=r,=r,=r,=r,r,r,r,r,r", [p, sb], dtype=gl.int32,
-                                              is_pure=True, pack=4)
+            w = gl.inline_asm_elementwise(_E2M1_SHIFT, "=r,=r,=r,=r,r,r,r,r,r", [p, sb], dtype=gl.int32,
+                                          is_pure=True, pack=4)
         else:
             b = gl.maximum(s.to(gl.int32) << 7, 0x40)
             sb = gl.broadcast(gl.expand_dims(b | (b << 16), 2), p)[0]
@@ -158,9 +132,8 @@ if HAS_GLUON:
     @gluon.jit
     def _prefetch_rows(ptrs, off, lim, PF: gl.constexpr):
         """Prefetch bytes [off, off + PF) of each weight row into L2 (those below lim), a 128-byte line per
-        instruction, one row per thread (a bulk prefetch wants a uniform address: per-thread rows became a loop over
-        the lanes): each row's bytes are then read from DRAM in PF-byte runs, not in the BK/2-byte strips a K step
-        copies."""
+        instruction, one row per thread (`prefetch_bytes`; a bulk prefetch wants a uniform address: per-thread rows
+        became a loop over the lanes)."""
         ok = (off < lim).to(gl.int32)
         gl.inline_asm_elementwise(_PREFETCH_ASM(PF), "=r,l,r", [ptrs + off, ok], dtype=gl.int32, is_pure=False,
                                   pack=1)
@@ -244,7 +217,7 @@ if HAS_GLUON:
         DUAL: gl.constexpr, PAIR: gl.constexpr, TWO: gl.constexpr, ACT: gl.constexpr, LINEAR_UP: gl.constexpr,
         GATHER_A: gl.constexpr, A_DIV: gl.constexpr, SCATTER_C: gl.constexpr,
         P_LAYOUT: gl.constexpr, NIB: gl.constexpr, ROW_EXPERT: gl.constexpr, C_PERM: gl.constexpr,
-        PF: gl.constexpr, PF_AHEAD: gl.constexpr, num_warps: gl.constexpr,
+        PF: gl.constexpr, num_warps: gl.constexpr,
     ):
         G: gl.constexpr = BK // 32
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -319,8 +292,7 @@ if HAS_GLUON:
             row = (pid_n * BN * (1 + PAIR) + r % BN).to(gl.int64) * stride_wr + e64 * stride_we
             pf_ptrs = gl.where(r < BN, w_ptr + row, b_ptr + row)
             PF_STEPS: gl.constexpr = PF // (BK // 2)
-            for i in gl.static_range(PF_AHEAD):
-                _prefetch_rows(pf_ptrs, i * PF, K // 2, PF)
+            _prefetch_rows(pf_ptrs, 0, K // 2, PF)
         for i in gl.static_range(STAGES - 2):
             _issue(i, n_k, i, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
                    BK, TWO, P_LOAD, X_LOAD)
@@ -339,7 +311,7 @@ if HAS_GLUON:
             for k in range(n_k):
                 if PF:  # the next run, two or more K steps ahead of its copies
                     if k % PF_STEPS == 0:
-                        _prefetch_rows(pf_ptrs, (k // PF_STEPS + PF_AHEAD) * PF, K // 2, PF)
+                        _prefetch_rows(pf_ptrs, (k // PF_STEPS + 1) * PF, K // 2, PF)
                 s_cur = s_nxt
                 s2_cur = s2_nxt
                 k_nxt = gl.minimum(k + 1, n_k - 1) * G
@@ -353,7 +325,7 @@ if HAS_GLUON:
             for k in range(0, n_k, 2):
                 if PF:
                     if k % PF_STEPS == 0:
-                        _prefetch_rows(pf_ptrs, (k // PF_STEPS + PF_AHEAD) * PF, K // 2, PF)
+                        _prefetch_rows(pf_ptrs, (k // PF_STEPS + 1) * PF, K // 2, PF)
                 s_cur = s_nxt
                 s_nxt = gl.load(ws_ptr + s_off + (k + 1) * G)
                 p, q, xt = _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
@@ -408,11 +380,13 @@ def _pair(meta, cfg):
 
 
 def prefetch_bytes(K, BK):
-    """(bytes, runs ahead) of the L2 prefetch per weight row (KIMI3_MXFP4_L2_PREFETCH='bytes[:ahead]', 0: off;
-    read when a launch is planned), where it is a multiple of a K step's BK/2 bytes and divides a row's K/2."""
-    pf, _, ahead = (env("KIMI3_MXFP4_L2_PREFETCH", "0") or "0").partition(":")
-    pf, ahead = int(pf), int(ahead or 1)
-    return (pf, ahead) if pf and pf % (BK // 2) == 0 and (K // 2) % pf == 0 else (0, 1)
+    """Bytes of each weight row prefetched into L2 a run ahead (KIMI3_MXFP4_L2_PREFETCH, default 128, 0: off; read
+    when a launch is planned), where that is a multiple of a K step's BK/2 bytes and divides a row's K/2 bytes.
+    A K step copies BK/2 = 64 bytes of each row, so without it DRAM serves each 128-byte line in two halves a step
+    apart; with it, whole lines: 1,024 tokens of K3 7.97 -> 7.26 ms, 64 tokens 5.28 -> 4.18 ms on an H100
+    (bench/results/moe_h200.md). Further ahead or in longer runs was slower (L2 holds fewer of them)."""
+    pf = int(env("KIMI3_MXFP4_L2_PREFETCH", "128") or 0)
+    return pf if pf and pf % (BK // 2) == 0 and (K // 2) % pf == 0 else 0
 
 
 def prepare(nblocks, meta, cfg, N, K):
@@ -420,7 +394,6 @@ def prepare(nblocks, meta, cfg, N, K):
     the Triton kernel's arguments, in its order (`mxfp4_gemm._GemmLaunch`), which `mxfp4_gemm`'s launch plans keep."""
     c_pos = cfg.get("c_pos")
     BN, pair = cfg["BN"], _pair(meta, cfg)
-    pf, ahead = (0, 1) if meta["ROW_EXPERT"] else prefetch_bytes(K, cfg["BK"])
     grid = (nblocks * (N // (BN * (1 + pair))),)
     kernel = _launch.Launcher(
         mxfp4_wgmma_kernel, BM=cfg["BM"], BN=BN, BK=cfg["BK"], STAGES=int(cfg["num_stages"]),
@@ -429,7 +402,7 @@ def prepare(nblocks, meta, cfg, N, K):
         LINEAR_UP=meta["LINEAR_UP"], GATHER_A=meta["GATHER_A"], A_DIV=meta["A_DIV"], SCATTER_C=meta["SCATTER_C"],
         P_LAYOUT=byte_layout(BN, cfg["BK"], cfg["num_warps"]), NIB=int(cfg.get("NIB", 0)),
         ROW_EXPERT=meta["ROW_EXPERT"], C_PERM=c_pos is not None,
-        PF=pf, PF_AHEAD=ahead, num_warps=cfg["num_warps"])
+        PF=prefetch_bytes(K, cfg["BK"]), num_warps=cfg["num_warps"])
 
     def run(args):
         (a, _a2, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, eid, c, c_rows, stride_cm,
