@@ -126,8 +126,8 @@ def make_weights(M, gen_seed=0):
     # bf16 baseline weights: exact dequantisation, chunked over experts
     w13 = torch.empty(E, 2 * INTER, D, device=DEV, dtype=torch.bfloat16)
     w2 = torch.empty(E, D, INTER, device=DEV, dtype=torch.bfloat16)
-    for e0 in range(0, E, 64):
-        sl = slice(e0, e0 + 64)
+    for e0 in range(0, E, 8):  # small chunks: the decode's temporaries must fit beside 74 GB of weights (H100)
+        sl = slice(e0, e0 + 8)
         w13[sl, :INTER] = M.dequantize_mxfp4(mod.w1_packed[sl], mod.w1_scale[sl])
         w13[sl, INTER:] = M.dequantize_mxfp4(mod.w3_packed[sl], mod.w3_scale[sl])
         w2[sl] = M.dequantize_mxfp4(mod.w2_packed[sl], mod.w2_scale[sl])
