@@ -15,6 +15,7 @@ Prints one JSON line per row."""
 
 import argparse
 import importlib
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -89,10 +90,8 @@ def main():
         if not state["name"].startswith("base"):
             return orig(nblocks, meta, cfg, N, *K)
         if hasattr(base, "prepare"):
-            try:
-                return base.prepare(nblocks, meta, cfg, N, *K)
-            except TypeError:
-                return base.prepare(nblocks, meta, cfg, N)
+            takes_k = len(inspect.signature(base.prepare).parameters) > 4
+            return base.prepare(nblocks, meta, cfg, N, *(K if takes_k else ()))
         return lambda a: base.launch(nblocks, a, meta, cfg)  # a copy from before the launch plans
 
     W.prepare = patched

@@ -165,6 +165,10 @@ def test_l2_prefetch_bytes(monkeypatch):
     assert W.prefetch_bytes(3584, 128) == 0
     monkeypatch.setenv("KIMI3_MXFP4_L2_PREFETCH", "256")
     assert W.prefetch_bytes(3584, 128) == 256
+    for bad in ("100", "-128", "1k"):
+        monkeypatch.setenv("KIMI3_MXFP4_L2_PREFETCH", bad)
+        with pytest.raises(ValueError, match="KIMI3_MXFP4_L2_PREFETCH"):
+            W.prefetch_bytes(3584, 128)
 
 
 def test_table_free_decode_ptx_gives_the_e2m1_values():

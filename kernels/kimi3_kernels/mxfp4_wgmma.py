@@ -379,13 +379,21 @@ def _pair(meta, cfg):
     return int(bool(cfg.get("PAIR")) and meta["DUAL"] == 0)
 
 
+def prefetch_setting():
+    """KIMI3_MXFP4_L2_PREFETCH: bytes of each weight row prefetched into L2 a run ahead (default 128, 0: off)."""
+    v = (env("KIMI3_MXFP4_L2_PREFETCH", "128") or "0").strip()
+    if not v.isdigit() or int(v) % 64:
+        raise ValueError(f"KIMI3_MXFP4_L2_PREFETCH must be a number of bytes, a multiple of 64 (0: off), not {v!r}")
+    return int(v)
+
+
 def prefetch_bytes(K, BK):
-    """Bytes of each weight row prefetched into L2 a run ahead (KIMI3_MXFP4_L2_PREFETCH, default 128, 0: off; read
-    when a launch is planned), where that is a multiple of a K step's BK/2 bytes and divides a row's K/2 bytes.
-    A K step copies BK/2 = 64 bytes of each row, so without it DRAM serves each 128-byte line in two halves a step
-    apart; with it, whole lines: 1,024 tokens of K3 7.97 -> 7.26 ms, 64 tokens 5.28 -> 4.18 ms on an H100
-    (bench/results/moe_h200.md). Further ahead or in longer runs was slower (L2 holds fewer of them)."""
-    pf = int(env("KIMI3_MXFP4_L2_PREFETCH", "128") or 0)
+    """The L2 prefetch run of a launch (`prefetch_setting`, read when a launch is planned), where it is a multiple
+    of a K step's BK/2 bytes and divides a row's K/2 bytes; else 0. A K step copies BK/2 = 64 bytes of each row, so
+    without it DRAM serves each 128-byte line in two halves a step apart; with it, whole lines: 1,024 tokens of K3
+    7.97 -> 7.26 ms, 64 tokens 5.28 -> 4.18 ms on an H100 (bench/results/moe_h200.md). Further ahead or in longer
+    runs was slower (L2 holds fewer of them)."""
+    pf = prefetch_setting()
     return pf if pf and pf % (BK // 2) == 0 and (K // 2) % pf == 0 else 0
 
 

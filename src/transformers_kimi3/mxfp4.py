@@ -245,7 +245,7 @@ def kernel_status(device="cuda" if torch.cuda.is_available() else "cpu"):
         # ... decoding without tables, for experts whose scale exponents are all <= 128 (checked per module)
         "table_free_decode": bool(path == "triton" and hasattr(g, "wgmma_enabled") and g.wgmma_enabled(device)
                                   and env("KIMI3_MXFP4_TABLE_FREE", "1").strip() not in ("0", "")),
-        # ... reading each weight row's next 128-byte line into L2 a step ahead (bytes; 0: off)
+        # ... reading each weight row's next 128-byte line into L2 ahead of its copies (bytes; 0: off)
         "l2_prefetch_bytes": _l2_prefetch_bytes()
         if path == "triton" and hasattr(g, "wgmma_enabled") and g.wgmma_enabled(device) else None,
         "unsorted_max_routes": unsorted_max_routes() if path == "triton" else None,
@@ -259,10 +259,10 @@ def kernel_status(device="cuda" if torch.cuda.is_available() else "cpu"):
 
 def _l2_prefetch_bytes():
     try:
-        from kimi3_kernels.mxfp4_wgmma import prefetch_bytes  # noqa: PLC0415
+        from kimi3_kernels.mxfp4_wgmma import prefetch_setting  # noqa: PLC0415
     except ImportError:  # an older kernels package
         return 0
-    return prefetch_bytes(3584, 128)  # at K3's widths (both divide into its lines)
+    return prefetch_setting()
 
 
 def _launch_status():
