@@ -923,7 +923,8 @@ def tile_state(device):
 
 
 _SWITCHES = ("TRITON_INTERPRET", "KIMI3_MXFP4_WGMMA", "KIMI3_MXFP4_DECODE", "KIMI3_MXFP4_SPLIT", "KIMI3_MXFP4_TAIL",
-             "KIMI3_MXFP4_TAIL_BWD", "KIMI3_MXFP4_WG_TAIL", "KIMI3_MXFP4_L2_PREFETCH")
+             "KIMI3_MXFP4_TAIL_BWD", "KIMI3_MXFP4_WG_TAIL", "KIMI3_MXFP4_L2_PREFETCH",
+             "KIMI3_MXFP4_PF_SCALES")
 
 
 def _plan_key(a, w_packed, w_scale, expert_offsets, a_rows, c_rows, a2, b_packed, b_scale, expert_ids, opts):
