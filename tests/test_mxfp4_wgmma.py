@@ -42,7 +42,7 @@ def _compile(BM, BK, STAGES, DUAL, PAIR, act=2, NIB=0, ROW=False, PF=0):
     consts = dict(BM=BM, BN=64, BK=BK, STAGES=STAGES, E_CHUNK=1024, NUM_E_CHUNKS=1, DUAL=DUAL, PAIR=PAIR,
                   TWO=int(bool(DUAL or PAIR)), ACT=act if DUAL else 0, LINEAR_UP=False,
                   GATHER_A=bool(DUAL) and not ROW, A_DIV=16 if ROW else 1, SCATTER_C=not (DUAL or ROW),
-                  P_LAYOUT=W.byte_layout(64, BK, 4), NIB=NIB, ROW_EXPERT=ROW, C_PERM=bool(DUAL), PF=PF, PFS=1, num_warps=4)
+                  P_LAYOUT=W.byte_layout(64, BK, 4), NIB=NIB, ROW_EXPERT=ROW, C_PERM=bool(DUAL), PF=PF, num_warps=4)
     sig, attrs = {}, {}
     for i, a in enumerate(kern.arg_names):
         if a in consts:

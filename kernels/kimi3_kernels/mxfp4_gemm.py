@@ -923,8 +923,7 @@ def tile_state(device):
 
 
 _SWITCHES = ("TRITON_INTERPRET", "KIMI3_MXFP4_WGMMA", "KIMI3_MXFP4_DECODE", "KIMI3_MXFP4_SPLIT", "KIMI3_MXFP4_TAIL",
-             "KIMI3_MXFP4_TAIL_BWD", "KIMI3_MXFP4_WG_TAIL", "KIMI3_MXFP4_L2_PREFETCH",
-             "KIMI3_MXFP4_PF_SCALES")
+             "KIMI3_MXFP4_TAIL_BWD", "KIMI3_MXFP4_WG_TAIL", "KIMI3_MXFP4_L2_PREFETCH")
 
 
 def _plan_key(a, w_packed, w_scale, expert_offsets, a_rows, c_rows, a2, b_packed, b_scale, expert_ids, opts):

@@ -217,7 +217,7 @@ if HAS_GLUON:
         DUAL: gl.constexpr, PAIR: gl.constexpr, TWO: gl.constexpr, ACT: gl.constexpr, LINEAR_UP: gl.constexpr,
         GATHER_A: gl.constexpr, A_DIV: gl.constexpr, SCATTER_C: gl.constexpr,
         P_LAYOUT: gl.constexpr, NIB: gl.constexpr, ROW_EXPERT: gl.constexpr, C_PERM: gl.constexpr,
-        PF: gl.constexpr, PFS: gl.constexpr, num_warps: gl.constexpr,
+        PF: gl.constexpr, num_warps: gl.constexpr,
     ):
         G: gl.constexpr = BK // 32
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -293,11 +293,6 @@ if HAS_GLUON:
             pf_ptrs = gl.where(r < BN, w_ptr + row, b_ptr + row)
             PF_STEPS: gl.constexpr = PF // (BK // 2)
             _prefetch_rows(pf_ptrs, 0, K // 2, PF)
-            if PFS:  # the rows' scales (K/32 bytes each, read 4 bytes a step): their one or two lines at once
-                srow = (pid_n * BN * (1 + PAIR) + r % BN).to(gl.int64) * stride_sr + e64 * stride_se
-                ps_ptrs = gl.where(r < BN, ws_ptr + srow, bs_ptr + srow)
-                _prefetch_rows(ps_ptrs, 0, K // 32, 128)
-                _prefetch_rows(ps_ptrs, K // 32 - 1, K // 32, 128)
         for i in gl.static_range(STAGES - 2):
             _issue(i, n_k, i, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
                    BK, TWO, P_LOAD, X_LOAD)
@@ -415,8 +410,7 @@ def prepare(nblocks, meta, cfg, N, K):
         LINEAR_UP=meta["LINEAR_UP"], GATHER_A=meta["GATHER_A"], A_DIV=meta["A_DIV"], SCATTER_C=meta["SCATTER_C"],
         P_LAYOUT=byte_layout(BN, cfg["BK"], cfg["num_warps"]), NIB=int(cfg.get("NIB", 0)),
         ROW_EXPERT=meta["ROW_EXPERT"], C_PERM=c_pos is not None,
-        PF=prefetch_bytes(K, cfg["BK"]), PFS=int(env("KIMI3_MXFP4_PF_SCALES", "1") == "1"),  # TEMP A/B
-        num_warps=cfg["num_warps"])
+        PF=prefetch_bytes(K, cfg["BK"]), num_warps=cfg["num_warps"])
 
     def run(args):
         (a, _a2, a_rows, stride_am, w, ws, b, bs, swe, swr, sse, ssr, lo, hi, bcum, eid, c, c_rows, stride_cm,
