@@ -131,7 +131,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _prefetch_rows(ptrs, off, lim, PF: gl.constexpr):
-        """Prefetch bytes [off, off + PF) of each weight row into L2 (those below lim), a 128-byte line per
+        """Prefetch bytes [off, off + PF) of each weight row into L2 (where off < lim, the row's), a 128-byte line per
         instruction, one row per thread (`prefetch_bytes`; a bulk prefetch wants a uniform address: per-thread rows
         became a loop over the lanes)."""
         ok = (off < lim).to(gl.int32)
@@ -291,8 +291,10 @@ if HAS_GLUON:
             r = gl.arange(0, 2 * BN, layout=PF_L)
             row = (pid_n * BN * (1 + PAIR) + r % BN).to(gl.int64) * stride_wr + e64 * stride_we
             pf_ptrs = gl.where(r < BN, w_ptr + row, b_ptr + row)
+            # a single weight (b is w): the second half of the threads would ask for the same lines again
+            pf_lim = gl.where((r < BN) | (TWO != 0), K // 2, 0)
             PF_STEPS: gl.constexpr = PF // (BK // 2)
-            _prefetch_rows(pf_ptrs, 0, K // 2, PF)
+            _prefetch_rows(pf_ptrs, 0, pf_lim, PF)
         for i in gl.static_range(STAGES - 2):
             _issue(i, n_k, i, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
                    BK, TWO, P_LOAD, X_LOAD)
@@ -311,7 +313,7 @@ if HAS_GLUON:
             for k in range(n_k):
                 if PF:  # the next run, two or more K steps ahead of its copies
                     if k % PF_STEPS == 0:
-                        _prefetch_rows(pf_ptrs, (k // PF_STEPS + 1) * PF, K // 2, PF)
+                        _prefetch_rows(pf_ptrs, (k // PF_STEPS + 1) * PF, pf_lim, PF)
                 s_cur = s_nxt
                 s2_cur = s2_nxt
                 k_nxt = gl.minimum(k + 1, n_k - 1) * G
@@ -325,7 +327,7 @@ if HAS_GLUON:
             for k in range(0, n_k, 2):
                 if PF:
                     if k % PF_STEPS == 0:
-                        _prefetch_rows(pf_ptrs, (k // PF_STEPS + 1) * PF, K // 2, PF)
+                        _prefetch_rows(pf_ptrs, (k // PF_STEPS + 1) * PF, pf_lim, PF)
                 s_cur = s_nxt
                 s_nxt = gl.load(ws_ptr + s_off + (k + 1) * G)
                 p, q, xt = _ready(k, n_k, w_ptr, b_ptr, a_ptr, w_off, rows_off, m_mask_x, p_smem, q_smem, x_smem,
