@@ -2,6 +2,7 @@
 """Write the bundled tiny Kimi K3 checkpoint (official layout, MXFP4 routed experts, tiny K3-format tokenizer).
 
     python conversion/make_tiny_checkpoint.py --out assets/kimi-k3-tiny
+    python -m kimi3_conversion.make_tiny_checkpoint --out assets/kimi-k3-tiny     # the same
 
 Deterministic: a fixed seed, CPU fp32 init, then the official storage dtypes (bf16, fp32 for the KDA gate/conv
 tensors and the router bias, MXFP4 for the routed experts). Every K3 mechanism is active at toy sizes: KDA with
@@ -12,26 +13,23 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 
 import torch
 from safetensors.torch import save_file
+from transformers import AutoTokenizer
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-
-from transformers import AutoTokenizer  # noqa: E402
-
-from transformers_kimi3 import (  # noqa: E402
+from transformers_kimi3 import (
     Kimi3Config,
     Kimi3ForConditionalGeneration,
     Kimi3ImageProcessor,
     Kimi3Processor,
     Kimi3TextConfig,
 )
-from transformers_kimi3.checkpoint import to_official_layout  # noqa: E402
-from transformers_kimi3.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
-from _common import MXFP4_QUANTIZATION_CONFIG  # noqa: E402  (beside this script)
+from transformers_kimi3.checkpoint import to_official_layout
+from transformers_kimi3.tiny_tokenizer import build_tiny_tokenizer
+
+from kimi3_conversion.quantize_job import MXFP4_QUANTIZATION_CONFIG
 
 SEED = 1234
 FP32_SUFFIXES = ("conv1d.weight", "A_log", "dt_bias", "o_norm.weight", "e_score_correction_bias")
@@ -90,41 +88,63 @@ def _drop_auto_map(path):
     json.dump(data, open(path, "w"), indent=2, sort_keys=True)
 
 
-def main():
+def write_folder(folder):
+    """Every file of the bundled checkpoint into `folder`. Returns the tensors written."""
+    tok = build_tiny_tokenizer(folder, vocab_size=512)
+    config = tiny_config(tok)
+    tensors = make_weights(config)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(folder)
+    Kimi3Processor(image_processor=Kimi3ImageProcessor(), tokenizer=AutoTokenizer.from_pretrained(folder)
+                   ).save_pretrained(folder)
+    build_tiny_tokenizer(folder, vocab_size=512)  # the processor rewrote the tokenizer files in Transformers' form
+    for f in os.listdir(folder):  # save_pretrained copies our remote code; the bundled folder is layout only
+        if f.endswith(".py"):
+            os.remove(os.path.join(folder, f))
+        elif f.endswith(".json") and f != "config.json":
+            _drop_auto_map(os.path.join(folder, f))
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    cfg.pop("auto_map", None)  # official layout only; the package's registered classes load it
+    cfg.pop("transformers_version", None)
+    json.dump(cfg, open(os.path.join(folder, "config.json"), "w"), indent=2, sort_keys=True)
+    json.dump({"bos_token_id": tok["bos_token_id"], "eos_token_id": tok["eos_token_id"],
+               "pad_token_id": tok["pad_token_id"], "do_sample": False},
+              open(os.path.join(folder, "generation_config.json"), "w"), indent=2)
+    card = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "model_cards", "kimi-k3-tiny.md")
+    if os.path.exists(card):
+        shutil.copy(card, os.path.join(folder, "README.md"))
+    os.chmod(folder, 0o755)
+    for f in os.listdir(folder):
+        os.chmod(os.path.join(folder, f), 0o644)
+    return tensors
+
+
+def _replace(new, out):
+    """Put folder `new` at `out`. An existing `out` is replaced only when it holds nothing but files of the names
+    this script writes (an earlier build); anything else there is refused, never deleted."""
+    if not os.path.exists(out):
+        os.replace(new, out)
+        return
+    theirs = sorted(set(os.listdir(out)) - set(os.listdir(new))) if os.path.isdir(out) else [out]
+    if theirs or any(not os.path.isfile(os.path.join(out, f)) for f in os.listdir(out)):
+        raise SystemExit(f"error: {out} holds files this script does not write ({', '.join(theirs[:5]) or 'folders'}"
+                         "); move them away or choose another --out")
+    old = f"{out}.old-{os.getpid()}"
+    os.rename(out, old)
+    os.rename(new, out)  # a complete folder appears at once, never a partial one
+    shutil.rmtree(old)
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="assets/kimi-k3-tiny")
-    args = ap.parse_args()
+    ap.add_argument("--out", default="assets/kimi-k3-tiny",
+                    help="output folder; an existing one is replaced only if it holds nothing but this script's "
+                         "files (default: assets/kimi-k3-tiny)")
+    args = ap.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix=".kimi-k3-tiny-", dir=os.path.dirname(os.path.abspath(args.out)))
     try:
-        tok = build_tiny_tokenizer(tmp, vocab_size=512)
-        config = tiny_config(tok)
-        tensors = make_weights(config)
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        config.save_pretrained(tmp)
-        Kimi3Processor(image_processor=Kimi3ImageProcessor(), tokenizer=AutoTokenizer.from_pretrained(tmp)
-                       ).save_pretrained(tmp)
-        build_tiny_tokenizer(tmp, vocab_size=512)  # the processor rewrote the tokenizer files in Transformers' form
-        for f in os.listdir(tmp):  # save_pretrained copies our remote code; the bundled folder is layout only
-            if f.endswith(".py"):
-                os.remove(os.path.join(tmp, f))
-            elif f.endswith(".json") and f != "config.json":
-                _drop_auto_map(os.path.join(tmp, f))
-        cfg = json.load(open(os.path.join(tmp, "config.json")))
-        cfg.pop("auto_map", None)  # official layout only; the package's registered classes load it
-        cfg.pop("transformers_version", None)
-        json.dump(cfg, open(os.path.join(tmp, "config.json"), "w"), indent=2, sort_keys=True)
-        json.dump({"bos_token_id": tok["bos_token_id"], "eos_token_id": tok["eos_token_id"],
-                   "pad_token_id": tok["pad_token_id"], "do_sample": False},
-                  open(os.path.join(tmp, "generation_config.json"), "w"), indent=2)
-        card = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "model_cards", "kimi-k3-tiny.md")
-        if os.path.exists(card):
-            shutil.copy(card, os.path.join(tmp, "README.md"))
-        os.chmod(tmp, 0o755)
-        for f in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, f), 0o644)
-        if os.path.exists(args.out):
-            shutil.rmtree(args.out)
-        os.replace(tmp, args.out)  # a complete folder appears at once, never a partial one
+        tensors = write_folder(tmp)
+        _replace(tmp, args.out)
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp)

@@ -1,4 +1,4 @@
-"""conversion/ scripts: convert_k3_to_hf.py, quantize_mxfp4.py, convert_kimi_linear.py.
+"""conversion/ (package kimi3_conversion): convert_k3_to_hf, quantize_mxfp4, convert_kimi_linear.
 
 Converted folders give the same logits as their sources; a converter killed with SIGKILL leaves nothing that
 looks complete and resumes to a correct result; every bad input is refused with a message naming the tensor and
@@ -18,22 +18,25 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from kimi3_conversion import convert_k3_to_hf as K3
+from kimi3_conversion import convert_kimi_linear as KL
+from kimi3_conversion import quantize_mxfp4 as Q
+from kimi3_conversion.config_check import load_config
+from kimi3_conversion.extra_files import code_files
+from kimi3_conversion.k3_job import K3_AUTO_MAP, TEXT_AUTO_MAP
+from kimi3_conversion.resume import MANIFEST, load_manifest, partial_dir
+from kimi3_conversion.tensor_io import INDEX
+from kimi3_conversion.verify import load_model_from_files
 from kimi3_testing import BLOCK_PACKAGE, ORACLE_A, ROOT, native_kimi_linear, rel_err
 
-sys.path.insert(0, os.path.join(ROOT, "conversion"))
-
-import _common as C  # noqa: E402
-import convert_k3_to_hf as K3  # noqa: E402
-import convert_kimi_linear as KL  # noqa: E402
-import quantize_mxfp4 as Q  # noqa: E402
-
-from transformers_kimi3 import Kimi3ForConditionalGeneration  # noqa: E402
-from transformers_kimi3.mxfp4 import dequantize_mxfp4  # noqa: E402
+from transformers_kimi3 import Kimi3ForConditionalGeneration
+from transformers_kimi3.mxfp4 import dequantize_mxfp4
 
 TINY = os.path.join(ROOT, "assets", "kimi-k3-tiny")
 CARD = os.path.join(ROOT, "model_cards", "kimi-k3.md")
 SCRIPTS = [os.path.join(ROOT, "conversion", f) for f in ("convert_k3_to_hf.py", "quantize_mxfp4.py",
                                                         "convert_kimi_linear.py")]
+CONSOLE_SCRIPTS = ["kimi3-convert-k3", "kimi3-quantize-mxfp4", "kimi3-convert-kimi-linear"]  # same order
 FAST = ["--quiet", "--forward-check-max-gb", "0"]  # the tests compare logits themselves (once per source)
 IDS = torch.randint(0, 448, (1, 12), generator=torch.Generator().manual_seed(3))
 IDS[IDS == 469] = 0  # no media placeholder without an image
@@ -55,11 +58,11 @@ def logits(folder):
 
 def dequantized_logits(folder):
     """Experts dequantised to bf16 at load (what the converters' own forward check compares)."""
-    _, config = C.load_config(str(folder))
+    _, config = load_config(str(folder))
     files = [os.path.join(folder, f) for f in sorted(os.listdir(folder))
              if f.endswith(".safetensors") and f != "inputs_and_logits.safetensors"]
     with torch.no_grad():
-        return C.load_model_from_files(config, files)(input_ids=IDS, use_cache=False).logits
+        return load_model_from_files(config, files)(input_ids=IDS, use_cache=False).logits
 
 
 def tensors(folder):
@@ -109,22 +112,20 @@ def test_oracle_a_converts_to_the_same_tensors_logits_code_and_card(converted_a,
     assert sorted(src) == sorted(got) and all(same_bytes(src[k], got[k]) for k in src)
     assert torch.equal(logits(out), ref_logits["A"])
     cfg, src_cfg = json.load(open(out / "config.json")), json.load(open(os.path.join(ORACLE_A, "config.json")))
-    assert cfg["auto_map"] == K3.K3_AUTO_MAP
-    assert cfg["text_config"]["auto_map"] == K3.TEXT_AUTO_MAP
+    assert cfg["auto_map"] == K3_AUTO_MAP
+    assert cfg["text_config"]["auto_map"] == TEXT_AUTO_MAP
     for d in (cfg, src_cfg):
         d.pop("auto_map")
         d["text_config"].pop("auto_map")
     assert cfg == src_cfg  # otherwise the official config verbatim, quantization_config included
-    code = {os.path.basename(f): f for f in C.code_files("modeling_kimi3")}
+    code = {os.path.basename(f): f for f in code_files("modeling_kimi3")}
     assert {"modeling_kimi3.py", "configuration_kimi3.py", "checkpoint.py", "mxfp4.py"} <= set(code)
     assert set(code) <= set(os.listdir(out))  # (contents: the package's files at conversion time)
     referenced = {ref.split(".")[0] + ".py" for ref in cfg_refs(out)}
     assert referenced <= set(os.listdir(out))
     assert open(out / "README.md", "rb").read() == open(CARD, "rb").read()
     assert not any(f.startswith(".") or f.endswith(".tmp") for f in os.listdir(out))
-    assert not os.path.exists(C.partial_dir(out))
-
-
+    assert not os.path.exists(partial_dir(out))
 
 
 def test_converted_folders_load_without_the_package(converted_a, tmp_path, ref_logits):
@@ -185,13 +186,14 @@ def test_bundled_dequantized_and_resharded(tmp_path, ref_logits):
     assert rel_err(logits(out), ref_logits["tiny"]) < 1e-4
     assert torch.equal(dequantized_logits(out), ref_logits["tiny_dequantized"])
     cfg = json.load(open(out / "config.json"))
-    assert "quantization_config" not in cfg["text_config"] and cfg["auto_map"] == K3.K3_AUTO_MAP
+    assert "quantization_config" not in cfg["text_config"] and cfg["auto_map"] == K3_AUTO_MAP
     for f in ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
               "generation_config.json"):
         assert open(out / f, "rb").read() == open(os.path.join(TINY, f), "rb").read(), f
     proc = json.load(open(out / "processor_config.json"))
     assert proc["auto_map"]["AutoProcessor"] == "processing_kimi3.Kimi3Processor"
-    assert {"processing_kimi3.py", "image_processing_kimi3.py", "tokenization_kimi3.py"} <= set(os.listdir(out))
+    processor_code = {os.path.basename(f) for f in code_files("processing_kimi3")}  # with its relative imports
+    assert {"processing_kimi3.py", "image_processing_kimi3.py"} | processor_code <= set(os.listdir(out))
 
     # quantize_mxfp4 back: the experts dequantise to the source's values, the config says MXFP4 again
     q = tmp_path / "mxfp4"
@@ -227,29 +229,81 @@ def test_dry_run_writes_nothing_and_existing_output_is_kept(tmp_path, capsys):
     assert run(K3, TINY, TINY + "/sub", "--dry-run") == 1  # output inside the source
     capsys.readouterr()
     # a stale partial folder of ours is discarded without --resume; anything else in its place is refused
-    partial = C.partial_dir(tmp_path / "new")
+    partial = partial_dir(tmp_path / "new")
     os.makedirs(partial)
-    with open(os.path.join(partial, C.MANIFEST), "w") as f:
+    with open(os.path.join(partial, MANIFEST), "w") as f:
         json.dump({"tool": "convert_k3_to_hf", "fingerprint": "old", "shards": {}}, f)
     open(os.path.join(partial, "model.safetensors.tmp"), "w").write("half")
     assert run(K3, TINY, tmp_path / "new", "--no-verify", "--quiet") == 0
     assert not os.path.exists(partial) and os.path.exists(tmp_path / "new" / "config.json")
-    os.makedirs(C.partial_dir(tmp_path / "other"))
+    os.makedirs(partial_dir(tmp_path / "other"))
+    open(os.path.join(partial_dir(tmp_path / "other"), "mine"), "w").write("x")
     assert run(K3, TINY, tmp_path / "other", *FAST) == 1
     assert "was not made by this tool" in capsys.readouterr().err
+    assert os.listdir(partial_dir(tmp_path / "other")) == ["mine"]  # not ours: left as it was
 
 
-def test_help_for_every_script():
+def _help(command, cwd):
+    proc = subprocess.run(command + ["--help"], capture_output=True, text=True, timeout=60, cwd=cwd)
+    assert proc.returncode == 0, (command, proc.stderr)
+    for opt in ("--dry-run", "--resume", "--verify", "--no-verify", "--max-shard-size", "--overwrite"):
+        assert opt in proc.stdout, (command, opt)
+    return proc.stdout
+
+
+@pytest.mark.parametrize("cwd", ["root", "elsewhere"])
+def test_help_for_every_script(cwd, tmp_path):
+    """`python conversion/<script>.py --help` from the repository root and from another folder."""
     for script in SCRIPTS:
-        proc = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr
-        for opt in ("--dry-run", "--resume", "--verify", "--no-verify", "--max-shard-size", "--overwrite"):
-            assert opt in proc.stdout, (script, opt)
-    assert "--dequantize" in subprocess.run([sys.executable, SCRIPTS[0], "--help"], capture_output=True,
-                                            text=True).stdout
+        out = _help([sys.executable, script], ROOT if cwd == "root" else tmp_path)
+        assert ("\n  --dequantize" in out) == script.endswith("convert_k3_to_hf.py")
+
+
+def test_help_for_every_console_script(tmp_path):
+    """The console scripts setup.py installs (`pip install -e .`) run the same commands."""
+    for name, script in zip(CONSOLE_SCRIPTS, SCRIPTS):
+        exe = os.path.join(os.path.dirname(sys.executable), name)
+        assert os.path.exists(exe), f"{exe} is not installed: run `pip install -e .`"
+        # the same parser: only the usage lines, which name the program, differ
+        assert _help([exe], tmp_path).split("\n\n", 1)[1] == _help([sys.executable, script], tmp_path).split(
+            "\n\n", 1)[1]
 
 
 # ------------------------------------------------------------------------------------------ kill and resume
+# convert_k3_to_hf in a child process whose shard writer is patched: the `park`-th shard it writes (0-based) stops
+# after half of its tensors and the process sleeps until the test kills it with SIGKILL.
+PARK_AT_SHARD = """
+import sys, time
+from kimi3_conversion import convert_k3_to_hf, runner
+
+park, started, write_shard = int(sys.argv[1]), [], runner.write_shard
+
+
+def parking(produce, after):
+    produced = []
+
+    def produce_then_park(t):
+        if len(produced) == after:
+            while True:
+                time.sleep(60)
+        produced.append(t.name)
+        return produce(t)
+
+    return produce_then_park
+
+
+def write_shard_and_park(path, specs, produce, progress):
+    started.append(path)
+    if len(started) - 1 == park:
+        produce = parking(produce, len(specs) // 2)
+    return write_shard(path, specs, produce, progress)
+
+
+runner.write_shard = write_shard_and_park
+sys.exit(convert_k3_to_hf.main(sys.argv[2:]))
+"""
+
+
 def test_sigkill_leaves_nothing_complete_and_resume_finishes(tmp_path, ref_logits, capsys):
     src = tmp_path / "src"  # the bundled checkpoint re-sharded into ~10 files
     assert run(K3, TINY, src, "--max-shard-size", "300KB", "--no-verify", *FAST) == 0
@@ -257,15 +311,14 @@ def test_sigkill_leaves_nothing_complete_and_resume_finishes(tmp_path, ref_logit
     assert n_shards >= 6
     before = snapshot(src)
     out = tmp_path / "out"
-    partial = C.partial_dir(out)
-    park = 3  # the converter stops half-way through its 4th shard (test hook) and waits to be killed
-    env = dict(os.environ, KIMI3_CONVERT_TEST_PARK_AT=str(park))
-    proc = subprocess.Popen([sys.executable, SCRIPTS[0], str(src), str(out), "--quiet"], env=env,
+    partial = partial_dir(out)
+    park = 3  # the converter stops half-way through its 4th shard and waits to be killed
+    proc = subprocess.Popen([sys.executable, "-c", PARK_AT_SHARD, str(park), str(src), str(out), "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 300
         while time.time() < deadline:
-            manifest = C._load_manifest(partial) if os.path.isdir(partial) else None
+            manifest = load_manifest(partial) if os.path.isdir(partial) else None
             half = os.path.isdir(partial) and any(f.endswith(".tmp") for f in os.listdir(partial))
             if manifest and len(manifest["shards"]) == park and half:
                 break
@@ -281,7 +334,7 @@ def test_sigkill_leaves_nothing_complete_and_resume_finishes(tmp_path, ref_logit
     assert proc.returncode == -signal.SIGKILL
     assert not os.path.exists(out)
     left = os.listdir(partial)
-    assert "config.json" not in left and C.INDEX not in left  # nothing that looks loadable
+    assert "config.json" not in left and INDEX not in left  # nothing that looks loadable
     assert any(f.endswith(".tmp") for f in left)  # it really was killed mid-shard
 
     assert run(K3, src, out, "--resume", *FAST) == 0  # bit-for-bit verification included
@@ -358,7 +411,7 @@ def test_bad_input_is_refused_naming_tensor_and_file(tmp_path, kind, capsys):
         assert err.startswith("error: ")
         for frag in expect + ([tensor] if tensor else []) + [os.path.basename(weights)]:
             assert frag in err, (kind, frag, err)
-        assert not os.path.exists(out) and not os.path.exists(C.partial_dir(out))
+        assert not os.path.exists(out) and not os.path.exists(partial_dir(out))
     assert snapshot(src) == before
 
 
@@ -406,7 +459,7 @@ def test_quantize_and_kimi_linear_refuse_bad_inputs(tmp_path, capsys):
     assert run(Q, bf16, tmp_path / "q", *FAST) == 1
     err = capsys.readouterr().err
     assert EXPERT + ".weight in " in err and "model.safetensors" in err and "non-finite" in err
-    assert not os.path.exists(tmp_path / "q") and not os.path.exists(C.partial_dir(tmp_path / "q"))
+    assert not os.path.exists(tmp_path / "q") and not os.path.exists(partial_dir(tmp_path / "q"))
     assert run(Q, TINY, tmp_path / "q", *FAST) == 1  # already MXFP4
     assert "already MXFP4" in capsys.readouterr().err
     assert run(KL, TINY, tmp_path / "kl", *FAST) == 1
@@ -422,7 +475,7 @@ def test_quantize_and_kimi_linear_refuse_bad_inputs(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model.layers.1.self_attn.q_proj.weight: missing" in err and "not in model.safetensors" in err
     assert "model.layers.1.self_attn.bogus.weight in model.safetensors: unexpected tensor" in err
-    assert not os.path.exists(tmp_path / "kl") and not os.path.exists(C.partial_dir(tmp_path / "kl"))
+    assert not os.path.exists(tmp_path / "kl") and not os.path.exists(partial_dir(tmp_path / "kl"))
 
 
 def test_official_tokenizer_is_converted(tmp_path):

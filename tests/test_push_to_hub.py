@@ -5,7 +5,6 @@ recorders and every HTTP request fails the test."""
 import json
 import os
 import socket
-import sys
 from types import SimpleNamespace
 
 import huggingface_hub
@@ -13,13 +12,10 @@ import pytest
 import torch
 from huggingface_hub import CommitOperationAdd, ModelCard
 
+from kimi3_conversion import convert_k3_to_hf as K3
+from kimi3_conversion.k3_job import K3_AUTO_MAP
 from kimi3_testing import ORACLE_A, ROOT
-
-sys.path.insert(0, os.path.join(ROOT, "conversion"))
-
-import convert_k3_to_hf as K3  # noqa: E402
-
-from transformers_kimi3 import Kimi3ForConditionalGeneration  # noqa: E402
+from transformers_kimi3 import Kimi3ForConditionalGeneration
 
 CARD = os.path.join(ROOT, "model_cards", "kimi-k3.md")
 REPO = "someone/kimi-k3-converted"
@@ -105,7 +101,7 @@ def test_push_to_hub_uploads_exactly_what_save_pretrained_writes(converted, tmp_
 
     # what save_pretrained writes is the converted folder's content: official layout, our code, our auto_map
     config = json.loads(uploaded["config.json"])
-    assert config["auto_map"] == K3.K3_AUTO_MAP
+    assert config["auto_map"] == K3_AUTO_MAP
     assert {ref.split(".")[0] + ".py" for ref in config["auto_map"].values()} <= set(uploaded)
     assert {f for f in os.listdir(converted) if f.endswith(".py")} == {f for f in uploaded if f.endswith(".py")}
     index = json.loads(uploaded["model.safetensors.index.json"])
