@@ -12,16 +12,11 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, AutoTokenizer
 
-from transformers_kimi3.processing_kimi3 import KIMI3_CHAT_TEMPLATE, Kimi3Processor, parse_kimi3_output
+from transformers_kimi3.image_processing_kimi3 import Kimi3ImageProcessor
+from transformers_kimi3.processing_kimi3 import Kimi3Processor, parse_kimi3_output
+from transformers_kimi3.special_tokens import CHAT_TEMPLATE
 from transformers_kimi3.tiny_tokenizer import build_tiny_tokenizer
 from transformers_kimi3.tokenization_kimi3 import Kimi3Tokenizer
-
-try:
-    from transformers_kimi3.image_processing_kimi3 import Kimi3ImageProcessor
-except ImportError:  # written by another module owner; the tests need it
-    Kimi3ImageProcessor = None
-
-pytestmark = pytest.mark.skipif(Kimi3ImageProcessor is None, reason="image_processing_kimi3 is not available")
 
 PAD = 469  # <|media_pad|> in the tiny tokenizer
 ORACLE_A = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "oracle", "A")
@@ -147,7 +142,7 @@ def test_text_only_chat_matches_tokenizer_template(processor):
                                                    return_dict=True)["input_ids"]
     from_tokenizer = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
     assert from_processor[0] == from_tokenizer
-    assert processor.chat_template == KIMI3_CHAT_TEMPLATE
+    assert processor.chat_template == CHAT_TEMPLATE
     gen = from_tokenizer + processor.tokenizer.encode(
         "ok<|close|>think<|sep|><|open|>response<|sep|>Hello!<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>",
         add_special_tokens=False)
@@ -197,7 +192,7 @@ def test_auto_processor_without_auto_image_processor(processor, monkeypatch):
         assert type(loaded) is Kimi3Processor and type(loaded.image_processor) is Kimi3ImageProcessor
         settings = [{k: v for k, v in p.image_processor.to_dict().items() if k != "auto_map"}
                     for p in (loaded, processor)]
-        assert settings[0] == settings[1] and loaded.chat_template == KIMI3_CHAT_TEMPLATE
+        assert settings[0] == settings[1] and loaded.chat_template == CHAT_TEMPLATE
         assert loaded.tokenizer.get_vocab() == processor.tokenizer.get_vocab()
     assert loaded.image_size_in_prompt is False  # processor keyword arguments still apply
     img = _image(84, 56)

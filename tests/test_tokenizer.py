@@ -14,15 +14,13 @@ tiktoken = pytest.importorskip("tiktoken")
 from transformers import AutoTokenizer  # noqa: E402
 
 from transformers_kimi3.processing_kimi3 import (  # noqa: E402
-    KIMI3_CHAT_TEMPLATE,
     kimi3_output_to_message,
     normalize_kimi3_messages,
     parse_kimi3_output,
 )
+from transformers_kimi3.special_tokens import CHAT_TEMPLATE, K3_SPECIAL_TOKEN_OFFSETS, PAT_STR  # noqa: E402
 from transformers_kimi3.tiny_tokenizer import _TRAINING_TEXT, _train_merges, build_tiny_tokenizer  # noqa: E402
 from transformers_kimi3.tokenization_kimi3 import (  # noqa: E402
-    K3_SPECIAL_TOKEN_OFFSETS,
-    KIMI3_PAT_STR,
     Kimi3Tokenizer,
     Kimi3TokenizerFast,
     build_fast_backend,
@@ -98,7 +96,7 @@ def test_tiny_tokenizer_layout(tiny_dir, slow, fast):
             469, 451, 449, 470,
         ]
         assert tok.padding_side == "left"
-        assert tok.chat_template == KIMI3_CHAT_TEMPLATE
+        assert tok.chat_template == CHAT_TEMPLATE
     assert type(fast).__name__ == "TokenizersBackend"  # plain Transformers class: no remote code needed
     assert slow.get_vocab() == fast.get_vocab()
     config = json.load(open(os.path.join(path, "tokenizer_config.json")))
@@ -171,7 +169,7 @@ def test_converter_matches_tiktoken_on_a_larger_vocab(shuffle):
     ranks = {bytes([b]): b for b in range(256)}
     ranks.update({token: 256 + i for i, token in enumerate(merges)})
     slots = special_token_slots(len(ranks), None, 256)  # the released K3 names at their K3 offsets
-    enc = tiktoken.Encoding("t", pat_str=KIMI3_PAT_STR, mergeable_ranks=ranks,
+    enc = tiktoken.Encoding("t", pat_str=PAT_STR, mergeable_ranks=ranks,
                             special_tokens={t.content: i for i, t in slots.items()})
     backend = build_fast_backend(ranks, slots)
     rng = random.Random(7)
@@ -233,12 +231,12 @@ def test_convert_official_layout(tiny_dir, tmp_path):
     fast = AutoTokenizer.from_pretrained(tmp_path / "converted")
     slow = Kimi3Tokenizer.from_pretrained(tmp_path / "converted")
     ranks = load_tiktoken_ranks(official / "tiktoken.model")
-    enc = tiktoken.Encoding("k3", pat_str=KIMI3_PAT_STR, mergeable_ranks=ranks, special_tokens={
+    enc = tiktoken.Encoding("k3", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens={
         t.content: i for i, t in special_token_slots(448, added, 256).items()})
     assert len(fast) == len(slow) == 448 + 256
     assert (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id) == (448, 450, 703)
     assert fast.convert_tokens_to_ids(["<|media_pad|>", "<osagent_mode>", "[UNK]"]) == [469, 513, 702]
-    assert fast.chat_template == KIMI3_CHAT_TEMPLATE and fast.padding_side == "left"
+    assert fast.chat_template == CHAT_TEMPLATE and fast.padding_side == "left"
     for text in CORPUS + ["<|reserved_token_600|><osagent_mode>"]:
         ids = enc.encode(text, allowed_special="all")
         assert fast.encode(text, add_special_tokens=False) == ids, text
@@ -425,7 +423,7 @@ def test_template_sanitizes_by_itself_where_transformers_does_not(fast):
             {"id": "b", "function": {"name": "g", "arguments": forged}}]},
         {"role": "tool", "tool_call_id": "a", "content": forged},
     ]
-    kwargs = dict(tools=[WEATHER_TOOL | {"description": forged}], chat_template=KIMI3_CHAT_TEMPLATE,
+    kwargs = dict(tools=[WEATHER_TOOL | {"description": forged}], chat_template=CHAT_TEMPLATE,
                   add_generation_prompt=True, thinking_effort=None,
                   response_format={"type": "json_schema", "json_schema": {"schema": {"const": forged}}})
     plain = render_jinja_template(conversations=[messages], **kwargs)[0][0]

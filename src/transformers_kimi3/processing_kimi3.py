@@ -1,4 +1,4 @@
-"""Kimi K3 processor, chat template and output parser.
+"""Kimi K3 processor, the XTML chat format and its output parser.
 
 K3's chat format is "XTML": tags written with three markers, ``<|open|>name attr="v"<|sep|>`` ...
 ``<|close|>name<|sep|>``, and every message ends with ``<|end_of_msg|>`` (the generation stop token)::
@@ -21,6 +21,7 @@ Template variables (``apply_chat_template(..., name=value)``): ``thinking`` (or 
 ``apply_chat_template(..., sanitize_control_tokens=True)`` makes the control tokens found in the inputs plain text;
 Transformers releases that lack the option (5.17) pass it to the template, which then breaks those tokens with a
 zero-width space (U+200B after their first character) so that they still cannot act as control tokens.
+The template itself is :data:`special_tokens.CHAT_TEMPLATE`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,21 @@ from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import ProcessorMixin, TextKwargs
 from transformers.utils import logging
 
+from .special_tokens import (
+    CHAT_TEMPLATE,
+    CLOSE_TOKEN,
+    END_OF_MSG_TOKEN,
+    IMAGE_PROMPT,
+    KIMI_IMAGE_PLACEHOLDER,
+    MEDIA_BEGIN_TOKEN,
+    MEDIA_CONTENT_TOKEN,
+    MEDIA_PAD_TOKEN,
+    OPEN_TOKEN,
+    SEP_TOKEN,
+    save_tiktoken_ranks,
+    tiktoken_ranks_from_fast,
+)
+
 try:
     from PIL import Image
 except ImportError:  # pillow is optional: only needed to read the size of file/bytes images
@@ -41,189 +57,6 @@ except ImportError:  # pillow is optional: only needed to read the size of file/
 
 
 logger = logging.get_logger(__name__)
-
-OPEN_TOKEN = "<|open|>"
-CLOSE_TOKEN = "<|close|>"
-SEP_TOKEN = "<|sep|>"
-END_OF_MSG_TOKEN = "<|end_of_msg|>"
-MEDIA_BEGIN_TOKEN = "<|media_begin|>"
-MEDIA_CONTENT_TOKEN = "<|media_content|>"
-MEDIA_END_TOKEN = "<|media_end|>"
-MEDIA_PAD_TOKEN = "<|media_pad|>"
-# the plain-text stand-in Moonshot's encoder writes for an image; not a token, accepted and replaced here
-KIMI_IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
-IMAGE_PROMPT = f"{MEDIA_BEGIN_TOKEN}image{MEDIA_CONTENT_TOKEN}{MEDIA_PAD_TOKEN}{MEDIA_END_TOKEN}"
-
-KIMI3_CHAT_TEMPLATE = r"""{#- Kimi K3 chat template (XTML). See processing_kimi3.py for the format. -#}
-{%- set OPEN = '<|open|>' -%}
-{%- set CLOSE = '<|close|>' -%}
-{%- set SEP = '<|sep|>' -%}
-{%- set EOM = '<|end_of_msg|>' -%}
-{%- set IMAGE = '<|media_begin|>image<|media_content|><|media_pad|><|media_end|>' -%}
-{%- if thinking is defined and thinking is not none -%}
-    {%- set think_on = thinking -%}
-{%- elif enable_thinking is defined and enable_thinking is not none -%}
-    {%- set think_on = enable_thinking -%}
-{%- else -%}
-    {%- set think_on = true -%}
-{%- endif -%}
-{%- set effort = thinking_effort if thinking_effort is defined else 'max' -%}
-{#- `sanitize_control_tokens` reaches the template only from Transformers releases that do not implement it (newer
-    ones mark the control tokens of the inputs themselves and never pass it on): then the control tokens in the
-    inputs are broken with a zero-width space, so that they are encoded as text. -#}
-{%- set SANITIZE = sanitize_control_tokens is defined and sanitize_control_tokens -%}
-{%- set CONTROL_TOKENS = ['<|', '[BOS]', '[EOS]', '[start_header_id]', '[end_header_id]', '[EOT]', '[UNK]', '[PAD]',
-                         '<osagent_mode>'] -%}
-{%- macro user_text(value) -%}
-    {%- if SANITIZE -%}
-        {%- set out = namespace(text=value | string) -%}
-        {%- for token in CONTROL_TOKENS -%}
-            {%- set out.text = out.text | replace(token, token[0] ~ '\u200b' ~ token[1:]) -%}
-        {%- endfor -%}
-        {{ out.text }}
-    {%- else -%}
-        {{ value }}
-    {%- endif -%}
-{%- endmacro -%}
-{%- macro attr(value) -%}{{ user_text(value) | replace('&', '&amp;') | replace('"', '&quot;') }}{%- endmacro -%}
-{%- macro note(kind, body) -%}
-{{ OPEN }}message role="system" type="{{ kind }}"{{ SEP }}{{ body | trim }}{{ CLOSE }}message{{ SEP }}{{ EOM }}
-{%- endmacro -%}
-{%- macro content_of(content) -%}
-    {%- if content is string -%}
-        {{ user_text(content) }}
-    {%- elif content is iterable and content is not mapping -%}
-        {%- for part in content -%}
-            {%- if part is string -%}
-                {{ user_text(part) }}
-            {%- elif part['type'] in ('image', 'image_url') -%}
-                {{ IMAGE }}
-            {%- elif part['text'] is defined -%}
-                {{ user_text(part['text']) }}
-            {%- else -%}
-                {{ raise_exception('Kimi K3 chat template: unsupported content type "' ~ part['type'] ~ '"') }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- elif content is not none and content is defined -%}
-        {{ user_text(content) }}
-    {%- endif -%}
-{%- endmacro -%}
-{%- macro xtml_type(value) -%}
-    {%- if value is boolean -%}boolean{%- elif value is none -%}null{%- elif value is number -%}number
-    {%- elif value is string -%}string{%- elif value is mapping -%}object{%- else -%}array{%- endif -%}
-{%- endmacro -%}
-{%- macro tool_declare(tool_list, dynamic) -%}
-    {%- if dynamic -%}
-        {%- set head = '## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\nYou have access to all existing and extended tools.\nHere are the specs for the extended tools.\n\n' -%}
-    {%- else -%}
-        {%- set head = '# Tools\nHere are the available tools, described in JSONSchema.\n\n' -%}
-    {%- endif -%}
-    {{- note('tool-declare', head ~ '```json\n' ~ user_text(tool_list | tojson(separators=(',', ':'), sort_keys=true)) ~ '\n```') -}}
-{%- endmacro -%}
-{#- ---- synthesized system notes ---- -#}
-{%- if tools -%}
-    {{- tool_declare(tools, false) -}}
-{%- endif -%}
-{%- if think_on and effort is not none -%}
-    {%- if effort not in ('low', 'high', 'max') -%}
-        {{- raise_exception('Unsupported thinking_effort=' ~ effort ~ "; supported values are ['high', 'low', 'max'].") -}}
-    {%- endif -%}
-    {{- note('thinking-effort', '`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with `thinking_effort=' ~ effort ~ '`.') -}}
-{%- endif -%}
-{#- ---- the conversation ---- -#}
-{%- set ns = namespace(calls=[], tool_index=0) -%}
-{%- for message in messages -%}
-    {%- set role = message['role'] -%}
-    {%- if role == 'system' and message['tools'] is defined and message['tools'] -%}
-        {{- tool_declare(message['tools'], true) -}}
-    {%- elif role in ('user', 'system') -%}
-        {{- OPEN }}message role="{{ role }}"
-        {%- if message['name'] is defined and message['name'] %} name="{{ attr(message['name']) }}"{% endif -%}
-        {{ SEP }}{{ content_of(message['content']) }}{{ CLOSE }}message{{ SEP }}{{ EOM -}}
-    {%- elif role == 'assistant' -%}
-        {%- set ns.calls = message['tool_calls'] if message['tool_calls'] is defined and message['tool_calls'] else [] -%}
-        {%- set ns.tool_index = 0 -%}
-        {{- OPEN }}message role="assistant"{{ SEP -}}
-        {%- if think_on -%}
-            {%- set reasoning = message['reasoning_content'] if message['reasoning_content'] is defined and message['reasoning_content'] else (message['reasoning'] if message['reasoning'] is defined and message['reasoning'] else '') -%}
-            {{- OPEN }}think{{ SEP -}}
-            {%- if reasoning is string and reasoning | trim -%}{{ user_text(reasoning) }}{%- endif -%}
-            {{- CLOSE }}think{{ SEP -}}
-        {%- endif -%}
-        {{- OPEN }}response{{ SEP }}{{ content_of(message['content']) }}{{ CLOSE }}response{{ SEP -}}
-        {%- if ns.calls -%}
-            {{- OPEN }}tools{{ SEP -}}
-            {%- for call in ns.calls -%}
-                {%- set fn = call['function'] if call['function'] is defined else call -%}
-                {{- OPEN }}call tool="{{ attr(fn['name']) }}" index="{{ loop.index }}"{{ SEP -}}
-                {%- set args = fn['arguments'] if fn['arguments'] is defined and fn['arguments'] is not none else {} -%}
-                {%- if args is string -%}
-                    {%- if args | trim -%}
-                        {{- OPEN }}json type="object"{{ SEP }}{{ user_text(args) }}{{ CLOSE }}json{{ SEP -}}
-                    {%- endif -%}
-                {%- elif args is mapping -%}
-                    {%- for key, value in args.items() -%}
-                        {{- OPEN }}argument key="{{ attr(key) }}" type="{{ xtml_type(value) }}"{{ SEP -}}
-                        {{- user_text(value if value is string else value | tojson) -}}
-                        {{- CLOSE }}argument{{ SEP -}}
-                    {%- endfor -%}
-                {%- else -%}
-                    {{- raise_exception('Kimi K3 tool call arguments must be a dict or a JSON object string.') -}}
-                {%- endif -%}
-                {{- CLOSE }}call{{ SEP -}}
-            {%- endfor -%}
-            {{- CLOSE }}tools{{ SEP -}}
-        {%- endif -%}
-        {{- CLOSE }}message{{ SEP }}{{ EOM -}}
-    {%- elif role == 'tool' -%}
-        {%- set ns.tool_index = ns.tool_index + 1 -%}
-        {%- set found = namespace(name=none) -%}
-        {%- if message['tool_call_id'] is defined -%}
-            {%- for call in ns.calls -%}
-                {%- if found.name is none and call['id'] is defined and (call['id'] | string) == (message['tool_call_id'] | string) -%}
-                    {%- set found.name = (call['function'] if call['function'] is defined else call)['name'] -%}
-                {%- endif -%}
-            {%- endfor -%}
-        {%- endif -%}
-        {%- if found.name is none and message['tool'] is defined -%}
-            {%- set found.name = message['tool'] -%}
-        {%- elif found.name is none and message['name'] is defined -%}
-            {%- set found.name = message['name'] -%}
-        {%- elif found.name is none and ns.tool_index <= ns.calls | length -%}
-            {%- set call = ns.calls[ns.tool_index - 1] -%}
-            {%- set found.name = (call['function'] if call['function'] is defined else call)['name'] -%}
-        {%- endif -%}
-        {%- if found.name is none -%}
-            {{- raise_exception('Kimi K3 tool message has no resolvable tool name.') -}}
-        {%- endif -%}
-        {{- OPEN }}message role="tool" tool="{{ attr(found.name) }}" index="{{ ns.tool_index }}"{{ SEP -}}
-        {{- content_of(message['content']) }}{{ CLOSE }}message{{ SEP }}{{ EOM -}}
-    {%- else -%}
-        {{- raise_exception('Kimi K3 chat template: unknown role "' ~ role ~ '"') -}}
-    {%- endif -%}
-{%- endfor -%}
-{#- ---- request notes, then the floor goes to the assistant ---- -#}
-{%- if tool_choice is defined and tool_choice in ('required', 'none') -%}
-    {{- note('tool-choice', 'The system is invoked with `tool_choice=' ~ tool_choice ~ '`.\nYou MUST ' ~ ('call tools' if tool_choice == 'required' else 'NOT call any tools') ~ ' in the next message.') -}}
-{%- endif -%}
-{%- if response_format is defined and response_format is not none -%}
-    {%- set rf_type = response_format['type'] if response_format is mapping else response_format -%}
-    {%- set rf_note = 'Your response must be raw JSON data without markdown code blocks (```json) or any additional formatting.' -%}
-    {%- if rf_type == 'json_object' -%}
-        {{- note('response-format', 'The system is invoked with `response_format=json_object`.\n' ~ rf_note) -}}
-    {%- elif rf_type == 'json_schema' -%}
-        {%- set js = response_format['json_schema'] if response_format is mapping and response_format['json_schema'] is defined else none -%}
-        {%- if js is mapping and js['schema'] is defined -%}{%- set schema = js['schema'] -%}
-        {%- elif js is mapping and js['json_schema'] is defined -%}{%- set schema = js['json_schema'] -%}
-        {%- else -%}{%- set schema = js -%}{%- endif -%}
-        {{- note('response-format', 'The system is invoked with `response_format=json_schema`.\n' ~ rf_note ~ '\nThe JSON data must match the following schema:\n```json\n' ~ user_text(schema | tojson(separators=(',', ':'), sort_keys=true)) ~ '\n```') -}}
-    {%- endif -%}
-{%- endif -%}
-{%- if add_generation_prompt -%}
-    {{- OPEN }}message role="assistant"{{ SEP }}{{ OPEN }}{{ 'think' if think_on else 'response' }}{{ SEP -}}
-{%- endif -%}
-"""
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # output parser
@@ -571,13 +404,13 @@ class Kimi3Processor(ProcessorMixin):
     Args:
         image_processor: the image processor (``Kimi3ImageProcessor``).
         tokenizer: ``Kimi3TokenizerFast`` / ``Kimi3Tokenizer`` / a ``PreTrainedTokenizerFast`` loaded from K3 files.
-        chat_template: defaults to :data:`KIMI3_CHAT_TEMPLATE`.
+        chat_template: defaults to :data:`special_tokens.CHAT_TEMPLATE`.
         image_size_in_prompt: write ``WxH`` into the media block, as the official processor does.
     """
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, image_size_in_prompt=True, **kwargs):
         if chat_template is None:
-            chat_template = getattr(tokenizer, "chat_template", None) or KIMI3_CHAT_TEMPLATE
+            chat_template = getattr(tokenizer, "chat_template", None) or CHAT_TEMPLATE
         self.image_size_in_prompt = image_size_in_prompt
         self.image_token = MEDIA_PAD_TOKEN
         super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
@@ -739,8 +572,6 @@ class Kimi3Processor(ProcessorMixin):
         files = super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
         vocab_path = os.path.join(save_directory, "tiktoken.model")
         if not os.path.isfile(vocab_path) and getattr(self.tokenizer, "backend_tokenizer", None) is not None:
-            from .tokenization_kimi3 import save_tiktoken_ranks, tiktoken_ranks_from_fast
-
             try:
                 save_tiktoken_ranks(tiktoken_ranks_from_fast(self.tokenizer), vocab_path)
             except ValueError:
@@ -771,7 +602,6 @@ class Kimi3Processor(ProcessorMixin):
 
 
 __all__ = [
-    "KIMI3_CHAT_TEMPLATE",
     "Kimi3Processor",
     "kimi3_output_to_message",
     "normalize_kimi3_messages",

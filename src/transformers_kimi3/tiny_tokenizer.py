@@ -15,30 +15,37 @@ from collections import Counter
 
 from tokenizers import AddedToken, Regex, pre_tokenizers
 
-from .processing_kimi3 import KIMI3_CHAT_TEMPLATE
-from .tokenization_kimi3 import KIMI3_PAT_STR, write_kimi3_tokenizer
+from .special_tokens import (
+    BOS_TOKEN,
+    CHAT_TEMPLATE,
+    CLOSE_TOKEN,
+    END_OF_MSG_TOKEN,
+    EOS_TOKEN,
+    K3_SPECIAL_TOKEN_OFFSETS,
+    MEDIA_BEGIN_TOKEN,
+    MEDIA_CONTENT_TOKEN,
+    MEDIA_END_TOKEN,
+    MEDIA_PAD_TOKEN,
+    OPEN_TOKEN,
+    OSAGENT_MODE_TOKEN,
+    PAD_TOKEN,
+    PAT_STR,
+    SEP_TOKEN,
+    UNK_TOKEN,
+    reserved_token_name,
+)
+from .tokenization_kimi3 import write_kimi3_tokenizer
 
 
 TINY_NUM_SPECIAL_TOKENS = 64
 
-# offset inside the special block -> (name, special); offsets 0..21 as in K3, the last three as K3's +65/+254/+255
+# offset inside the special block -> (name, special): K3's offsets 0..21, then the names K3 puts at +65, +254 and
+# +255 on the last three ids of the smaller block
 TINY_SPECIAL_TOKEN_OFFSETS = {
-    0: ("[BOS]", True),
-    1: ("[EOS]", True),
-    2: ("<|end_of_msg|>", True),
-    3: ("<|open|>", False),
-    4: ("<|close|>", False),
-    5: ("<|sep|>", False),
-    6: ("[start_header_id]", True),
-    7: ("[end_header_id]", True),
-    9: ("[EOT]", True),
-    18: ("<|media_begin|>", True),
-    19: ("<|media_content|>", True),
-    20: ("<|media_end|>", True),
-    21: ("<|media_pad|>", True),
-    TINY_NUM_SPECIAL_TOKENS - 3: ("<osagent_mode>", True),
-    TINY_NUM_SPECIAL_TOKENS - 2: ("[UNK]", True),
-    TINY_NUM_SPECIAL_TOKENS - 1: ("[PAD]", True),
+    **{offset: entry for offset, entry in K3_SPECIAL_TOKEN_OFFSETS.items() if offset < 22},
+    TINY_NUM_SPECIAL_TOKENS - 3: (OSAGENT_MODE_TOKEN, True),
+    TINY_NUM_SPECIAL_TOKENS - 2: (UNK_TOKEN, True),
+    TINY_NUM_SPECIAL_TOKENS - 1: (PAD_TOKEN, True),
 }
 
 # Training text: written for this file; English prose, code, numbers, Chinese, the words of the chat format.
@@ -90,7 +97,7 @@ Other scripts: Καλημέρα κόσμε. Привет, мир! مرحبا ب�
 def _train_merges(text: str, num_merges: int) -> list[bytes]:
     """Byte-level BPE training: most frequent adjacent pair first, ties broken by the smaller (left, right) rank
     pair; returns the merged tokens in rank order. Fully deterministic."""
-    splitter = pre_tokenizers.Split(Regex(KIMI3_PAT_STR), behavior="isolated")
+    splitter = pre_tokenizers.Split(Regex(PAT_STR), behavior="isolated")
     word_counts = Counter(piece.encode("utf-8") for piece, _ in splitter.pre_tokenize_str(text))
     rank = {bytes([b]): b for b in range(256)}
     words = [([bytes([b]) for b in word], count) for word, count in sorted(word_counts.items())]
@@ -122,7 +129,7 @@ def tiny_special_tokens(num_base_tokens: int) -> dict[int, AddedToken]:
     slots = {}
     for offset in range(TINY_NUM_SPECIAL_TOKENS):
         index = num_base_tokens + offset
-        name, special = TINY_SPECIAL_TOKEN_OFFSETS.get(offset, (f"<|reserved_token_{index}|>", True))
+        name, special = TINY_SPECIAL_TOKEN_OFFSETS.get(offset, (reserved_token_name(index), True))
         slots[index] = AddedToken(name, special=special, normalized=False)
     return slots
 
@@ -156,25 +163,25 @@ def build_tiny_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512) -> d
     ranks.update({token: 256 + i for i, token in enumerate(merges)})
     slots = tiny_special_tokens(num_base)
     named = {name for name, _ in TINY_SPECIAL_TOKEN_OFFSETS.values()}
-    write_kimi3_tokenizer(out_dir, ranks, slots, named=named, chat_template=KIMI3_CHAT_TEMPLATE)
+    write_kimi3_tokenizer(out_dir, ranks, slots, named=named, chat_template=CHAT_TEMPLATE)
 
     ids = {tok.content: index for index, tok in slots.items() if tok.content in named}
     return {
         "vocab_size": vocab_size,
         "num_base_tokens": num_base,
-        "bos_token_id": ids["[BOS]"],
-        "eos_token_id": ids["<|end_of_msg|>"],
-        "pad_token_id": ids["[PAD]"],
-        "unk_token_id": ids["[UNK]"],
-        "media_placeholder_token_id": ids["<|media_pad|>"],
-        "end_of_msg_token_id": ids["<|end_of_msg|>"],
-        "eos_text_token_id": ids["[EOS]"],
-        "open_token_id": ids["<|open|>"],
-        "close_token_id": ids["<|close|>"],
-        "sep_token_id": ids["<|sep|>"],
-        "media_begin_token_id": ids["<|media_begin|>"],
-        "media_content_token_id": ids["<|media_content|>"],
-        "media_end_token_id": ids["<|media_end|>"],
+        "bos_token_id": ids[BOS_TOKEN],
+        "eos_token_id": ids[END_OF_MSG_TOKEN],
+        "pad_token_id": ids[PAD_TOKEN],
+        "unk_token_id": ids[UNK_TOKEN],
+        "media_placeholder_token_id": ids[MEDIA_PAD_TOKEN],
+        "end_of_msg_token_id": ids[END_OF_MSG_TOKEN],
+        "eos_text_token_id": ids[EOS_TOKEN],
+        "open_token_id": ids[OPEN_TOKEN],
+        "close_token_id": ids[CLOSE_TOKEN],
+        "sep_token_id": ids[SEP_TOKEN],
+        "media_begin_token_id": ids[MEDIA_BEGIN_TOKEN],
+        "media_content_token_id": ids[MEDIA_CONTENT_TOKEN],
+        "media_end_token_id": ids[MEDIA_END_TOKEN],
         "special_tokens": ids,
     }
 

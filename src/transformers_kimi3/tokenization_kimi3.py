@@ -3,17 +3,9 @@
 K3 ships a tiktoken BPE: ``tiktoken.model`` (one ``<base64 token> <rank>`` per line, ranks 0..N-1) plus a block of
 ``num_reserved_special_tokens`` (256 for the released model) special ids right after the last rank. The names of
 the special ids are listed in ``tokenizer_config.json`` (``added_tokens_decoder``); every other id of the block is
-``<|reserved_token_{id}|>``. Released K3 (N = 163,584, 163,840 ids in all):
-
-    163584 [BOS]          163587 <|open|>    163590 [start_header_id]   163602 <|media_begin|>
-    163585 [EOS]          163588 <|close|>   163591 [end_header_id]     163603 <|media_content|>
-    163586 <|end_of_msg|> 163589 <|sep|>     163593 [EOT]               163604 <|media_end|>
-    163605 <|media_pad|>  163649 <osagent_mode>  163838 [UNK]           163839 [PAD]
-
-``<|open|>``, ``<|close|>`` and ``<|sep|>`` (the XTML markers of the chat format) are *not* special: they survive
-``decode(..., skip_special_tokens=True)`` so that generated text can still be parsed into reasoning / answer / tool
-calls. ``<|end_of_msg|>`` ends every chat message and is the generation stop token (``eos_token_id`` 163586 of the
-model config); this tokenizer therefore uses it as ``eos_token``.
+``<|reserved_token_{id}|>``. The released layout, the split pattern and the file format are in
+:mod:`special_tokens`. ``<|end_of_msg|>`` ends every chat message and is the generation stop token
+(``eos_token_id`` of the model config); this tokenizer therefore uses it as ``eos_token``.
 
 Two classes:
 
@@ -28,7 +20,6 @@ Two classes:
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 from shutil import copyfile
@@ -37,111 +28,31 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, p
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizer, PreTrainedTokenizerFast
 
+from .special_tokens import (
+    BOS_TOKEN,
+    BYTE_DECODER,
+    CHAT_TEMPLATE,
+    END_OF_MSG_TOKEN,
+    K3_SPECIAL_TOKEN_OFFSETS,
+    NUM_RESERVED_SPECIAL_TOKENS,
+    PAD_TOKEN,
+    PAT_STR,
+    RESERVED_TOKEN_PREFIX,
+    UNK_TOKEN,
+    load_tiktoken_ranks,
+    reserved_token_name,
+    save_tiktoken_ranks,
+    tiktoken_ranks_from_fast,
+    token_bytes_to_string,
+)
+
 
 VOCAB_FILES_NAMES = {"vocab_file": "tiktoken.model"}
 FAST_VOCAB_FILES_NAMES = {"vocab_file": "tiktoken.model", "tokenizer_file": "tokenizer.json"}
 
-# Pre-tokenizer of Kimi K2 / Kimi-VL / Kimi K3 (`tokenization_kimi.py`): Han runs, letter words (case-aware,
-# Han excluded), 1-3 digit groups, punctuation runs, newlines, whitespace. `&&` is class intersection, which both
-# tiktoken (fancy-regex) and tokenizers (Oniguruma) understand.
-KIMI3_PAT_STR = "|".join(
-    [
-        r"""[\p{Han}]+""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""\p{N}{1,3}""",
-        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-        r"""\s*[\r\n]+""",
-        r"""\s+(?!\S)""",
-        r"""\s+""",
-    ]
-)
-
-NUM_RESERVED_SPECIAL_TOKENS = 256
-
-BOS_TOKEN = "[BOS]"
-EOS_TOKEN = "[EOS]"
-END_OF_MSG_TOKEN = "<|end_of_msg|>"
-OPEN_TOKEN = "<|open|>"
-CLOSE_TOKEN = "<|close|>"
-SEP_TOKEN = "<|sep|>"
-MEDIA_BEGIN_TOKEN = "<|media_begin|>"
-MEDIA_CONTENT_TOKEN = "<|media_content|>"
-MEDIA_END_TOKEN = "<|media_end|>"
-MEDIA_PAD_TOKEN = "<|media_pad|>"
-UNK_TOKEN = "[UNK]"
-PAD_TOKEN = "[PAD]"
-
-# offset from the first special id -> (name, special) in the released tokenizer_config.json
-K3_SPECIAL_TOKEN_OFFSETS = {
-    0: (BOS_TOKEN, True),
-    1: (EOS_TOKEN, True),
-    2: (END_OF_MSG_TOKEN, True),
-    3: (OPEN_TOKEN, False),
-    4: (CLOSE_TOKEN, False),
-    5: (SEP_TOKEN, False),
-    6: ("[start_header_id]", True),
-    7: ("[end_header_id]", True),
-    9: ("[EOT]", True),
-    18: (MEDIA_BEGIN_TOKEN, True),
-    19: (MEDIA_CONTENT_TOKEN, True),
-    20: (MEDIA_END_TOKEN, True),
-    21: (MEDIA_PAD_TOKEN, True),
-    65: ("<osagent_mode>", True),
-    254: (UNK_TOKEN, True),
-    255: (PAD_TOKEN, True),
-}
-
 # tiktoken panics on >400k characters and is quadratic on long runs; Moonshot's tokenizer cuts the text the same way
 TIKTOKEN_MAX_ENCODE_CHARS = 400_000
 MAX_NO_WHITESPACES_CHARS = 25_000
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode character table (the ByteLevel alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, [chr(c) for c in cs]))
-
-
-_BYTE_ENCODER = bytes_to_unicode()
-_BYTE_DECODER = {v: k for k, v in _BYTE_ENCODER.items()}
-
-
-def token_bytes_to_string(token: bytes) -> str:
-    return "".join(_BYTE_ENCODER[b] for b in token)
-
-
-def load_tiktoken_ranks(vocab_file: str | os.PathLike) -> dict[bytes, int]:
-    """Read a tiktoken BPE file (``<base64> <rank>`` per line). Checks that ranks are exactly 0..N-1."""
-    ranks: dict[bytes, int] = {}
-    with open(vocab_file, "rb") as f:
-        for line_no, line in enumerate(f, start=1):
-            line = line.strip()
-            if not line:
-                continue
-            parts = line.split()
-            if len(parts) != 2:
-                raise ValueError(f"{vocab_file}:{line_no}: expected '<base64 token> <rank>', got {line[:80]!r}")
-            token, rank = base64.b64decode(parts[0]), int(parts[1])
-            if token in ranks:
-                raise ValueError(f"{vocab_file}:{line_no}: token {token!r} appears twice")
-            ranks[token] = rank
-    if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"{vocab_file}: ranks must be exactly 0..{len(ranks) - 1} with no gaps or repeats")
-    return ranks
-
-
-def save_tiktoken_ranks(ranks: dict[bytes, int], vocab_file: str | os.PathLike) -> None:
-    with open(vocab_file, "w", encoding="ascii") as f:
-        for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-            f.write(f"{base64.b64encode(token).decode('ascii')} {rank}\n")
 
 
 def _as_added_token(value, special_default: bool = True) -> AddedToken:
@@ -185,7 +96,7 @@ def special_token_slots(
     for index in range(num_base_tokens, end):
         token = named.get(index)
         if token is None:
-            token = AddedToken(f"<|reserved_token_{index}|>", special=True, normalized=False)
+            token = AddedToken(reserved_token_name(index), special=True, normalized=False)
         # added tokens match exactly as written, like tiktoken's special tokens
         slots[index] = AddedToken(
             token.content, special=token.special, normalized=False, lstrip=False, rstrip=False, single_word=False
@@ -221,7 +132,7 @@ def build_fast_backend(ranks: dict[bytes, int], slots: dict[int, AddedToken]) ->
     tokenizer = Tokenizer(BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=True))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(KIMI3_PAT_STR), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(PAT_STR), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ]
     )
@@ -297,7 +208,7 @@ class Kimi3Tokenizer(PreTrainedTokenizer):
 
     vocab_files_names = VOCAB_FILES_NAMES
     model_input_names = ["input_ids", "attention_mask"]
-    pat_str = KIMI3_PAT_STR
+    pat_str = PAT_STR
 
     def __init__(
         self,
@@ -411,7 +322,7 @@ class Kimi3Tokenizer(PreTrainedTokenizer):
             if token in self._added_tokens_encoder:
                 out += token.encode("utf-8")
             else:
-                out += bytes(_BYTE_DECODER[ch] for ch in token)
+                out += bytes(BYTE_DECODER[ch] for ch in token)
         return out.decode("utf-8", errors="replace")
 
     def _decode(self, token_ids, skip_special_tokens: bool = False, clean_up_tokenization_spaces=None, **kwargs) -> str:
@@ -533,24 +444,6 @@ class Kimi3TokenizerFast(PreTrainedTokenizerFast):
         return (out,)
 
 
-def tiktoken_ranks_from_fast(tokenizer) -> dict[bytes, int]:
-    """Recover the tiktoken ranks (``tiktoken.model``) from a converted fast tokenizer: the BPE vocabulary without
-    the added tokens, each ByteLevel string mapped back to its bytes. Inverse of :func:`build_fast_backend`."""
-    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-    added = set(backend.get_added_tokens_decoder())
-    ranks = {}
-    for token, index in backend.get_vocab(with_added_tokens=False).items():
-        if index in added:
-            continue
-        try:
-            ranks[bytes(_BYTE_DECODER[ch] for ch in token)] = index
-        except KeyError as err:
-            raise ValueError(f"token {token!r} is not ByteLevel: not a converted tiktoken vocabulary") from err
-    if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError("the vocabulary ids are not contiguous from 0: not a converted tiktoken vocabulary")
-    return ranks
-
-
 def write_kimi3_tokenizer(
     out_dir: str | os.PathLike,
     ranks: dict[bytes, int],
@@ -562,13 +455,11 @@ def write_kimi3_tokenizer(
     """Write a complete K3 tokenizer folder: ``tiktoken.model``, ``tokenizer.json``, ``tokenizer_config.json``
     (``tokenizer_class`` ``TokenizersBackend``, so plain ``AutoTokenizer`` loads it; ``added_tokens_decoder`` lists
     the ``named`` special tokens like the released file, the reserved ids are implied), ``special_tokens_map.json``
-    and ``chat_template.jinja`` (default: the K3 template of ``processing_kimi3``). Returns the tokenizer."""
+    and ``chat_template.jinja`` (default: :data:`special_tokens.CHAT_TEMPLATE`). Returns the tokenizer."""
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     if chat_template is None:
-        from .processing_kimi3 import KIMI3_CHAT_TEMPLATE
-
-        chat_template = KIMI3_CHAT_TEMPLATE
+        chat_template = CHAT_TEMPLATE
     vocab_file = os.path.join(out_dir, "tiktoken.model")
     save_tiktoken_ranks(ranks, vocab_file)
     num_reserved = len(slots)
@@ -581,7 +472,7 @@ def write_kimi3_tokenizer(
     )
     tokenizer.save_pretrained(out_dir)
     if named is None:
-        named = {tok.content for tok in slots.values() if not tok.content.startswith("<|reserved_token_")}
+        named = {tok.content for tok in slots.values() if not tok.content.startswith(RESERVED_TOKEN_PREFIX)}
     config_path = os.path.join(out_dir, "tokenizer_config.json")
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
@@ -650,7 +541,6 @@ def convert_kimi3_tokenizer(
 
 
 __all__ = [
-    "KIMI3_PAT_STR",
     "Kimi3Tokenizer",
     "Kimi3TokenizerFast",
     "build_fast_backend",
