@@ -1,6 +1,9 @@
 """The hybrid cache: cache vs no cache, chunked prefill vs one pass, left padding vs no padding, batch vs single,
 models without MLA layers, and the generate() modes."""
 
+import copy
+import gc
+
 import pytest
 import torch
 
@@ -200,7 +203,7 @@ def _hf_loop(model, *args, **kw):
 @pytest.fixture
 def fast_loop_calls(monkeypatch):
     """A list that grows by one each time generate() takes our static greedy loop."""
-    from transformers_kimi3.modeling_kimi3 import Kimi3GenerationMixin
+    from transformers_kimi3.generation import Kimi3GenerationMixin
 
     calls = []
     fast = Kimi3GenerationMixin._static_greedy
@@ -248,14 +251,14 @@ def test_static_greedy_reuses_its_cache(model):
                           cache_implementation="static")
         want_y = _hf_loop(model, y, max_new_tokens=5, do_sample=False, pad_token_id=0,
                           cache_implementation="static")
-        pool = model.__dict__.get("_kimi3_static_caches", {})
-        pool.clear()
+        model.release_static_caches()
         got = [model.generate(z, max_new_tokens=n, do_sample=False, pad_token_id=0, cache_implementation="static")
                for z, n in ((x, 7), (y, 5), (x, 7))]
-    assert len(model._kimi3_static_caches) == 1  # 16 and 19 positions: one 256-position bucket
+    pool = model._static_pool()
+    assert len(pool.caches) == 1  # 16 and 19 positions: one 256-position bucket
     assert torch.equal(got[0], want_x) and torch.equal(got[1], want_y) and torch.equal(got[2], want_x)
     model.release_static_caches()
-    assert "_kimi3_static_caches" not in model.__dict__
+    assert model._static_pool() is not pool and not model._static_pool().caches
 
 
 def test_generate_with_chunked_prefill(model):
@@ -283,7 +286,141 @@ def test_static_greedy_with_chunked_prefill(model, fast_loop_calls):
 
 @pytest.mark.parametrize("bad", [0, -4, 2.5, True])
 def test_prefill_chunk_size_must_be_positive(model, bad):
-    # 0 used to mean "no chunking" silently and a negative size left the fast loop without logits
+    # a chunk of 0 or fewer tokens would prefill nothing and leave the fast loop without logits
     with pytest.raises(ValueError, match="prefill_chunk_size must be a positive"):
         model.generate(ids(1, 8), max_new_tokens=2, do_sample=False, pad_token_id=0, cache_implementation="static",
                        prefill_chunk_size=bad)
+
+
+# ---- decode steps replayed as CUDA graphs (generation.py). A CUDA graph needs a GPU; on the CPU the recording
+# is replaced by one that keeps the step function: a replay runs it again, which is what a CUDA graph replays (the
+# cache addressed by the graph's position tensor, the whole static buffer under the position mask). The
+# bookkeeping around it (pool, warm-up undone from a snapshot, counters, re-recording, fallbacks) is the real code.
+
+
+@pytest.fixture
+def recorded_steps(monkeypatch):
+    """Decode graphs recorded on the CPU; the returned list grows by one per recording."""
+    from transformers_kimi3 import generation
+
+    records = []
+
+    class Replayed:
+        def __init__(self, step, output):
+            self.step, self.output, self.fresh = step, output, True
+
+        def replay(self):
+            # the recording ran the step once, and the first replay follows it with the same ids and position
+            if not self.fresh:
+                self.output.copy_(self.step())
+            self.fresh = False
+
+    def record(step):
+        records.append(1)
+        out = step()
+        return Replayed(step, out), out
+
+    monkeypatch.setattr(generation, "graph_device", lambda t: True)
+    monkeypatch.setattr(generation, "cuda_warm_up", lambda step: (step(), step()))
+    monkeypatch.setattr(generation, "cuda_record", record)
+    return records
+
+
+def test_recorded_decode_steps_equal_eager_decoding(model, recorded_steps, fast_loop_calls):
+    x = ids(2, 9, seed=12)
+    model.release_static_caches()
+    with torch.no_grad():
+        model.decode_cuda_graph = False  # Transformers' loop on a static cache, every step eager
+        try:
+            eager = _hf_loop(model, x, max_new_tokens=7, do_sample=False, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True, cache_implementation="static")
+        finally:
+            model.decode_cuda_graph = True
+        assert recorded_steps == []
+        # Transformers' loop on the static cache generate() builds: one recording, then replays
+        hf = _hf_loop(model, x, max_new_tokens=7, do_sample=False, pad_token_id=0, output_logits=True,
+                      return_dict_in_generate=True, cache_implementation="static")
+        assert len(recorded_steps) == 1
+        # our loop on a pooled cache: recorded at its first decode step, replayed by the next call (reset in place)
+        got = [model.generate(x, max_new_tokens=7, do_sample=False, pad_token_id=0, cache_implementation="static")
+               for _ in range(2)]
+    assert len(recorded_steps) == 2 and len(fast_loop_calls) == 2
+    assert torch.equal(hf.sequences, eager.sequences)
+    assert rel_err(torch.stack(hf.logits), torch.stack(eager.logits)) < TOL
+    assert torch.equal(got[0], eager.sequences) and torch.equal(got[1], eager.sequences)
+    pool = model._static_pool()
+    (cache,) = pool.caches.values()
+    assert cache in pool.graphs and cache.position is None  # the device position is the graph's, not the cache's
+    model.release_static_caches()
+
+
+def test_decode_graph_follows_its_cache(model, recorded_steps):
+    # a graph reads the cache's tensors at their recorded addresses: replacing them (here by reordering the batch)
+    # records anew; a full cache decodes eagerly, which reports the overflow
+    from transformers_kimi3.generation import graph_decodable
+
+    x = ids(2, 6, seed=13)
+    model.release_static_caches()
+    cache = Kimi3Cache(model.config, max_length=9)
+    with torch.no_grad():
+        tok = model(input_ids=x, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(2):
+            tok = model(input_ids=tok, past_key_values=cache, use_cache=True).logits.argmax(-1)
+        assert len(recorded_steps) == 1 and cache.seen_tokens == cache.source_tokens == 8
+        version = cache.storage_version
+        cache.reorder_cache(torch.tensor([1, 0]))
+        assert cache.storage_version != version
+        tok = model(input_ids=tok.flip(0), past_key_values=cache, use_cache=True).logits.argmax(-1)
+        assert len(recorded_steps) == 2 and cache.seen_tokens == 9
+        assert not graph_decodable(cache, tok, None, False, False)  # no room: the eager step raises
+        with pytest.raises(ValueError, match="static cache holds 9 positions"):
+            model(input_ids=tok, past_key_values=cache, use_cache=True)
+    model.release_static_caches()
+
+
+def test_graph_decodable_falls_back_to_eager_steps(model, recorded_steps):
+    from transformers_kimi3.generation import graph_decodable
+
+    static = Kimi3Cache(model.config, max_length=16)
+    static.seen_tokens = 4
+    one = torch.ones(2, 1, dtype=torch.long)
+    assert graph_decodable(static, one, None, False, False) is False  # gradients are on outside no_grad
+    with torch.no_grad():
+        assert graph_decodable(static, one, None, False, False)
+        assert not graph_decodable(Kimi3Cache(model.config), one, None, False, False)  # a growing cache
+        assert not graph_decodable(static, torch.ones(2, 2, dtype=torch.long), None, False, False)  # 2 tokens
+        assert not graph_decodable(static, None, None, False, False)  # inputs_embeds
+        assert not graph_decodable(static, one, one, False, False)  # labels
+        assert not graph_decodable(static, one, None, True, False)
+        assert not graph_decodable(static, one, None, False, True)
+        static.attention_mask = torch.ones(2, 4, dtype=torch.long)  # a padded batch
+        assert not graph_decodable(static, one, None, False, False)
+        static.attention_mask, static.seen_tokens = None, 0  # nothing prefilled yet
+        assert not graph_decodable(static, one, None, False, False)
+
+
+def test_static_cache_pool_keeps_caches_by_shape_and_graphs_by_cache(model):
+    from transformers_kimi3.generation import StaticCachePool
+
+    pool, cfg = StaticCachePool(), model.config
+    a = pool.cache(cfg, 2, 19, "cpu", 0)
+    assert a.max_length == 256 and pool.cache(cfg, 2, 256, "cpu", 0) is a
+    assert pool.cache(cfg, 2, 257, "cpu", 0).max_length == 512  # another bucket
+    assert pool.cache(cfg, 2, 19, "cpu", 1) is not a  # other weights: a third cache, the oldest goes
+    assert len(pool.caches) == 2 and a not in pool.caches.values()
+    b = pool.cache(cfg, 2, 19, "cpu", 1)
+    with torch.no_grad():
+        model(input_ids=ids(2, 5), past_key_values=b, use_cache=True)
+    tensors = [t.data_ptr() for t in b._tensors()]
+    pool.graphs[b] = "graph"
+    assert pool.cache(cfg, 2, 19, "cpu", 1) is b and b.seen_tokens == 0
+    assert [t.data_ptr() for t in b._tensors()] == tensors and all(not t.any() for t in b._tensors())
+    del pool.graphs[b]
+    version = b.storage_version
+    assert pool.cache(cfg, 2, 19, "cpu", 1) is b and b.storage_version != version
+    assert b.batch_size is None  # dropped: the next call allocates
+    pool.graphs[a] = "graph"  # a graph goes with its cache
+    del a
+    gc.collect()
+    assert len(pool.graphs) == 0
+    assert not copy.deepcopy(pool).caches  # a copied model records its own graphs

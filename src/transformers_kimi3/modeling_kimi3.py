@@ -2,18 +2,17 @@
 
 Data flow: ids -> embed -> [AttnRes mix -> norm -> KDA|MLA -> AttnRes mix -> norm -> dense|MoE] x L
 -> final mix -> norm -> lm_head. Without AttnRes (Kimi Linear) the mixes are the usual residual additions.
-State lives in `Kimi3Cache` only. Module names follow the official checkpoint, so the tensors on disk map onto
+State lives in `Kimi3Cache` only; generate(), the static-cache greedy loop and the decode steps replayed as CUDA
+graphs live in generation.py. Module names follow the official checkpoint, so the tensors on disk map onto
 the modules one to one except the routed experts, which are stacked per layer (see checkpoint.py).
 """
 
-import collections
-import copy
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -22,6 +21,7 @@ from .checkpoint import load_pretrained, save_pretrained, state_dict_for_model
 from .attn_res import Kimi3AttnResNorm, Kimi3AttnResProj, attn_res_mix
 from .cache import Kimi3Cache
 from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig
+from .generation import Kimi3GenerationMixin
 from .kda import Kimi3DeltaAttention
 from .mla import Kimi3MLAAttention, mla_mask
 from .moe import Kimi3Experts, Kimi3MLP, Kimi3SparseMoeBlock, Kimi3TopkRouter
@@ -201,8 +201,8 @@ class Kimi3Model(Kimi3PreTrainedModel):
             seq_idx = packed_sequence_ids(position_ids, kwargs.get("cu_seq_lens_q"), B, T, inputs_embeds.device)
             cache = None if seq_idx is not None else cache
         attn_mask = mla_mask(full_mask, T, past, inputs_embeds.device, seq_idx)
-        if cache is not None and cache.graph_mode:
-            attn_mask = cache.decode_mask(inputs_embeds.device)
+        if cache is not None and cache.position is not None:  # a recorded decode step: the whole static buffer
+            attn_mask = cache.position_mask(inputs_embeds.device)
 
         h, bank = inputs_embeds, None
         all_hidden = (h,) if output_hidden_states else None
@@ -255,59 +255,6 @@ class Kimi3Model(Kimi3PreTrainedModel):
         return attention_mask.to(device)
 
 
-def _graph_decodable(cache, input_ids, labels, output_hidden_states, output_router_logits):
-    return (isinstance(cache, Kimi3Cache) and cache.use_cuda_graph and input_ids is not None
-            and input_ids.is_cuda and input_ids.shape[1] == 1 and cache.seen_tokens > 0
-            and cache.attention_mask is None and labels is None and not output_hidden_states
-            and not output_router_logits and not torch.is_grad_enabled())
-
-
-def _one_device(model):
-    """A CUDA graph is captured on one device and cannot hold the weights Accelerate moves in at each forward
-    (CPU / disk offload): a model spread by a device_map decodes eagerly."""
-    placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
-    return len(placed) <= 1 and not placed & {"cpu", "disk"}
-
-
-def decode_with_graph(model, cache, input_ids):
-    """One decode step as a replayed CUDA graph: no Python per layer, no host synchronisation.
-    Captured on the first call for this cache (warm-up runs are undone from a snapshot)."""
-    if cache.decode_graph is None or cache.decode_graph[1].shape != input_ids.shape:
-        static_ids = input_ids.clone()
-        cache.position = torch.zeros(1, dtype=torch.long, device=input_ids.device)
-        counters = (cache.seen_tokens, cache.source_tokens)
-        snap = cache.snapshot()
-
-        def step():
-            cache.graph_mode = True
-            try:
-                out = model.model(input_ids=static_ids, past_key_values=cache, use_cache=True)
-                return model.lm_head(out.last_hidden_state)
-            finally:
-                cache.graph_mode = False
-                cache.seen_tokens, cache.source_tokens = counters
-
-        cache.position.fill_(cache.seen_tokens)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        cache.restore(snap)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = step()
-        cache.decode_graph = (graph, static_ids, logits)
-    graph, static_ids, logits = cache.decode_graph
-    static_ids.copy_(input_ids)
-    cache.position.fill_(cache.seen_tokens)
-    graph.replay()
-    cache.seen_tokens += 1
-    cache.source_tokens += 1
-    return logits.clone()
-
-
 def packed_sequence_ids(position_ids, cu_seq_lens, B, T, device):
     """Document ids [B,T] when several documents share a row (position_ids restart at 0, as Transformers'
     DataCollatorWithFlattening writes them, or flash-attention `cu_seq_lens_q`), else None."""
@@ -329,166 +276,6 @@ def check_token_ids(input_ids, vocab_size):
     if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
         bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
         raise ValueError(f"input_ids hold {bad.unique()[:8].tolist()} outside the vocabulary 0..{vocab_size - 1}")
-
-
-class Kimi3GenerationMixin(GenerationMixin):
-    """Generation inputs from our cache's own bookkeeping (`source_tokens` = ids consumed so far), so the same
-    code serves text-only and multimodal models, whose cache holds more positions than input_ids (each image
-    placeholder becomes h*w/4 positions)."""
-
-    _mm_keys = ("pixel_values", "grid_thws")
-
-    def generate(self, inputs=None, generation_config=None, **kwargs):
-        """`cache_implementation="static"` gives a fixed-size Kimi3Cache whose decode steps run as one CUDA graph
-        on GPU (captured at the first decode step, replayed after); any other value, the growing cache.
-        `prefill_chunk_size=N` prefills long prompts N tokens at a time (KDA state and MLA latents carried)."""
-        config = generation_config or self.generation_config
-        impl = kwargs.pop("cache_implementation", None) or getattr(config, "cache_implementation", None)
-        chunked = kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None))
-        if chunked is not None and (isinstance(chunked, bool) or not isinstance(chunked, int) or chunked < 1):
-            raise ValueError(f"prefill_chunk_size must be a positive number of tokens, not {chunked!r}")
-        if impl == "static" and self._plain_greedy(inputs, generation_config, kwargs):
-            return self._static_greedy(inputs if inputs is not None else kwargs["input_ids"], config, kwargs)
-        if (impl == "static" or chunked) and kwargs.get("past_key_values") is None:
-            # Transformers' chunked prefill needs a cache object up front; ours is never built by generate()
-            ids = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-            max_new = kwargs.get("max_new_tokens") or getattr(config, "max_new_tokens", None) or 20
-            kwargs["past_key_values"] = Kimi3Cache(self.config.get_text_config(),
-                                                   max_length=ids.shape[1] + max_new if impl == "static" else None)
-        if generation_config is not None and getattr(generation_config, "cache_implementation", None):
-            generation_config = copy.deepcopy(generation_config)
-            generation_config.cache_implementation = None
-        return super().generate(inputs, generation_config=generation_config, **kwargs)
-
-    # generate() arguments and generation-config fields the static greedy loop reproduces exactly (other config
-    # fields only while off: False/None/0); anything else (sampling, beams, logits processors, streamers, scores,
-    # padding, media) goes through Transformers' loop
-    _GREEDY_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "do_sample",
-                      "pad_token_id", "eos_token_id", "use_cache", "prefill_chunk_size"}
-    _GREEDY_CONFIG = {"bos_token_id", "eos_token_id", "pad_token_id", "max_length", "max_new_tokens",
-                      "min_new_tokens", "do_sample", "use_cache", "cache_implementation", "transformers_version",
-                      "_from_model_config", "prefill_chunk_size"}
-    fast_static_greedy = True
-
-    def _plain_greedy(self, inputs, generation_config, kwargs):
-        config = generation_config or self.generation_config
-        ids = inputs if inputs is not None else kwargs.get("input_ids")
-        mask = kwargs.get("attention_mask")
-        return (self.fast_static_greedy and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 0
-                and set(kwargs) <= self._GREEDY_KWARGS and not kwargs.get("do_sample")
-                and kwargs.get("use_cache", True) is not False
-                and all(k in self._GREEDY_CONFIG or not v for k, v in config.to_diff_dict().items())
-                and not config.do_sample
-                and (bool(mask.all()) if mask is not None else not self._pad_in(ids, kwargs, config)))
-
-    @staticmethod
-    def _pad_in(ids, kwargs, config):
-        # without an attention_mask Transformers treats pad ids in the prompt as padding: its loop handles that
-        pad = kwargs.get("pad_token_id", config.pad_token_id)
-        return pad is not None and bool((ids == pad).any())
-
-    STATIC_BUCKET = 256  # static caches are sized in steps of this many positions, so calls can share them
-    STATIC_POOL_SIZE = 2  # caches (with their captured graphs) kept alive between calls; each holds GPU memory
-
-    def release_static_caches(self):
-        """Drop the static caches and decode graphs kept between generate() calls (frees their memory)."""
-        self.__dict__.pop("_kimi3_static_caches", None)
-
-    def _pooled_static_cache(self, batch, length, device):
-        """A static cache (and the decode graph captured on it) kept between generate() calls of the same batch
-        size and length bucket: capturing a new graph per call costs tens of milliseconds. Keyed by the weights'
-        addresses too, since a captured graph reads the weights through the pointers it was captured with."""
-        length = -(-length // self.STATIC_BUCKET) * self.STATIC_BUCKET
-        weights = hash(tuple(p.data_ptr() for p in self.parameters()))
-        pool = self.__dict__.setdefault("_kimi3_static_caches", collections.OrderedDict())
-        key = (batch, length, str(device), weights)
-        cache = pool.pop(key, None)
-        if cache is None:
-            cache = Kimi3Cache(self.config.get_text_config(), max_length=length)
-        else:
-            cache.reset()
-        pool[key] = cache
-        while len(pool) > self.STATIC_POOL_SIZE:
-            pool.popitem(last=False)
-        return cache
-
-    @torch.no_grad()
-    def _static_greedy(self, input_ids, config, kwargs):
-        """Greedy decoding through the static cache, token for token what Transformers' loop returns (EOS ->
-        padding for finished rows, min_new_tokens, stop once every row is done) without its per-step host
-        synchronisation: on CUDA each step is one graph replay plus a few queued tensor ops, and the host checks
-        for finished rows every `check_every` steps only."""
-        B, L = input_ids.shape
-        max_new = kwargs.get("max_new_tokens") or config.max_new_tokens
-        if max_new is None:
-            max_new = max(config.max_length - L, 0)
-        min_new = kwargs.get("min_new_tokens") or config.min_new_tokens or 0
-        eos = kwargs.get("eos_token_id", config.eos_token_id)
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        pad = kwargs.get("pad_token_id", config.pad_token_id)
-        pad = eos[0] if pad is None and eos else pad
-        if max_new == 0:
-            return input_ids
-        device = input_ids.device
-        eos_t = torch.tensor(eos, dtype=torch.long, device=device)
-        out = torch.full((B, max_new), pad if pad is not None else 0, dtype=torch.long, device=device)
-        unfinished = torch.ones(B, dtype=torch.bool, device=device)
-        cache = self._pooled_static_cache(B, L + max_new, device)
-        chunk = kwargs.get("prefill_chunk_size") or getattr(config, "prefill_chunk_size", None) or L
-        for start in range(0, L, chunk):  # peak memory bounded by the chunk, not the prompt
-            logits = self(input_ids=input_ids[:, start:start + chunk], past_key_values=cache, use_cache=True,
-                          logits_to_keep=1).logits[:, -1]
-        # as MinNewTokensLengthLogitsProcessor: EOS ids outside the vocabulary are ignored
-        eos_columns = torch.isin(torch.arange(logits.shape[-1], device=device), eos_t)
-        check_every = 16
-        for step in range(max_new):
-            scores = logits.float()
-            if step < min_new and eos:
-                scores = scores.masked_fill(eos_columns, float("-inf"))
-            tok = scores.argmax(-1)
-            if pad is not None:
-                tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
-            out[:, step] = tok
-            if eos:
-                unfinished &= ~torch.isin(tok, eos_t)
-                if (step + 1) % check_every == 0 or step + 1 == max_new:
-                    if not bool(unfinished.any()):
-                        break
-            if step + 1 < max_new:
-                logits = self(input_ids=tok[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
-        if eos:  # Transformers stops at the step where the last row finished
-            done = torch.isin(out, eos_t).cumsum(1).clamp(max=1).bool()
-            all_done = done.all(0)
-            if bool(all_done.any()):
-                out = out[:, : int(all_done.nonzero()[0]) + 1]
-        return torch.cat([input_ids, out], dim=1)
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls):
-        # generate() must not build a DynamicCache for us (it cannot describe KDA state, and a stack without
-        # attention layers makes its get_seq_length raise); our forward creates a Kimi3Cache instead.
-        return False
-
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
-                                      inputs_embeds=None, **kwargs):
-        for k in ("cache_position", "position_ids"):
-            kwargs.pop(k, None)
-        started = isinstance(past_key_values, Kimi3Cache) and past_key_values.seen_tokens > 0
-        if started:
-            new = input_ids.shape[1] - past_key_values.source_tokens
-            if new <= 0:  # chunked prefill hands over only the next chunk of ids
-                new = input_ids.shape[1]
-            inputs = {"input_ids": input_ids[:, -new:],
-                      "attention_mask": None if attention_mask is None else attention_mask[:, -new:]}
-            for k in self._mm_keys:  # media is encoded once, at prefill
-                kwargs.pop(k, None)
-        elif inputs_embeds is not None:
-            inputs = {"inputs_embeds": inputs_embeds, "attention_mask": attention_mask}
-        else:
-            inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        inputs["past_key_values"] = past_key_values
-        inputs.update(kwargs)
-        return inputs
 
 
 class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
@@ -517,10 +304,10 @@ class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
                 output_router_logits=None, logits_to_keep=0, return_dict=None, **kwargs):
-        if _graph_decodable(past_key_values, input_ids, labels, output_hidden_states, output_router_logits) and \
-                _one_device(self):
-            return MoeCausalLMOutputWithPast(logits=decode_with_graph(self, past_key_values, input_ids),
-                                             past_key_values=past_key_values)
+        logits = self._replayed_logits(self, past_key_values, input_ids, labels, output_hidden_states,
+                                       output_router_logits)
+        if logits is not None:  # a static-cache decode step on CUDA (generation.py)
+            return MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          output_hidden_states=output_hidden_states, output_router_logits=output_router_logits,
@@ -578,10 +365,10 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
                 past_key_values=None, inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
                 output_router_logits=None, logits_to_keep=0, return_dict=None, image_grid_thw=None, **kwargs):
         grid_thws = grid_thws if grid_thws is not None else image_grid_thw
-        if _graph_decodable(past_key_values, input_ids, labels, output_hidden_states, output_router_logits) and \
-                _one_device(self):
-            return MoeCausalLMOutputWithPast(logits=decode_with_graph(self.language_model, past_key_values, input_ids),
-                                             past_key_values=past_key_values)
+        logits = self._replayed_logits(self.language_model, past_key_values, input_ids, labels,
+                                       output_hidden_states, output_router_logits)
+        if logits is not None:  # a static-cache decode step on CUDA (generation.py)
+            return MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         n_source = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         cache_started = isinstance(past_key_values, Kimi3Cache) and past_key_values.seen_tokens > 0
         if pixel_values is not None and not cache_started:

@@ -1,0 +1,340 @@
+"""Generation for Kimi3 models: the generate() entry point, the greedy loop over a static cache, decode steps
+replayed as CUDA graphs, and the pool that keeps static caches and their graphs between calls.
+
+`generate(..., cache_implementation="static")` decodes into a fixed-size `Kimi3Cache` (state only). On CUDA each
+decode step (one new token per row of an unpadded batch) is recorded once as a `DecodeGraph` and replayed: no
+Python per layer, no host synchronisation. For plain greedy decoding `Kimi3GenerationMixin._static_greedy` replaces
+Transformers' loop and returns the same tokens without its per-step host synchronisation. The pool
+(`StaticCachePool`, one per model) keeps the caches and graphs for the next call; `release_static_caches()` frees
+them. `model.fast_static_greedy = False` keeps Transformers' loop; `model.decode_cuda_graph = False` runs every
+step eagerly.
+"""
+
+import collections
+import copy
+import weakref
+from typing import NamedTuple, Optional
+
+import torch
+from transformers import GenerationMixin
+
+from .cache import Kimi3Cache
+
+CHECK_EVERY = 16  # greedy steps between host checks for "every row has finished" (each check waits for the GPU)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decode steps as CUDA graphs
+
+
+def graph_device(t):
+    """Whether a decode step on `t`'s device can be recorded as a graph: CUDA."""
+    return t.is_cuda
+
+
+def graph_decodable(cache, input_ids, labels, output_hidden_states, output_router_logits):
+    """A forward call a recorded decode step serves: one new token per row of an unpadded batch, on a static cache
+    that holds a prompt and has room for the token, on CUDA, for inference, asking for logits only."""
+    return (isinstance(cache, Kimi3Cache) and cache.max_length is not None and input_ids is not None
+            and input_ids.shape[1] == 1 and graph_device(input_ids)
+            and 0 < cache.seen_tokens < cache.max_length and cache.attention_mask is None
+            and labels is None and not output_hidden_states and not output_router_logits
+            and not torch.is_grad_enabled())
+
+
+def one_device(model):
+    """A CUDA graph is recorded on one device and cannot hold the weights Accelerate moves in at each forward
+    (CPU / disk offload): a model spread by a device_map decodes eagerly."""
+    placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+    return len(placed) <= 1 and not placed & {"cpu", "disk"}
+
+
+def cuda_warm_up(step):
+    """Run `step` twice on a side stream before recording: lazy initialisations (cuBLAS handles, Triton
+    autotuning) must not happen inside the recording."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def cuda_record(step):
+    """(graph, output): `step` recorded as a CUDA graph; each replay rewrites `output` in place."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = step()
+    return graph, output
+
+
+class DecodeGraph:
+    """One decode step of text model `lm` on static cache `cache`, recorded as a CUDA graph.
+
+    A graph replays fixed kernels on fixed addresses, so everything that changes between steps lives in tensors it
+    owns: the token ids are copied into `ids`, the write position into `position` (the cache is addressed by it
+    while the step is recorded), and the logits appear in `logits`. It reads the cache's tensors and the weights at
+    the addresses they had when recorded: it serves the cache while `storage_version` and the batch shape are
+    unchanged. It holds no reference to the cache (the pool keys graphs by cache, weakly)."""
+
+    def __init__(self, lm, cache, input_ids):
+        self.ids = input_ids.clone()
+        self.position = torch.full((1,), cache.seen_tokens, dtype=torch.long, device=input_ids.device)
+        step = lambda: self._step(lm, cache)  # noqa: E731
+        snap = cache.snapshot()
+        cuda_warm_up(step)
+        cache.restore(snap)  # the warm-up steps wrote the next token's state: undo them
+        self.graph, self.logits = cuda_record(step)
+        self.storage_version = cache.storage_version
+
+    def _step(self, lm, cache):
+        counters = (cache.seen_tokens, cache.source_tokens)
+        try:
+            with cache.addressed_by(self.position):
+                out = lm.model(input_ids=self.ids, past_key_values=cache, use_cache=True)
+                return lm.lm_head(out.last_hidden_state)
+        finally:  # recording runs the step without consuming a position
+            cache.seen_tokens, cache.source_tokens = counters
+
+    def fits(self, cache, input_ids):
+        return self.storage_version == cache.storage_version and self.ids.shape == input_ids.shape
+
+    def replay(self, cache, input_ids):
+        """The logits [B, 1, vocab] of the next token after `input_ids` [B, 1]; advances the cache by one."""
+        self.ids.copy_(input_ids)
+        self.position.fill_(cache.seen_tokens)
+        self.graph.replay()
+        cache.seen_tokens += 1
+        cache.source_tokens += 1
+        return self.logits.clone()
+
+
+class StaticCachePool:
+    """What a model keeps between generate() calls: static caches for its greedy loop and the decode graph
+    recorded on each static cache it decoded (pooled or the caller's). Recording a graph costs tens of
+    milliseconds, so calls of the same batch size and length bucket share a cache and its graph. Caches are keyed
+    by the weights' addresses too (a graph reads the weights through them); graphs are keyed by their cache and
+    dropped with it. A copy of the model gets an empty pool."""
+
+    BUCKET = 256  # static caches are sized in steps of this many positions, so calls can share them
+    SIZE = 2  # pooled caches (with their graphs) kept alive; each holds GPU memory
+
+    def __init__(self):
+        self.caches = collections.OrderedDict()
+        self.graphs = weakref.WeakKeyDictionary()
+
+    def __reduce__(self):  # copy.deepcopy / pickle: graphs point at the original's memory
+        return type(self), ()
+
+    def cache(self, config, batch, length, device, weights):
+        """An empty static cache for `batch` rows of up to `length` positions (rounded up to the bucket)."""
+        length = -(-length // self.BUCKET) * self.BUCKET
+        key = (batch, length, str(device), weights)
+        cache = self.caches.pop(key, None)
+        if cache is None:
+            cache = Kimi3Cache(config, max_length=length)
+        else:  # a recorded graph keeps serving the cache only while its tensors stay where they are
+            cache.reset(keep_buffers=cache in self.graphs)
+        self.caches[key] = cache
+        while len(self.caches) > self.SIZE:
+            self.caches.popitem(last=False)
+        return cache
+
+    def graph(self, lm, cache, input_ids):
+        """The decode graph of `lm` on `cache`, recorded now if there is none that fits."""
+        graph = self.graphs.get(cache)
+        if graph is None or not graph.fits(cache, input_ids):
+            self.graphs.pop(cache, None)  # free the stale graph's memory before recording
+            graph = self.graphs[cache] = DecodeGraph(lm, cache, input_ids)
+        return graph
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# greedy decoding over a static cache
+
+
+class GreedyLimits(NamedTuple):
+    max_new: int
+    min_new: int
+    eos: list
+    pad: Optional[int]
+
+
+def greedy_limits(config, kwargs, prompt_length):
+    """max_new_tokens, min_new_tokens, EOS ids and pad id as Transformers resolves them for greedy decoding."""
+    max_new = kwargs.get("max_new_tokens") or config.max_new_tokens
+    if max_new is None:
+        max_new = max(config.max_length - prompt_length, 0)
+    min_new = kwargs.get("min_new_tokens") or config.min_new_tokens or 0
+    eos = kwargs.get("eos_token_id", config.eos_token_id)
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    pad = kwargs.get("pad_token_id", config.pad_token_id)
+    pad = eos[0] if pad is None and eos else pad
+    return GreedyLimits(max_new, min_new, eos, pad)
+
+
+def greedy_tokens(next_logits, logits, limits):
+    """The new tokens [B, <=max_new] of greedy decoding from the prompt's last `logits` [B, vocab], as Transformers'
+    loop returns them: EOS masked for the first min_new steps (ids outside the vocabulary ignored), finished rows
+    padded, stop at the step where the last row finished. `next_logits(tok)` feeds tok [B] and returns the next
+    logits; whether all rows finished is read on the host every CHECK_EVERY steps only."""
+    B, device = logits.shape[0], logits.device
+    max_new, min_new, eos, pad = limits
+    eos_t = torch.tensor(eos, dtype=torch.long, device=device)
+    eos_columns = torch.isin(torch.arange(logits.shape[-1], device=device), eos_t)
+    out = torch.full((B, max_new), pad if pad is not None else 0, dtype=torch.long, device=device)
+    unfinished = torch.ones(B, dtype=torch.bool, device=device)
+    for step in range(max_new):
+        scores = logits.float()
+        if step < min_new and eos:
+            scores = scores.masked_fill(eos_columns, float("-inf"))
+        tok = scores.argmax(-1)
+        if pad is not None:
+            tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
+        out[:, step] = tok
+        if eos:
+            unfinished &= ~torch.isin(tok, eos_t)
+            if ((step + 1) % CHECK_EVERY == 0 or step + 1 == max_new) and not bool(unfinished.any()):
+                break
+        if step + 1 < max_new:
+            logits = next_logits(tok)
+    return _cut_after_last_finish(out, eos_t) if eos else out
+
+
+def _cut_after_last_finish(out, eos_t):
+    """Columns up to the first step at which every row has produced an EOS."""
+    done = torch.isin(out, eos_t).cumsum(1).clamp(max=1).bool()
+    all_done = done.all(0)
+    if bool(all_done.any()):
+        out = out[:, : int(all_done.nonzero()[0]) + 1]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the model side
+
+
+class Kimi3GenerationMixin(GenerationMixin):
+    """generate() for Kimi3 models. Generation inputs come from the cache's own bookkeeping (`source_tokens` = ids
+    consumed so far), so the same code serves text-only and multimodal models, whose cache holds more positions
+    than input_ids (each image placeholder becomes h*w/4 positions)."""
+
+    _mm_keys = ("pixel_values", "grid_thws")
+
+    fast_static_greedy = True  # plain greedy + static cache: our loop; False: Transformers' loop
+    decode_cuda_graph = True  # static-cache decode steps on one CUDA device replay a recorded graph
+
+    # generate() arguments and generation-config fields the static greedy loop reproduces exactly (other config
+    # fields only while off: False/None/0); anything else (sampling, beams, logits processors, streamers, scores,
+    # padding, media) goes through Transformers' loop
+    _GREEDY_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "min_new_tokens", "do_sample",
+                      "pad_token_id", "eos_token_id", "use_cache", "prefill_chunk_size"}
+    _GREEDY_CONFIG = {"bos_token_id", "eos_token_id", "pad_token_id", "max_length", "max_new_tokens",
+                      "min_new_tokens", "do_sample", "use_cache", "cache_implementation", "transformers_version",
+                      "_from_model_config", "prefill_chunk_size"}
+
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        """`cache_implementation="static"` gives a fixed-size Kimi3Cache whose decode steps run as one CUDA graph
+        on GPU (recorded at the first decode step, replayed after); any other value, the growing cache.
+        `prefill_chunk_size=N` prefills long prompts N tokens at a time (KDA state and MLA latents carried)."""
+        config = generation_config or self.generation_config
+        impl = kwargs.pop("cache_implementation", None) or getattr(config, "cache_implementation", None)
+        chunked = kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None))
+        if chunked is not None and (isinstance(chunked, bool) or not isinstance(chunked, int) or chunked < 1):
+            raise ValueError(f"prefill_chunk_size must be a positive number of tokens, not {chunked!r}")
+        if impl == "static" and self._plain_greedy(inputs, generation_config, kwargs):
+            return self._static_greedy(inputs if inputs is not None else kwargs["input_ids"], config, kwargs)
+        if (impl == "static" or chunked) and kwargs.get("past_key_values") is None:
+            # Transformers' chunked prefill needs a cache object up front; ours is never built by generate()
+            ids = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+            max_new = kwargs.get("max_new_tokens") or getattr(config, "max_new_tokens", None) or 20
+            kwargs["past_key_values"] = Kimi3Cache(self.config.get_text_config(),
+                                                   max_length=ids.shape[1] + max_new if impl == "static" else None)
+        if generation_config is not None and getattr(generation_config, "cache_implementation", None):
+            generation_config = copy.deepcopy(generation_config)
+            generation_config.cache_implementation = None
+        return super().generate(inputs, generation_config=generation_config, **kwargs)
+
+    def _plain_greedy(self, inputs, generation_config, kwargs):
+        config = generation_config or self.generation_config
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        mask = kwargs.get("attention_mask")
+        return (self.fast_static_greedy and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 0
+                and set(kwargs) <= self._GREEDY_KWARGS and not kwargs.get("do_sample")
+                and kwargs.get("use_cache", True) is not False
+                and all(k in self._GREEDY_CONFIG or not v for k, v in config.to_diff_dict().items())
+                and not config.do_sample
+                and (bool(mask.all()) if mask is not None else not self._pad_in(ids, kwargs, config)))
+
+    @staticmethod
+    def _pad_in(ids, kwargs, config):
+        # without an attention_mask Transformers treats pad ids in the prompt as padding: its loop handles that
+        pad = kwargs.get("pad_token_id", config.pad_token_id)
+        return pad is not None and bool((ids == pad).any())
+
+    @torch.no_grad()
+    def _static_greedy(self, input_ids, config, kwargs):
+        """Greedy decoding through a pooled static cache: a (chunked) prefill, then one forward per token, each a
+        graph replay plus a few queued tensor ops on CUDA (see greedy_tokens)."""
+        B, L = input_ids.shape
+        limits = greedy_limits(config, kwargs, L)
+        if limits.max_new == 0:
+            return input_ids
+        weights = hash(tuple(p.data_ptr() for p in self.parameters()))
+        cache = self._static_pool().cache(self.config.get_text_config(), B, L + limits.max_new, input_ids.device,
+                                          weights)
+        chunk = kwargs.get("prefill_chunk_size") or getattr(config, "prefill_chunk_size", None) or L
+        for start in range(0, L, chunk):  # peak memory bounded by the chunk, not the prompt
+            logits = self(input_ids=input_ids[:, start:start + chunk], past_key_values=cache, use_cache=True,
+                          logits_to_keep=1).logits[:, -1]
+
+        def next_logits(tok):
+            return self(input_ids=tok[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+
+        return torch.cat([input_ids, greedy_tokens(next_logits, logits, limits)], dim=1)
+
+    def _static_pool(self):
+        pool = self.__dict__.get("_kimi3_static_pool")  # not an nn.Module attribute: no state_dict, no .to()
+        if pool is None:
+            pool = self.__dict__["_kimi3_static_pool"] = StaticCachePool()
+        return pool
+
+    def release_static_caches(self):
+        """Drop the static caches and decode graphs kept between generate() calls (frees their memory)."""
+        self.__dict__.pop("_kimi3_static_pool", None)
+
+    def _replayed_logits(self, lm, cache, input_ids, labels, output_hidden_states, output_router_logits):
+        """This forward call's logits from a replay of text model `lm`'s recorded decode step, or None where the
+        call runs eagerly (see graph_decodable; a model spread over devices always does)."""
+        if not (self.decode_cuda_graph
+                and graph_decodable(cache, input_ids, labels, output_hidden_states, output_router_logits)
+                and one_device(self)):
+            return None
+        return self._static_pool().graph(lm, cache, input_ids).replay(cache, input_ids)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls):
+        # generate() must not build a DynamicCache for us (it cannot describe KDA state, and a stack without
+        # attention layers makes its get_seq_length raise); our forward creates a Kimi3Cache instead.
+        return False
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
+                                      inputs_embeds=None, **kwargs):
+        for k in ("cache_position", "position_ids"):
+            kwargs.pop(k, None)
+        started = isinstance(past_key_values, Kimi3Cache) and past_key_values.seen_tokens > 0
+        if started:
+            new = input_ids.shape[1] - past_key_values.source_tokens
+            if new <= 0:  # chunked prefill hands over only the next chunk of ids
+                new = input_ids.shape[1]
+            inputs = {"input_ids": input_ids[:, -new:],
+                      "attention_mask": None if attention_mask is None else attention_mask[:, -new:]}
+            for k in self._mm_keys:  # media is encoded once, at prefill
+                kwargs.pop(k, None)
+        elif inputs_embeds is not None:
+            inputs = {"inputs_embeds": inputs_embeds, "attention_mask": attention_mask}
+        else:
+            inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        inputs["past_key_values"] = past_key_values
+        inputs.update(kwargs)
+        return inputs
