@@ -1,479 +1,383 @@
-"""Routed-expert GEMMs at K3 shapes on one GPU: packed MXFP4 grouped GEMM (ours, Triton) vs bf16
-`torch._grouped_mm` vs a per-expert bf16 loop. Time, weight memory and correctness in one run.
+"""The packed MXFP4 experts against bf16 `torch._grouped_mm` on the same weights, in one process, at K3's routed
+expert shapes (896 experts, top-16, latent 3584, expert width 3072; one layer).
 
-    python bench/moe.py --out DIR [--tokens 1 64 1024 16384] [--commit SHA] [--sweep]
+    python bench/moe.py --out bench/results/moe_h100.json [--tokens 1 8 64 1024 16384] [--rounds 5]
+    python bench/moe.py --tokens 64 1024 --variant triton wgmma=0 --variant tables table_free=0
+    mkdir -p .mbase && git archive BASE src kernels | tar x -C .mbase      # here (.mbase ignored, then carried)
+    python bench/moe.py --tokens 64 1024 --base .mbase                    # another tree's packed experts too
+    TRITON_INTERPRET=1 python bench/moe.py --smoke                        # toy shapes on the CPU: checks the script
 
-Scope of the headline numbers is the anchor's (shared/anchors/anchor_gpu2.py): gate+up, GLU, down on tokens already
-routed (bf16: tokens pre-gathered and sorted; ours: gathered inside the kernel, written back to (token, slot) order).
-`full_forward_ms` adds routing (sort, offsets), the weighted sum over the top-k and, for bf16, gather and
-scatter. Weights are random MXFP4 (uniform codes, E8M0 scales 2^-9..2^-6); the bf16 baseline uses their exact
-dequantisation, so all paths compute the same function.
+Rows, per token count; every row is timed once per round and the rounds interleave them (a drift of the GPU's
+clocks hits all alike); the medians are reported:
+  packed   `PackedMXFP4Experts.forward` as the model calls it (bf16 x, the router's topk): routing, gate+up with
+           the GLU fused, down, the weighted sum
+  bf16     the same function on the exactly decoded bf16 weights: the routes sorted, x gathered, `torch._grouped_mm`
+           gate+up (one [E, 2I, D] weight), the GLU, `torch._grouped_mm` down, unsorted and weighted
+  NAME     the packed forward under `--variant NAME KEY=VALUE ...`: kernel options of `kimi3_kernels.mxfp4.variant`
+           (wgmma=0/1, table_free=0/1, l2_prefetch=BYTES), attributes of the module (UNSORTED_MAX_ROUTES=N,
+           DEQUANT_MIN_ROWS_PER_EXPERT=N) or tile table entries (tiles.TABLE.BM.out|down=BN/BK/warps/stages[/x],
+           TABLE one of _TILES, _PERM_TILES, _WGMMA_TILES, _WGMMA_ROW_TILES; see kimi3_kernels/mxfp4/tiles.py)
+  base     the packed forward of another tree's code (`--base DIR`), on the same weight buffers
+Up to --graph-max tokens (default 64) a row is CUDA-graph replays (what a decode step pays), above it eager calls
+timed by CUDA events. Each row's output is compared with an fp32 decode-then-matmul on the first four tokens and
+with the packed row's on all tokens (max abs error / max abs value; 0.0: the same bits). `--backward` adds
+forward+backward of packed and bf16 (x requires grad).
+An H100 holds the bf16 weights (59 GB) beside the packed ones up to ~4K tokens; past that the bf16 row reports an
+out-of-memory error there. About 3 minutes on one GPU at the default token counts.
 """
 
 import argparse
-import datetime
+import contextlib
+import importlib
+import importlib.machinery
 import importlib.util
-import json
-import os
-import platform
+import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-E, TOPK, D, INTER = 896, 16, 3584, 3072
-DEV = "cuda"  # --smoke: tiny shapes on the CPU under TRITON_INTERPRET=1, to check this script without a GPU
-ANCHOR_MS = {1: 0.468, 64: 12.31, 1024: 17.74, 16384: 47.67}  # shared/anchors/anchor2.json, same H200 kind
-T0 = time.time()
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from _timing import Results, rel  # noqa: E402
 
-
-def log(*a):
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+K3 = dict(E=896, TOPK=16, D=3584, I=3072)
+SMOKE = dict(E=8, TOPK=2, D=128, I=256)
+PACKAGES = ("kimi3_kernels", "transformers_kimi3")
 
 
-def load_modules():
-    """kimi3_kernels.mxfp4_gemm (by package, else by path) and transformers_kimi3/mxfp4.py standalone (the
-    package __init__ imports the whole model, which needs newer transformers than some GPU images carry)."""
-    for p in (ROOT / "src", ROOT / "kernels"):
-        sys.path.insert(0, str(p))
-    note = ""
+# ----------------------------------------------------------------------------------------------------------------
+# the code under test: this tree's, and optionally another's under other module names
+
+
+def _bare_package(name, path):
+    """`name` as a package over `path` without running its __init__ (neither the model nor Transformers needed)."""
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__path__ = [str(path)]
+    sys.modules[name] = mod
+
+
+def load_tree(root):
+    """(PackedMXFP4Experts, glu(kind)) from the tree at `root` (its src/ and kernels/)."""
+    sys.path.insert(0, str(root / "kernels"))
+    _bare_package("transformers_kimi3", root / "src" / "transformers_kimi3")
     try:
-        from kimi3_kernels import mxfp4_gemm as G
-    except Exception as ex:
-        note = f"kimi3_kernels import failed ({ex!r}); mxfp4_gemm loaded by path"
-        pkg = types.ModuleType("kimi3_kernels")
-        pkg.__path__ = [str(ROOT / "kernels" / "kimi3_kernels")]
-        sys.modules["kimi3_kernels"] = pkg
-        spec = importlib.util.spec_from_file_location("kimi3_kernels.mxfp4_gemm", pkg.__path__[0] + "/mxfp4_gemm.py")
-        G = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = G
-        spec.loader.exec_module(G)
-    # a stand-in package over the source folder, so mxfp4.py's relative imports resolve without the real __init__
-    src = types.ModuleType("kimi3_src")
-    src.__path__ = [str(ROOT / "src" / "transformers_kimi3")]
-    sys.modules["kimi3_src"] = src
-    spec = importlib.util.spec_from_file_location("kimi3_src.mxfp4", ROOT / "src" / "transformers_kimi3" / "mxfp4.py")
-    M = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = M
-    spec.loader.exec_module(M)
-    M._GEMM[:] = [G]
-    return G, M, note
+        if (root / "src" / "transformers_kimi3" / "mxfp4_experts.py").exists():
+            experts = importlib.import_module("transformers_kimi3.mxfp4_experts")
+            act = importlib.import_module("transformers_kimi3.activations")
+            importlib.import_module("transformers_kimi3.kernels").mxfp4_ops()  # its lazy import, while this tree's
+
+            def glu(kind):
+                return act.GLUActivation("situ", 4.0, 25.0) if kind == "situ" else act.GLUActivation("silu")
+            return experts.PackedMXFP4Experts, glu
+        old = importlib.import_module("transformers_kimi3.mxfp4")  # a tree from before mxfp4_experts.py
+        old._gemm_module(), old._decode_module()  # their lazy imports, while this tree's
+
+        def glu(kind):
+            return old.SiTUGLU(4.0, 25.0) if kind == "situ" else old.silu_glu
+        return old.PackedMXFP4Experts, glu
+    finally:
+        sys.path.remove(str(root / "kernels"))
 
 
-def bench(fn, warm=3, rep=10):
-    """The anchor's timing: CUDA events around each call, median."""
-    if DEV == "cpu":
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rep):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort()
-    return ts[len(ts) // 2]
+def load_base(folder):
+    """load_tree(folder), its modules then renamed base_* (relative imports follow) and this tree's restored."""
+    ours = {k: sys.modules.pop(k) for k in list(sys.modules) if k.split(".")[0] in PACKAGES}
+    try:
+        loaded = load_tree(Path(folder).resolve())
+    finally:
+        theirs = {k: sys.modules.pop(k) for k in list(sys.modules) if k.split(".")[0] in PACKAGES}
+        sys.modules.update(ours)
+    for name, mod in theirs.items():
+        sys.modules["base_" + name] = mod
+        if getattr(mod, "__package__", None):
+            mod.__package__ = "base_" + mod.__package__
+    return loaded
 
 
-def graph_ms(fn, rep=50):
-    from _timing import capture  # bench/_timing.py (this folder is on sys.path when run as a script)
-
-    return bench(capture(fn).replay, warm=5, rep=rep)
+# ----------------------------------------------------------------------------------------------------------------
+# weights, inputs, the bf16 peer, the fp32 reference
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def ceilings():
-    out = {}
-    if DEV == "cpu":
-        return {"copy_TBps": float("nan"), "bf16_mm_TFLOPs": float("nan")}
-    a = torch.empty(2 * 1024 ** 3, dtype=torch.uint8, device=DEV)
-    b = torch.empty_like(a)
-    out["copy_TBps"] = 2 * a.numel() / bench(lambda: b.copy_(a)) / 1e9
-    del a, b
-    x = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    y = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    out["bf16_mm_TFLOPs"] = 2 * 8192 ** 3 / bench(lambda: x @ y) / 1e9
-    return out
-
-
-def make_mxfp4_weights(M, gen_seed=0):
-    """The packed experts alone (random codes, scales 2^-9..2^-6), without the bf16 copies."""
-    g = torch.Generator(device=DEV).manual_seed(gen_seed)
-    mod = M.PackedMXFP4Experts(E, D, INTER, M.silu_glu, device=DEV)
-    for n in ("w1", "w3", "w2"):
-        p, s = getattr(mod, f"{n}_packed"), getattr(mod, f"{n}_scale")
-        p.copy_(torch.randint(0, 256, p.shape, device=DEV, dtype=torch.uint8, generator=g))
-        s.copy_(torch.randint(118, 122, s.shape, device=DEV, dtype=torch.uint8, generator=g))
+def make_packed(cls, glu, S, device):
+    """The packed experts with random bytes (E8M0 scales 2^-9..2^-6: weights of a trained model's size)."""
+    mod = cls(S["E"], S["D"], S["I"], glu, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    for name, buf in mod.named_buffers():
+        if name.endswith("_packed"):
+            buf.copy_(torch.randint(0, 256, buf.shape, device=device, dtype=torch.uint8, generator=g))
+        else:
+            buf.copy_(torch.randint(118, 122, buf.shape, device=device, dtype=torch.uint8, generator=g))
     return mod
 
 
-def make_weights(M, gen_seed=0):
-    mod = make_mxfp4_weights(M, gen_seed)
-    # bf16 baseline weights: exact dequantisation, chunked over experts
-    w13 = torch.empty(E, 2 * INTER, D, device=DEV, dtype=torch.bfloat16)
-    w2 = torch.empty(E, D, INTER, device=DEV, dtype=torch.bfloat16)
-    for e0 in range(0, E, 8):  # small chunks: the decode's temporaries must fit beside 74 GB of weights (H100)
+def share_buffers(cls, glu, mod, S):
+    """Another tree's module over `mod`'s buffers (built on the meta device: no second copy of the weights)."""
+    other = cls(S["E"], S["D"], S["I"], glu, device="meta")
+    for name, buf in mod.named_buffers():
+        setattr(other, name, buf)
+    return other
+
+
+def bf16_weights(mod, S):
+    """w13 [E, 2I, D] (gate rows, then up) and w2 [E, D, I], the exact bf16 values, decoded a few experts at a
+    time."""
+    from transformers_kimi3.mxfp4 import decode_mxfp4
+
+    E, D, I = S["E"], S["D"], S["I"]
+    dev = mod.w1_packed.device
+    w13 = torch.empty(E, 2 * I, D, device=dev, dtype=torch.bfloat16)
+    w2 = torch.empty(E, D, I, device=dev, dtype=torch.bfloat16)
+    for e0 in range(0, E, 8):
         sl = slice(e0, e0 + 8)
-        w13[sl, :INTER] = M.dequantize_mxfp4(mod.w1_packed[sl], mod.w1_scale[sl])
-        w13[sl, INTER:] = M.dequantize_mxfp4(mod.w3_packed[sl], mod.w3_scale[sl])
-        w2[sl] = M.dequantize_mxfp4(mod.w2_packed[sl], mod.w2_scale[sl])
-    return mod, w13, w2
+        w13[sl, :I] = decode_mxfp4(mod.w1_packed[sl], mod.w1_scale[sl], torch.bfloat16)
+        w13[sl, I:] = decode_mxfp4(mod.w3_packed[sl], mod.w3_scale[sl], torch.bfloat16)
+        w2[sl] = decode_mxfp4(mod.w2_packed[sl], mod.w2_scale[sl], torch.bfloat16)
+    return w13, w2
 
 
-def routing(n, seed):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    idx = torch.rand(n, E, device=DEV, generator=g).topk(TOPK, dim=-1).indices
-    w = torch.rand(n, TOPK, device=DEV, generator=g)
+def routing(n, S, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    idx = torch.rand(n, S["E"], device=device, generator=g).topk(S["TOPK"], dim=-1).indices
+    w = torch.rand(n, S["TOPK"], device=device, generator=g)
     return idx, w / w.sum(-1, keepdim=True)
 
 
-def fp32_reference(mod, M, x, idx, w, act, tokens):
-    """Dequantise-then-matmul in fp32 for the first `tokens` tokens (GLU output rounded to bf16 as the paths do)."""
-    out = torch.zeros(tokens, D, device=DEV)
+def grouped_forward(x, idx, w, w13, w2, glu):
+    """The bf16 peer: PackedMXFP4Experts.forward's function through torch._grouped_mm."""
+    T, k = idx.shape
+    E, I = w13.shape[0], w2.shape[2]
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0).to(torch.int32)
+    gu = torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=offs)
+    h = glu(gu[:, :I], gu[:, I:])
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    out = torch.empty(T * k, y.shape[1], device=x.device, dtype=torch.float32).index_copy_(0, order, y.float())
+    return torch.bmm(w.float().view(T, 1, k), out.view(T, k, -1)).view(T, -1).to(x.dtype)
+
+
+def fp32_reference(mod, x, idx, w, kind, tokens):
+    """Decode-then-matmul in fp32 for the first `tokens` tokens, the GLU output rounded to bf16 as every row does."""
+    from transformers_kimi3.activations import glu
+    from transformers_kimi3.mxfp4 import decode_mxfp4
+
+    out = torch.zeros(tokens, x.shape[1], device=x.device)
     for t in range(tokens):
-        for j in range(TOPK):
+        for j in range(idx.shape[1]):
             e = int(idx[t, j])
-            w1 = M.dequantize_mxfp4(mod.w1_packed[e], mod.w1_scale[e], torch.float32)
-            w3 = M.dequantize_mxfp4(mod.w3_packed[e], mod.w3_scale[e], torch.float32)
-            w2 = M.dequantize_mxfp4(mod.w2_packed[e], mod.w2_scale[e], torch.float32)
+            w1, w3, w2 = (decode_mxfp4(getattr(mod, f"{n}_packed")[e], getattr(mod, f"{n}_scale")[e])
+                          for n in ("w1", "w3", "w2"))
             xf = x[t].float()
-            h = act(w1 @ xf, w3 @ xf).bfloat16().float()
+            h = glu(w1 @ xf, w3 @ xf, kind, 4.0, 25.0).bfloat16().float()
             out[t] += w[t, j] * (w2 @ h)
     return out
 
 
-SWEEP = {  # (BM, BN, BK, num_warps, num_stages, DEQ); DEQ 0: own bit-twiddling dequant, 1: tl.dot_scaled
-    # (a first run with DEQ=1 candidates is kept in bench/results/moe_h200.run1.json: DEQ=1 was slower everywhere)
-    "small": [(16, 64, 64, 4, 4, 0), (16, 128, 64, 8, 4, 0), (16, 64, 64, 4, 6, 0), (16, 64, 128, 4, 4, 0)],
-    "mid": [(64, 64, 128, 4, 3, 0), (64, 64, 64, 4, 4, 0), (64, 64, 128, 8, 3, 0), (32, 64, 64, 4, 4, 0)],
-    "large": [(128, 64, 64, 8, 3, 0), (128, 64, 64, 8, 4, 0), (128, 64, 32, 8, 4, 0), (64, 64, 64, 4, 4, 0)],
-}
+# ----------------------------------------------------------------------------------------------------------------
+# variants
 
 
-def cfg_dict(c):
-    return dict(BM=c[0], BN=c[1], BK=c[2], num_warps=c[3], num_stages=c[4], DEQ=c[5])
+def parse_variant(words):
+    """['NAME', 'KEY=VALUE', ...] -> (NAME, {option: value}, {attribute: value}, {(table, BM, dual): tile})."""
+    name, options, attrs, tiles = words[0], {}, {}, {}
+    for word in words[1:]:
+        key, _, value = word.partition("=")
+        if key.startswith("tiles."):
+            _, table, bm, gemm = key.split(".")
+            tiles[table, int(bm), "out" if gemm == "out" else None] = tuple(int(v) for v in value.split("/"))
+        elif key.isupper():
+            attrs[key] = int(value)
+        else:
+            options[key] = int(value) if key == "l2_prefetch" else bool(int(value))
+    return name, options, attrs, tiles
 
 
-def run(args):
-    G, M, note = load_modules()
-    res = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke test)", "torch": torch.__version__, "triton": None,
-           "commit": args.commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "host": platform.node(), "shapes": dict(experts=E, top_k=TOPK, latent=D, expert_width=INTER),
-           "anchor_grouped_mm_ms": ANCHOR_MS, "note": note, "rows": []}
+@contextlib.contextmanager
+def applied(variant, mod):
+    """The packed experts under a variant (see the module docstring) for the duration of the block."""
+    from kimi3_kernels import mxfp4
+    from kimi3_kernels.mxfp4 import tiles as tile_tables
+
+    _, options, attrs, tiles = variant
+    saved = {t: dict(getattr(tile_tables, t)) for t, _, _ in tiles}
+    for (table, bm, dual), tile in tiles.items():
+        getattr(tile_tables, table)[bm if table == "_TILES" else (bm, dual)] = tile
+    for k, v in attrs.items():
+        setattr(mod, k, v)
     try:
-        import triton
-        res["triton"] = triton.__version__
-    except ImportError:
-        pass
-    log("env", res["gpu"], res["torch"], res["triton"], note)
-    res["ceilings"] = ceilings()
-    log("ceilings", res["ceilings"])
-    mod, w13, w2 = make_weights(M)
-    res["kernel_path"] = mod.kernel_path
-    mem = dict(mxfp4_bytes=mod.weight_bytes, bf16_bytes=(w13.numel() + w2.numel()) * 2)
-    mem["ratio"] = mem["mxfp4_bytes"] / mem["bf16_bytes"]
-    res["weight_memory"] = mem
-    log("weights", mem)
-    gmm = torch._grouped_mm
-    situ = M.SiTUGLU(4.0, 25.0)
-    per_expert_bytes = 3 * INTER * D * (0.5 + 1 / 32)
-    for n in args.tokens:
-        row = {"tokens": n}
-        x = torch.randn(n, D, device=DEV, dtype=torch.bfloat16)
-        idx, w = routing(n, seed=n)
-        order, offsets = M._route(idx, E, sync_ok=False)
-        tok = (order // TOPK).to(torch.int32)
-        order32 = order.to(torch.int32)
-        Mrows = n * TOPK
-        counts = offsets[1:] - offsets[:-1]
-        active = int((counts > 0).sum())
-        row["active_experts"] = active
-        row["mxfp4_weight_GB_read"] = active * per_expert_bytes / 1e9
-        row["bf16_weight_GB_read"] = active * 3 * INTER * D * 2 / 1e9
-        row["GFLOP"] = 2 * Mrows * 3 * INTER * D / 1e9
-        # ---- bf16 grouped_mm baseline (anchor scope)
-        xs = x[order // TOPK]
-        offs = offsets[1:].contiguous()
-
-        def grouped():
-            h = gmm(xs, w13.transpose(1, 2), offs=offs)
-            a, b = h.chunk(2, -1)
-            return gmm(F.silu(a) * b, w2.transpose(1, 2), offs=offs)
-
-        row["grouped_mm_ms"] = bench(grouped)
-
-        def grouped_full():
-            o, off = M._route(idx, E, sync_ok=False)
-            xs_ = x[o // TOPK]
-            y = grouped_impl(xs_, off[1:])
-            return M._combine(torch.empty_like(y, dtype=torch.float32).index_copy_(0, o, y.float()), w, n, TOPK,
-                              x.dtype)
-
-        def grouped_impl(xs_, offs_):
-            h = gmm(xs_, w13.transpose(1, 2), offs=offs_)
-            a, b = h.chunk(2, -1)
-            return gmm(F.silu(a) * b, w2.transpose(1, 2), offs=offs_)
-
-        row["grouped_mm_full_forward_ms"] = bench(grouped_full)
-        # ---- per-expert bf16 loop (anchor: up to 1024 tokens)
-        if n <= 1024:
-            cl = counts.tolist()
-            starts = offsets[:-1].tolist()
-            act_list = [(e, s, c) for e, (s, c) in enumerate(zip(starts, cl)) if c > 0]
-
-            def loop():
-                out = torch.empty_like(xs)
-                for e, s, c in act_list:
-                    h = xs[s:s + c] @ w13[e].T
-                    a, b = h.chunk(2, -1)
-                    out[s:s + c] = (F.silu(a) * b) @ w2[e].T
-                return out
-
-            row["per_expert_loop_ms"] = bench(loop, warm=1, rep=3)
-        # ---- ours, kernel scope, config sweep
-        regime = "small" if n <= 64 else ("mid" if n <= 4096 else "large")
-        sweeps = {}
-        for kname in ("gate_up", "down"):
-            best = None
-            for c in ([None] + SWEEP[regime]) if args.sweep else [None]:
-                cfg = None if c is None else cfg_dict(c)
-                # the default tile as the module runs it: activations copied into its K order where it takes them
-                # so (the copy timed too); sweep tiles read them in stored order
-                try:
-                    if kname == "gate_up":
-                        bk = G.kperm_bk(Mrows, E, INTER, D, "out") if cfg is None else 0
-                        fn = lambda cfg=cfg, bk=bk: G.mxfp4_grouped_gemm(  # noqa: E731
-                            G.permute_k(x, bk) if bk else x, mod.w1_packed, mod.w1_scale, offsets, a_rows=tok,
-                            dual="out", act="silu", b_packed=mod.w3_packed, b_scale=mod.w3_scale,
-                            out_dtype=torch.bfloat16, config=cfg, a_kperm=bk)
-                    else:
-                        bk = G.kperm_bk(Mrows, E, D, INTER) if cfg is None else 0
-                        hh = torch.randn(Mrows, INTER, device=DEV, dtype=torch.bfloat16)
-                        fn = lambda cfg=cfg, hh=hh, bk=bk: G.mxfp4_grouped_gemm(  # noqa: E731
-                            G.permute_k(hh, bk) if bk else hh, mod.w2_packed, mod.w2_scale, offsets, c_rows=order32,
-                            num_c_rows=Mrows, config=cfg, a_kperm=bk)
-                    t = bench(fn, warm=2, rep=10)
-                except Exception as ex:  # a config that does not compile or run
-                    sweeps[f"{kname}:{c}"] = repr(ex)[:200]
-                    continue
-                sweeps[f"{kname}:{'default' if c is None else c}"] = t
-                if best is None or t < best[0]:
-                    best = (t, c)
-            row[f"{kname}_best_ms"], row[f"{kname}_best_cfg"] = best if best else (None, None)
-            row[f"{kname}_default_ms"] = sweeps.get(f"{kname}:default")
-        row["sweep_ms"] = sweeps
-        row["default_cfg_gate_up"] = G.default_config(Mrows, E, INTER, D, "out")
-        row["default_cfg_down"] = G.default_config(Mrows, E, D, INTER)
-        log(n, "sweep", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in sweeps.items()})
-        cfg_up = None if row["gate_up_best_cfg"] is None else cfg_dict(row["gate_up_best_cfg"])
-        cfg_dn = None if row["down_best_cfg"] is None else cfg_dict(row["down_best_cfg"])
-
-        def ours_kernels(cfg_up=cfg_up, cfg_dn=cfg_dn, act="silu", act_params=(1.0, 1.0), h_direct=True):
-            # as the module calls them: default tiles that take K-permuted operands get x and h copied into that
-            # order (timed here)
-            # (and in the table-free decode's order where the Gluon tiles take it)
-            bk_up, wg_up = G.kperm_tile(Mrows, E, INTER, D, "out") if cfg_up is None else (0, False)
-            bk_dn, wg_dn = G.kperm_tile(Mrows, E, D, INTER) if cfg_dn is None else (0, False)
-            nib_up = bool(bk_up) and wg_up and mod._table_free_ok()
-            nib_dn = bool(bk_dn) and wg_dn and mod._table_free_ok()
-            # h written in the down tile's K order by gate+up (as the module does), or h_direct=False: copied
-            direct = h_direct and wg_up and wg_dn and bool(bk_dn)
-            h = G.mxfp4_grouped_gemm(G.permute_k(x, bk_up, nib_up) if bk_up else x, mod.w1_packed, mod.w1_scale,
-                                     offsets, a_rows=tok, dual="out", act=act, act_params=act_params,
-                                     b_packed=mod.w3_packed, b_scale=mod.w3_scale, out_dtype=torch.bfloat16,
-                                     config=cfg_up, a_kperm=bk_up, a_nib=nib_up, c_kperm=bk_dn if direct else 0,
-                                     c_nib=nib_dn)
-            return G.mxfp4_grouped_gemm(G.permute_k(h, bk_dn, nib_dn) if bk_dn and not direct else h,
-                                        mod.w2_packed, mod.w2_scale,
-                                        offsets, c_rows=order32, num_c_rows=Mrows, config=cfg_dn, a_kperm=bk_dn,
-                                        a_nib=nib_dn)
-
-        row["mxfp4_ms"] = bench(ours_kernels)
-        row["mxfp4_default_cfg_ms"] = bench(lambda: ours_kernels(None, None))
-        row["mxfp4_h_copied_ms"] = bench(lambda: ours_kernels(None, None, h_direct=False))
-        row["mxfp4_situ_ms"] = bench(lambda: ours_kernels(act="situ", act_params=(4.0, 25.0)))
-        row["mxfp4_full_forward_ms"] = bench(lambda: mod(x, idx, w))  # default configs, routing and combine
-        if n <= 64 and DEV == "cuda":
-            try:
-                row["mxfp4_full_forward_graph_ms"] = graph_ms(lambda: mod(x, idx, w))
-                row["grouped_mm_full_forward_graph_ms"] = graph_ms(grouped_full)
-                # both decode paths whatever the default (KIMI3_MXFP4_UNSORTED_MAX_ROUTES, 32 routes): routes
-                # sorted by expert, and the packed GEMM one route per program straight from topk_idx
-                if n <= 16:
-                    outs, saved = {}, os.environ.get("KIMI3_MXFP4_UNSORTED_MAX_ROUTES")
-                    for name, limit in (("sorted", 0), ("unsorted", Mrows)):
-                        os.environ["KIMI3_MXFP4_UNSORTED_MAX_ROUTES"] = str(limit)
-                        try:
-                            with torch.no_grad():
-                                outs[name] = mod(x, idx, w)
-                            row[f"mxfp4_{name}_full_forward_graph_ms"] = graph_ms(lambda: mod(x, idx, w))
-                        finally:
-                            if saved is None:
-                                os.environ.pop("KIMI3_MXFP4_UNSORTED_MAX_ROUTES", None)
-                            else:
-                                os.environ["KIMI3_MXFP4_UNSORTED_MAX_ROUTES"] = saved
-                    row["rel_mxfp4_unsorted_vs_sorted"] = rel(outs["unsorted"], outs["sorted"])
-            except Exception as ex:
-                row["graph_error"] = repr(ex)[:200]
-        row["speedup_vs_grouped_mm"] = row["grouped_mm_ms"] / row["mxfp4_ms"]
-        row["speedup_vs_anchor"] = ANCHOR_MS.get(n, float("nan")) / row["mxfp4_ms"]
-        row["speedup_full_forward"] = row["grouped_mm_full_forward_ms"] / row["mxfp4_full_forward_ms"]
-        if "per_expert_loop_ms" in row:
-            row["speedup_vs_loop"] = row["per_expert_loop_ms"] / row["mxfp4_ms"]
-        row["mxfp4_weight_TBps"] = row["mxfp4_weight_GB_read"] / row["mxfp4_ms"]
-        row["mxfp4_TFLOPs"] = row["GFLOP"] / row["mxfp4_ms"]
-        row["bf16_TFLOPs"] = row["GFLOP"] / row["grouped_mm_ms"]
-        # ---- correctness at real shapes (first tokens against fp32 dequantise-then-matmul)
-        nt = min(n, 4)
-        y_ours = mod(x, idx, w).float()
-        y_grp = grouped_full().float()
-        ref = fp32_reference(mod, M, x, idx, w, M.silu_glu, nt)
-        row["rel_err_mxfp4_vs_fp32"] = rel(y_ours[:nt], ref)
-        row["rel_err_bf16_grouped_vs_fp32"] = rel(y_grp[:nt], ref)
-        row["rel_err_mxfp4_vs_bf16_grouped_all_tokens"] = rel(y_ours, y_grp)
-        ref_s = fp32_reference(mod, M, x, idx, w, situ, nt)
-        mod.glu_act, mod._fused = situ, M.fused_act_spec(situ)
-        row["rel_err_mxfp4_situ_vs_fp32"] = rel(mod(x, idx, w).float()[:nt], ref_s)
-        row["mxfp4_situ_full_forward_ms"] = bench(lambda: mod(x, idx, w))  # K3's module forward (SiTU-GLU)
-        mod.glu_act, mod._fused = M.silu_glu, M.fused_act_spec(M.silu_glu)
-        res["rows"].append(row)
-        log(n, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "sweep_ms"})
-        del xs, x
-        if DEV == "cuda":
-            torch.cuda.empty_cache()
-    # ---- backward at real shapes: Triton path vs the per-expert PyTorch path on the same GPU
-    try:
-        n = 16
-        x = torch.randn(n, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-        idx, w = routing(n, seed=7)
-        w = w.requires_grad_()
-        dy = torch.randn(n, D, device=DEV, dtype=torch.bfloat16)
-        mod.glu_act, mod._fused = situ, M.fused_act_spec(situ)
-        res["dot_scaled_ok"] = G._DOT_SCALED["ok"]
-        y = mod(x, idx, w)
-        y.backward(dy)
-        order, offsets = M._route(idx, E, sync_ok=True)
-        dx_t, dw_t = mod._backward_torch(x.detach(), w.detach(), dy, order, offsets, TOPK)
-        y_t = M._combine(mod._forward_torch(x.detach(), order, offsets, TOPK), w.detach(), n, TOPK, x.dtype)
-        bwd = {"tokens": n, "rel_err_y": rel(y, y_t), "rel_err_dx": rel(x.grad, dx_t.view(n, TOPK, -1).sum(1)),
-               "rel_err_dtopk_w": rel(w.grad, dw_t.view(n, TOPK))}
-        for n in (1024, 16384, 40):
-            if n not in args.tokens:
-                continue
-            x = torch.randn(n, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-            idx, w = routing(n, seed=8)
-            dy = torch.randn(n, D, device=DEV, dtype=torch.bfloat16)
-            bwd[f"fwd_bwd_ms_{n}"] = bench(lambda: mod(x, idx, w).backward(dy), warm=1, rep=3)
-        res["backward"] = bwd
-        log("backward", bwd)
-    except Exception as ex:
-        res["backward_error"] = repr(ex)[:300]
-        log("backward error", ex)
-    res["wall_s"] = time.time() - T0
-    return res
+        with mxfp4.variant(**options):
+            yield
+    finally:
+        for k in attrs:
+            delattr(mod, k)
+        for t, table in saved.items():
+            getattr(tile_tables, t).clear()
+            getattr(tile_tables, t).update(table)
 
 
-def write(res, out):
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "moe_h200.json").write_text(json.dumps(res, indent=1))
-    mem = res["weight_memory"]
-    lines = [
-        "# MoE expert GEMMs at K3 shapes: packed MXFP4 (Triton) vs bf16 grouped GEMM",
-        "",
-        f"{res['gpu']}, torch {res['torch']}, triton {res['triton']}, commit `{res['commit']}`, {res['date']}. "
-        f"Generated by `bench/moe.py`. Measured ceilings in the same run: copy {res['ceilings']['copy_TBps']:.2f} TB/s "
-        f"(read+write), bf16 8192^3 matmul {res['ceilings']['bf16_mm_TFLOPs']:.0f} TFLOP/s.",
-        "",
-        f"Shapes: {E} experts, top-{TOPK}, latent {D}, expert width {INTER}; gate+up, SiLU-GLU, down "
-        "(the anchor's scope: tokens already routed). Time is the median of CUDA-event-timed calls.",
-        "",
-        f"Weight memory (all {E} experts, one layer): MXFP4 {mem['mxfp4_bytes'] / 1e9:.2f} GB vs bf16 "
-        f"{mem['bf16_bytes'] / 1e9:.2f} GB = **{mem['ratio']:.3f}x**.",
-        "",
-        "| tokens | active experts | bf16 grouped_mm ms | anchor ms | per-expert loop ms | MXFP4 ms | speed-up vs "
-        "grouped_mm | MXFP4 weight TB/s | MXFP4 TFLOP/s | full fwd bf16 / MXFP4 ms | rel err MXFP4 / bf16 vs fp32 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in res["rows"]:
-        loop = f"{r['per_expert_loop_ms']:.2f}" if "per_expert_loop_ms" in r else "-"
-        lines.append(
-            f"| {r['tokens']} | {r['active_experts']} | {r['grouped_mm_ms']:.3f} | {ANCHOR_MS.get(r['tokens'], '-')} | "
-            f"{loop} | {r['mxfp4_ms']:.3f} | **{r['speedup_vs_grouped_mm']:.2f}x** | {r['mxfp4_weight_TBps']:.2f} | "
-            f"{r['mxfp4_TFLOPs']:.0f} | {r['grouped_mm_full_forward_ms']:.3f} / {r['mxfp4_full_forward_ms']:.3f} | "
-            f"{r['rel_err_mxfp4_vs_fp32']:.1e} / {r['rel_err_bf16_grouped_vs_fp32']:.1e} |")
-    lines += ["", "Tile configurations chosen by the sweep (BM, BN, BK, warps, stages, DEQ) and default-config times:", ""]
-    for r in res["rows"]:
-        lines.append(f"- {r['tokens']} tokens: gate+up {r['gate_up_best_cfg']} ({r['gate_up_best_ms']:.3f} ms; "
-                     f"default {r['gate_up_default_ms']}), down {r['down_best_cfg']} ({r['down_best_ms']:.3f} ms; "
-                     f"default {r['down_default_ms']}); SiTU-GLU fused {r['mxfp4_situ_ms']:.3f} ms; "
-                     f"default configs {r['mxfp4_default_cfg_ms']:.3f} ms")
-    if "backward" in res:
-        lines += ["", f"Backward (Triton) vs per-expert PyTorch at real shapes: {res['backward']}"]
-    (out / "moe_h200.md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
+# ----------------------------------------------------------------------------------------------------------------
+# timing
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        toks = [r["tokens"] for r in res["rows"]]
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        ax.loglog(toks, [r["grouped_mm_ms"] for r in res["rows"]], "o-", label="bf16 torch._grouped_mm")
-        ax.loglog(toks, [r["mxfp4_ms"] for r in res["rows"]], "s-", label="packed MXFP4 (Triton)")
-        lt = [r["tokens"] for r in res["rows"] if "per_expert_loop_ms" in r]
-        ax.loglog(lt, [r["per_expert_loop_ms"] for r in res["rows"] if "per_expert_loop_ms" in r], "^--",
-                  label="bf16 per-expert loop")
-        ax.set_xlabel("tokens (top-16 of 896 experts)")
-        ax.set_ylabel("ms (gate+up, GLU, down)")
-        ax.set_title(f"K3 routed experts on {res['gpu']}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "moe_h200.png", dpi=120)
-    except Exception as ex:
-        log("plot failed", ex)
+class Timer:
+    """One row's timing: a CUDA graph captured once and replayed `rep` times per round (graph=True), or eager calls
+    between CUDA events; on the CPU (--smoke) wall time."""
+
+    def __init__(self, fn, ctx, graph, device, rep):
+        self.fn, self.ctx, self.rep, self.device = fn, ctx, rep, device
+        self.graph = None
+        if graph and device.type == "cuda":
+            with ctx():
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for _ in range(3):
+                        fn()
+                torch.cuda.current_stream().wait_stream(s)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    fn()
+
+    def __call__(self):
+        """Milliseconds per call, this round."""
+        if self.device.type != "cuda":
+            with self.ctx():
+                t = time.perf_counter()
+                self.fn()
+                return (time.perf_counter() - t) * 1e3
+        call = self.graph.replay if self.graph is not None else self.fn
+        with self.ctx() if self.graph is None else contextlib.nullcontext():
+            call()
+            torch.cuda.synchronize()
+            if self.graph is not None:  # replays back to back: the launch latency is not the call's
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(self.rep):
+                    call()
+                b.record()
+                torch.cuda.synchronize()
+                return a.elapsed_time(b) / self.rep
+            times = []
+            for _ in range(self.rep):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                call()
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b))
+            return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 1024, 16384])
-    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
-    ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
-    ap.add_argument("--sweep", action="store_true", help="also time a few tile configurations and keep the best")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (needs TRITON_INTERPRET=1)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 1024, 16384])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--graph-max", type=int, default=64, help="CUDA-graph replays up to this many tokens")
+    ap.add_argument("--act", choices=("silu", "situ"), default="situ", help="the experts' GLU (K3: situ)")
+    ap.add_argument("--variant", nargs="+", action="append", default=[], metavar="NAME KEY=VALUE",
+                    help="a row of the packed experts under other kernel options, attributes or tiles (repeatable)")
+    ap.add_argument("--base", help="another tree's folder (its src/ and kernels/): its packed experts as a row")
+    ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 peer (and its 59 GB of weights)")
+    ap.add_argument("--backward", action="store_true", help="also time forward+backward (eager)")
+    ap.add_argument("--out", help="results JSON (rewritten after every token count)")
+    ap.add_argument("--label", help="the tree's label in the results (default: git describe)")
+    ap.add_argument("--smoke", action="store_true", help="toy shapes on the CPU (needs TRITON_INTERPRET=1)")
     args = ap.parse_args()
-    global DEV, E, TOPK, D, INTER
-    if args.smoke:
-        DEV, E, TOPK, D, INTER = "cpu", 8, 2, 64, 96
-        args.tokens = [1, 5, 40]
-        for k in SWEEP:
-            SWEEP[k] = [(16, 64, 64, 4, 2, 0), (16, 32, 64, 4, 2, 1)]
-    elif not torch.cuda.is_available():
-        sys.exit("bench/moe.py needs a CUDA GPU")
-    res = run(args)
-    write(res, args.out)
-    log("done")
-    for r in res["rows"]:
-        print(f"{r['tokens']:>6} tok: grouped_mm {r['grouped_mm_ms']:.3f} ms | mxfp4 {r['mxfp4_ms']:.3f} ms "
-              f"({r['speedup_vs_grouped_mm']:.2f}x) | loop {r.get('per_expert_loop_ms', float('nan')):.2f} ms | "
-              f"full fwd {r['grouped_mm_full_forward_ms']:.3f}/{r['mxfp4_full_forward_ms']:.3f} | "
-              f"err {r['rel_err_mxfp4_vs_fp32']:.1e}/{r['rel_err_bf16_grouped_vs_fp32']:.1e}")
-    print("weight memory ratio", round(res["weight_memory"]["ratio"], 3))
+    S = SMOKE if args.smoke else K3
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("bench/moe.py needs a CUDA GPU (or --smoke under TRITON_INTERPRET=1)")
+
+    cls, glu_of = load_tree(ROOT)
+    base = load_base(args.base) if args.base else None
+    if args.smoke:  # the kernels on CPU tensors, under the interpreter
+        from transformers_kimi3 import kernels
+        kernels.kernel_device = lambda t: True
+    from transformers_kimi3.activations import GLUActivation
+
+    variants = [parse_variant(v) for v in args.variant]
+    res = Results(args.out, tree_label=args.label, shapes=S, act=args.act, base=args.base,
+                  variants={v[0]: args.variant[i][1:] for i, v in enumerate(variants)})
+    mod = make_packed(cls, glu_of(args.act), S, device)
+    base_mod = share_buffers(base[0], base[1](args.act), mod, S) if base else None
+    w13 = w2 = None
+    if not args.no_bf16:
+        w13, w2 = bf16_weights(mod, S)
+    peer_glu = GLUActivation("situ", 4.0, 25.0) if args.act == "situ" else GLUActivation("silu")
+    res.meta.update(kernel_path=mod.kernel_path, packed_GB=mod.weight_bytes / 1e9,
+                    bf16_GB=None if w13 is None else (w13.numel() + w2.numel()) * 2 / 1e9)
+    none = contextlib.nullcontext
+    for n in args.tokens:
+        x = torch.randn(n, S["D"], device=device, dtype=torch.bfloat16)
+        idx, w = routing(n, S, device, seed=n)
+        rows = {"packed": (lambda: mod(x, idx, w), none)}
+        if w13 is not None:
+            rows["bf16"] = (lambda: grouped_forward(x, idx, w, w13, w2, peer_glu), none)
+        for v in variants:
+            rows[v[0]] = (lambda: mod(x, idx, w), lambda v=v: applied(v, mod))
+        if base_mod is not None:
+            rows["base"] = (lambda: base_mod(x, idx, w), none)
+        graph = n <= args.graph_max
+        ref_tokens = min(n, 4)
+        ref = fp32_reference(mod, x, idx, w, args.act, ref_tokens)
+        row = dict(tokens=n, timing="graph replay" if graph else "eager, CUDA events", ms={}, rel_err_vs_fp32={},
+                   rel_err_vs_packed={})
+        timers, outs = {}, {}
+        with torch.no_grad():
+            for name, (fn, ctx) in rows.items():
+                try:
+                    with ctx():
+                        outs[name] = fn()
+                    row["rel_err_vs_fp32"][name] = rel(outs[name][:ref_tokens], ref)
+                    if name != "packed":  # all tokens; 0.0: the same bits
+                        row["rel_err_vs_packed"][name] = rel(outs[name], outs["packed"])
+                    timers[name] = Timer(fn, ctx, graph, device, rep=50 if graph else 5)
+                except Exception as ex:  # noqa: BLE001 - out of memory, a tile that does not compile: reported
+                    row["ms"][name] = f"{type(ex).__name__}: {str(ex)[:160]}"
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            rounds = {name: [] for name in timers}
+            for _ in range(args.rounds):
+                for name, timer in timers.items():
+                    rounds[name].append(timer())
+        for name, t in rounds.items():
+            row["ms"][name] = round(statistics.median(t), 4)
+        row["rounds_ms"] = {name: [round(v, 4) for v in t] for name, t in rounds.items()}
+        med = {k: v for k, v in row["ms"].items() if isinstance(v, float)}
+        if "packed" in med:
+            row["bf16_over_packed"] = round(med["bf16"] / med["packed"], 3) if "bf16" in med else None
+            row["over_packed"] = {k: round(v / med["packed"], 3) for k, v in med.items() if k != "packed"}
+        if args.backward:
+            row["fwd_bwd_ms"] = backward_rows(mod, x, idx, w, w13, w2, peer_glu, device)
+        del timers, outs
+        res.add(**row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def backward_rows(mod, x, idx, w, w13, w2, glu, device):
+    """Forward+backward of the packed experts and of the bf16 peer (x requires grad; weights frozen)."""
+    dy = torch.randn_like(x)
+    out = {}
+    fns = {"packed": lambda xr: mod(xr, idx, w)}
+    if w13 is not None:
+        fns["bf16"] = lambda xr: grouped_forward(xr, idx, w, w13, w2, glu)
+    for name, fn in fns.items():
+        def step(fn=fn):
+            fn(x.detach().requires_grad_()).backward(dy)
+        try:
+            out[name] = round(Timer(step, contextlib.nullcontext, False, device, rep=3)(), 4)
+        except Exception as ex:  # noqa: BLE001 - reported, not fatal
+            out[name] = f"{type(ex).__name__}: {str(ex)[:160]}"
+    return out
 
 
 if __name__ == "__main__":

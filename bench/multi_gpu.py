@@ -1,27 +1,23 @@
-"""Two-GPU checks for Kimi3 (issue 6): `device_map` across two GPUs and tensor / expert parallel plans under
-`torchrun`, each against the same model on one GPU (greedy tokens, logits).
+"""Several GPUs of one host: `device_map` across two GPUs and the tensor / expert parallel plans under `torchrun`,
+each against the same model on one GPU (greedy tokens of two `generate()` calls sharing a cache, logits of a
+left-padded batch).
 
-    PYTHONPATH=src:kernels python bench/multi_gpu.py all --out OUT [--commit SHA]
+    python bench/multi_gpu.py all --out OUT                           # two GPUs: ~2 min
+    python bench/multi_gpu.py all --tiny --device cpu --out OUT       # two CPU processes (gloo): the CI smoke test
 
 `all` builds a random K3-layout model (KDA + gated MLA + AttnRes + latent MoE with shared experts, seeded), saves it
-in the official layout, and runs in order, each stage recorded even when it fails:
-  1. reference: one GPU (`device_map={"": 0}`), bf16 and fp32: logits of a left-padded batch, greedy tokens from two
-     `generate()` calls that reuse one cache.
-  2. device_map: the same model split over cuda:0 / cuda:1 (layers 0..L/2-1 on 0, the rest on 1), with the KDA
-     kernels launched under `torch.cuda.device(tensor.device)`, and last, in its own process, as loaded (Triton
-     launches on the current device; kda.py now wraps its Triton calls in that guard itself, so this checks the
-     shipped guard: without it, layers on cuda:1 could run their kernels against cuda:0).
-  3. tp: `torchrun --nproc_per_node 2 ... tp --plan tp`: Kimi3TextConfig.base_model_tp_plan (routed experts split
-     along the expert intermediate size, shared experts / dense MLP colwise-rowwise, attention replicated),
-     `tp_plan="auto"`.
-  4. ep: `--plan ep`: Kimi3TextConfig.base_model_ep_plan (whole experts per rank; Kimi3Experts skips the index
-     that marks a route to another rank's experts).
-Results go to OUT/multi_gpu.json (bench/results/multi_gpu.json in the repo). `--device cpu` runs every stage on the
-CPU (gloo, two processes) as a smoke test of the script and of the plans under the local Transformers.
+in the official layout, and runs, each stage recorded even when it fails:
+  1. reference: one GPU (`device_map={"": 0}`), bf16 and fp32;
+  2. device_map: the layers split over cuda:0 / cuda:1 as `from_pretrained(device_map=...)` places them (the
+     kernels launch on each layer's device);
+  3. tp: `torchrun --nproc_per_node 2 ... tp --plan tp`: Kimi3TextConfig.base_model_tp_plan with `tp_plan="auto"`
+     (routed experts split along their intermediate width, shared experts and dense MLP colwise / rowwise, attention
+     replicated);
+  4. ep: `--plan ep`: Kimi3TextConfig.base_model_ep_plan (whole experts per rank).
+Results go to OUT/multi_gpu.json; the two-GPU run is kept as bench/results/multi_gpu_h200.json.
 """
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -34,6 +30,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from _timing import label  # noqa: E402
 for _p in (ROOT / "src", ROOT / "kernels"):  # after PYTHONPATH, so that another checkout can be pointed at
     if str(_p) not in sys.path:
         sys.path.append(str(_p))
@@ -124,25 +122,6 @@ def compare(got, ref):
     return out
 
 
-def guard_kernels():
-    """Launch the KDA kernels under the device of their inputs (Triton launches on the current device)."""
-    from transformers_kimi3 import kda
-
-    for name in ("kda_chunk", "kda_recurrent"):
-        fn = getattr(kda, name)
-        if getattr(fn, "_guarded", False):
-            continue
-
-        def wrapped(q, *a, _fn=fn, **kw):
-            if q.is_cuda:
-                with torch.cuda.device(q.device):
-                    return _fn(q, *a, **kw)
-            return _fn(q, *a, **kw)
-
-        wrapped._guarded = True
-        setattr(kda, name, wrapped)
-
-
 # ----------------------------------------------------------------------------- stages in one process
 def stage_single(folder, device, dtypes, results, work):
     from transformers_kimi3 import Kimi3ForCausalLM, kernel_status
@@ -173,13 +152,10 @@ def device_map_two_gpus():
             "model.norm": 1, "model.output_attn_res_proj": 1, "model.output_attn_res_norm": 1, "lm_head": 1}
 
 
-def stage_device_map(folder, dtypes, refs, variant):
-    """`variant`: "kernels_under_device_guard" (KDA kernels launched under torch.cuda.device(q.device)) or "as_is".
-    Returns {dtype: result}."""
+def stage_device_map(folder, dtypes, refs):
+    """The model split over two GPUs as from_pretrained places it; {dtype: result}."""
     from transformers_kimi3 import Kimi3ForCausalLM
 
-    if variant == "kernels_under_device_guard":
-        guard_kernels()
     out = {}
     for dtype in dtypes:
         t = time.time()
@@ -194,15 +170,8 @@ def stage_device_map(folder, dtypes, refs, variant):
         except Exception as e:  # noqa: BLE001 - record and go on
             out[str(dtype)] = {"error": f"{type(e).__name__}: {str(e)[:600]}",
                                "where": traceback.format_exc()[-1500:]}
-        log("device_map", variant, dtype, {k: v for k, v in out[str(dtype)].items() if k != "where"})
+        log("device_map", dtype, {k: v for k, v in out[str(dtype)].items() if k != "where"})
     return out
-
-
-def dm_worker(args):
-    """`device_map` as loaded, in its own process: a kernel launched on the wrong device can poison the context."""
-    refs = torch.load(Path(args.work) / "ref.pt")
-    out = stage_device_map(args.folder, [getattr(torch, d) for d in args.dtypes.split(",")], refs, "as_is")
-    json.dump(out, open(Path(args.work) / "dm_as_is.json", "w"), indent=1)
 
 
 # ----------------------------------------------------------------------------- torchrun worker
@@ -215,7 +184,6 @@ def worker(args):
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.device == "cuda" else torch.device("cpu")
     if args.device == "cuda":
         torch.cuda.set_device(device)
-    guard_kernels()
     from transformers.distributed import DistributedConfig
 
     # the plans are Kimi3TextConfig's own (base_model_tp_plan / base_model_ep_plan, chosen by Transformers version)
@@ -273,7 +241,7 @@ def free_port():
 def torchrun(args, plan, results):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), __file__, "tp", "--plan", plan, "--folder", str(args.folder),
-           "--work", str(args.work), "--device", args.device, "--dtypes", args.dtypes]
+           "--work", str(args.work), "--device", args.device, "--dtypes", args.dtypes] + (["--tiny"] if args.tiny else [])
     results["commands"][plan] = " ".join(["torchrun", "--nproc_per_node", "2", "bench/multi_gpu.py", "tp",
                                            "--plan", plan, "--folder", "MODEL", "--work", "WORK", "--dtypes",
                                            args.dtypes])
@@ -291,7 +259,7 @@ def torchrun(args, plan, results):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("stage", choices=["all", "tp", "dm"])
+    ap.add_argument("stage", choices=["all", "tp"])
     ap.add_argument("--out", default="out_multi_gpu")
     ap.add_argument("--work", default="/tmp/kimi3_multi_gpu")
     ap.add_argument("--folder", default=None)
@@ -299,21 +267,18 @@ def main():
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--plan", default="tp", choices=["tp", "ep"])
     ap.add_argument("--plans", default="tp,ep")
-    ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    ap.add_argument("--label", default=None, help="what ran, stored in the results (default: git describe)")
     ap.add_argument("--stage-timeout", type=int, default=150)
     ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke test)")
     ap.add_argument("--skip-dm", action="store_true", help="only the 1-GPU reference and the torchrun plans")
     args = ap.parse_args()
-    if args.tiny or os.environ.get("KIMI3_BENCH_TINY"):
+    if args.tiny:  # the torchrun workers get --tiny too: they build nothing but must agree on sizes
         MODEL.update(TINY)
-        os.environ["KIMI3_BENCH_TINY"] = "1"  # the torchrun workers build nothing but must agree on sizes
     args.work = Path(args.work)
     args.work.mkdir(parents=True, exist_ok=True)
     args.folder = Path(args.folder) if args.folder else args.work / "model"
     if args.stage == "tp":
         return worker(args)
-    if args.stage == "dm":
-        return dm_worker(args)
 
     import transformers
 
@@ -322,12 +287,11 @@ def main():
     Path(args.out).mkdir(parents=True, exist_ok=True)
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if args.device == "cuda" else []
-    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "commit": args.commit, "device": args.device, "gpus": gpus, "torch": torch.__version__,
+    results = {"tree": label(args.label), "device": args.device, "gpus": gpus, "torch": torch.__version__,
                "transformers": transformers.__version__, "python": platform.python_version(),
                "model": MODEL, "new_tokens_per_generate_call": NEW_TOKENS,
                "tp_plan": Kimi3TextConfig.base_model_tp_plan, "ep_plan": Kimi3TextConfig.base_model_ep_plan,
-               "commands": {"all": "PYTHONPATH=src:kernels python bench/multi_gpu.py all --out OUT"},
+               "commands": {"all": "python bench/multi_gpu.py all --out OUT"},
                "reference": {}, "device_map": {}}
     try:
         import triton
@@ -343,8 +307,7 @@ def main():
             results["device_map"] = {"skipped": "--skip-dm"}
         elif args.device == "cuda" and torch.cuda.device_count() >= 2:
             results["device_map"]["map"] = device_map_two_gpus()
-            results["device_map"]["kernels_under_device_guard"] = stage_device_map(
-                args.folder, dtypes, refs, "kernels_under_device_guard")
+            results["device_map"]["as_loaded"] = stage_device_map(args.folder, dtypes, refs)
         else:
             results["device_map"] = {"skipped": "needs two GPUs"}
     except Exception as e:  # noqa: BLE001
@@ -358,22 +321,6 @@ def main():
             except Exception as e:  # noqa: BLE001
                 results[plan] = {"error": f"{type(e).__name__}: {e}"}
             json.dump(results, open(Path(args.out) / "multi_gpu.json", "w"), indent=1, default=str)
-    if "error" not in results and "skipped" not in results["device_map"]:
-        t = time.time()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.environ.get("PYTHONPATH", ""), str(ROOT / "src"),
-                                                           str(ROOT / "kernels")]))
-        cmd = [sys.executable, __file__, "dm", "--folder", str(args.folder), "--work", str(args.work),
-               "--dtypes", args.dtypes]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.stage_timeout)
-            (Path(args.out) / "dm_as_is.log").write_text(proc.stdout[-100000:] + "\n--- stderr ---\n"
-                                                         + proc.stderr[-100000:])
-            path = Path(args.work) / "dm_as_is.json"
-            results["device_map"]["as_is"] = json.load(open(path)) if path.exists() else {
-                "error": f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
-        except subprocess.TimeoutExpired:
-            results["device_map"]["as_is"] = {"error": "timeout"}
-        results["device_map"]["as_is_wall_seconds"] = round(time.time() - t, 1)
     results["total_seconds"] = round(time.time() - T0, 1)
     json.dump(results, open(Path(args.out) / "multi_gpu.json", "w"), indent=1, default=str)
     summary = {k: results.get(k) for k in ("device_map", "tp", "ep")}

@@ -1,35 +1,39 @@
-"""Plot bench/results/e2e_h200.json: prefill tokens/s by prompt length (native and ours, 2K to 1M), decode tokens/s by
-batch after a 1,024-token prompt (native, ours eager, ours static graph) and long-prompt prefill time / peak memory
-by prompt length (ours chunked, native in one pass). Each
-point is the newest row of its kind (implementation and batch, or implementation and length) over all runs; the
-titles name the commits the points come from.
+"""Plot a bench/e2e.py results file (4.3B Kimi Linear config): prefill tokens/s by prompt length (native and ours,
+2K to 1M), decode tokens/s by batch after a 1,024-token prompt (native, ours eager, ours static cache) and long-prompt
+prefill time and peak memory (ours chunked, native in one pass). Each point is the newest row of its kind over the
+file's runs; the titles name the trees the points come from. Needs matplotlib (not a project requirement).
 
-    PYTHONPATH=/path/to/matplotlib python bench/plot_e2e.py [--json bench/results/e2e_h200.json] [--out ...png]
-
-matplotlib is not a dependency of the package: install it anywhere (e.g. pip install --target /tmp/mpl matplotlib).
+    python bench/plot_e2e.py [--json bench/results/e2e_h200.json] [--out bench/results/e2e_h200.png]
 """
 
 import argparse
-import json
+import os
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import load_runs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 IMPLS = [("native", "native (Transformers + fla)"), ("ours", "ours, eager"),
          ("ours_static_graph", "ours, static cache + CUDA graph")]
 
 
+MEMORY_GIB = {"H200": 139.8, "H100": 79.2}  # what torch can allocate on one card
+
+
 def newest_rows(runs, key):
-    """{key(row): (row, commit)} keeping the last run's row for each key; rows where key() is None are skipped."""
+    """{key(row): (row, tree)} keeping the last run's row for each key; rows where key() is None are skipped."""
     out = {}
     for run in runs:
         for r in run["rows"]:
             k = key(r)
             if k is not None:
-                out[k] = (r, run["meta"]["commit"])
+                out[k] = (r, run["meta"].get("tree") or run["meta"].get("commit"))
     return out
 
 
-def commits(points):
+def trees(points):
     return ", ".join(sorted({c for _, c in points}))
 
 
@@ -43,8 +47,10 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [run for run in json.load(open(args.json))["runs"]  # the 4.3B config; K3-shaped runs name their model
+    runs = [run for run in load_runs(args.json)  # the 4.3B config; K3-shaped runs name their model
             if not run["meta"].get("model", "").startswith("k3")]
+    device = runs[-1]["meta"]["device"]
+    memory = next((v for k, v in MEMORY_GIB.items() if k in device), None)
 
     dec = newest_rows(runs, lambda r: (r["impl"], r["batch"]) if r.get("stage") == "decode" and
                       r.get("prompt") == 1024 and "error" not in r else None)
@@ -71,7 +77,7 @@ def main():
     ax0.set_ylabel("prefill tokens/s")
     ax0.set_ylim(bottom=0)
     ax0.legend(fontsize=8)
-    ax0.set_title(f"Prefill throughput vs prompt length, B=1 (commits {commits(pre.values())})", fontsize=9)
+    ax0.set_title(f"Prefill throughput vs prompt length, B=1 ({trees(pre.values())})", fontsize=9)
 
     width = 0.27
     for k, (impl, label) in enumerate(IMPLS):
@@ -82,8 +88,8 @@ def main():
     ax1.set_yscale("log")
     ax1.set_xticks(range(len(batches)), [f"B={b}" for b in batches])
     ax1.set_ylabel("decode tokens/s (generate(), log scale)")
-    ax1.set_title("Decode after a 1,024-token prompt (commits "
-                  f"{commits(dec[(i, b)] for i, _ in IMPLS for b in batches)})", fontsize=9)
+    ax1.set_title("Decode after a 1,024-token prompt "
+                  f"({trees(dec[(i, b)] for i, _ in IMPLS for b in batches)})", fontsize=9)
     ax1.legend(fontsize=8, loc="upper left")
 
     pts = {T: r for (impl, T), (r, _) in lon.items() if impl == "ours" and "error" not in r}
@@ -101,9 +107,10 @@ def main():
     for t in Ts:
         ax3.annotate(f"{pts[t]['peak_gib']:.1f} GiB", (t, pts[t]["peak_gib"]), textcoords="offset points",
                      xytext=(-14, -13), fontsize=7, color="C2")
-    ax3.set_ylim(0, 145)
-    ax3.axhline(139.8, color="gray", lw=0.8, ls=":")
-    ax3.text(Ts[0], 133, "H200 memory (~140 GiB)", fontsize=7, color="gray")
+    if memory:
+        ax3.set_ylim(0, memory * 1.04)
+        ax3.axhline(memory, color="gray", lw=0.8, ls=":")
+        ax3.text(Ts[0], memory * 0.95, f"GPU memory (~{memory:.0f} GiB)", fontsize=7, color="gray")
     nat = {T: r for (impl, T), (r, _) in lon.items() if impl == "native"}
     ok = sorted(T for T, r in nat.items() if "error" not in r)
     if ok:
@@ -114,17 +121,17 @@ def main():
                          fontsize=7, color="C0")
     for T, r in sorted(nat.items()):
         if r.get("error") == "out of memory":
-            ax3.plot([T], [139.8], "x", color="C0", ms=10, mew=2, label=f"native, one pass: OOM at {T:,}")
+            ax3.plot([T], [memory or r.get("peak_gib", 0)], "x", color="C0", ms=10, mew=2, label=f"native, one pass: OOM at {T:,}")
     ax3.set_ylabel("peak GiB (torch allocator)")
     h1, l1 = ax2.get_legend_handles_labels()
     h2, l2 = ax3.get_legend_handles_labels()
     ax2.legend(h1 + h2, l1 + l2, fontsize=8, loc="center left")
-    ax2.set_title(f"Long-prompt prefill, bf16, B=1 (commits {commits(lon.values())})", fontsize=9)
-    fig.suptitle("Kimi Linear 4.3B benchmark config on one NVIDIA H200 (bench/results/e2e_h200.json)", fontsize=11)
+    ax2.set_title(f"Long-prompt prefill, bf16, B=1 ({trees(lon.values())})", fontsize=9)
+    fig.suptitle(f"Kimi Linear 4.3B benchmark config on one {device} ({os.path.basename(args.json)})", fontsize=11)
     fig.tight_layout()
     fig.savefig(args.out, dpi=130)
-    print(f"wrote {args.out} (prefill: {commits(pre.values())}; decode: {commits(dec.values())}; "
-          f"longest: {commits(lon.values())})")
+    print(f"wrote {args.out} (prefill: {trees(pre.values())}; decode: {trees(dec.values())}; "
+          f"longest: {trees(lon.values())})")
 
 
 if __name__ == "__main__":

@@ -164,46 +164,36 @@ def test_chunk_tables_are_reused():
     assert all(t.data_ptr() % 16 == 0 for t in (e.cu, e.chunk_off, e.chunk_tab))
 
 
-def test_launch_config(monkeypatch):
-    from kimi3_kernels.kda._utils import LAUNCH_DEFAULTS, launch_config
-    monkeypatch.setenv("KIMI3_KDA_LAUNCH", "intra_fwd=64:2:, state_fwd=:4:3, wu_fwd=:::128")
-    assert launch_config("intra_fwd") == (64, 2, LAUNCH_DEFAULTS["intra_fwd"][2], {})
-    assert launch_config("state_fwd") == (LAUNCH_DEFAULTS["state_fwd"][0], 4, 3, {})
-    assert launch_config("wu_fwd") == (*LAUNCH_DEFAULTS["wu_fwd"], {"maxnreg": 128})
-    assert launch_config("diag_fwd") == (*LAUNCH_DEFAULTS["diag_fwd"], {})
+def launches(spec):
+    """launch_overrides for 'name=tile:warps:stages[:maxnreg],...' (an empty field keeps the table's value)."""
+    from kimi3_kernels.kda.configs import LAUNCH, launch_overrides
+    table = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, vals = item.partition("=")
+        base = list(LAUNCH[name]) + [None] * (4 - len(LAUNCH[name]))
+        new = [int(f) if f.strip() else b for f, b in zip(vals.split(":") + [""] * 4, base)]
+        table[name] = tuple(new[:4]) if new[3] is not None else tuple(new[:3])
+    return launch_overrides(table)
+
+
+def test_launch_config():
+    from kimi3_kernels.kda.configs import LAUNCH, launch_config, launch_overrides
+    with launches("intra_fwd=64:2:, state_fwd=:4:3, wu_fwd=:::128"):
+        assert launch_config("intra_fwd") == (64, 2, LAUNCH["intra_fwd"][2], {})
+        assert launch_config("state_fwd") == (LAUNCH["state_fwd"][0], 4, 3, {})
+        assert launch_config("wu_fwd") == (*LAUNCH["wu_fwd"], {"maxnreg": 128})
+        assert launch_config("diag_fwd") == (*LAUNCH["diag_fwd"], {})
+    assert launch_config("intra_fwd") == (*LAUNCH["intra_fwd"], {})  # restored on exit
     assert launch_config("sub_fwd") == (32, 1, 1, {"maxnreg": 160})  # a default cap, lifted by 0
-    monkeypatch.setenv("KIMI3_KDA_LAUNCH", "sub_fwd=:::0")
-    assert launch_config("sub_fwd") == (32, 1, 1, {})
-    monkeypatch.setenv("KIMI3_KDA_LAUNCH", "sub_fwd=16::")
-    assert launch_config("sub_fwd") == (16, 1, 1, {"maxnreg": 160})
-    for bad in ("intra_fwd=64:2", "intra=64:2:1", "intra_fwd=a:2:1", "wu_fwd=1:2:3:4:5", "wu_fwd=:::x"):
-        monkeypatch.setenv("KIMI3_KDA_LAUNCH", bad)
-        with pytest.raises(ValueError, match="KIMI3_KDA_LAUNCH"):
-            launch_config("wu_fwd")
+    with launches("sub_fwd=:::0"):
+        assert launch_config("sub_fwd") == (32, 1, 1, {})
+    with pytest.raises(ValueError, match="intra"):
+        with launch_overrides({"intra": (64, 2, 1)}):
+            pass
     # the forward scan's value tile and stages: 32 wide on 3 stages when 64-wide tiles leave SMs idle (H=32 at B=1)
-    from kimi3_kernels.kda._utils import state_scan_tile
+    from kimi3_kernels.kda.configs import state_scan_tile
     cpu = torch.device("cpu")
     assert [state_scan_tile(n, cpu) for n in (1, 64, 131, 132, 192)] == [(32, 3)] * 3 + [(64, 2)] * 2
-    from kimi3_kernels.kda.chunk_fwd import _diag_inv
-    monkeypatch.delenv("KIMI3_KDA_DIAG_INV", raising=False)
-    assert (_diag_inv(True), _diag_inv(False)) == (2, 1)  # bounded gates: inverses in the diagonal-tile kernel
-    monkeypatch.setenv("KIMI3_KDA_DIAG_INV", "0")
-    assert (_diag_inv(True), _diag_inv(False)) == (0, 0)
-    monkeypatch.setenv("KIMI3_KDA_DIAG_INV", "3")
-    with pytest.raises(ValueError, match="KIMI3_KDA_DIAG_INV"):
-        _diag_inv(True)
-    from kimi3_kernels.kda.chunk_fwd import fwd16
-    monkeypatch.delenv("KIMI3_KDA_FWD16", raising=False)
-    assert fwd16() is True  # the default since the H200 timings of 1a87938 (bench/results/kda_h200.md)
-    monkeypatch.setenv("KIMI3_KDA_FWD16", "0")
-    assert fwd16() is False
-    for removed in ("tt", "wut"):  # the transposed-state and W/U forms, timed slower and removed
-        monkeypatch.setenv("KIMI3_KDA_FWD16", removed)
-        with pytest.raises(ValueError, match="KIMI3_KDA_FWD16"):
-            fwd16()
-    monkeypatch.setenv("KIMI3_KDA_FWD16", "yes")
-    with pytest.raises(ValueError, match="KIMI3_KDA_FWD16"):
-        fwd16()
 
 
 def test_import_without_triton():
@@ -263,25 +253,23 @@ def test_chunk_forward_varlen_bf16(nan_empty):
 
 
 @needs_triton
-@pytest.mark.parametrize("launch,diag_inv", [("intra_fwd=16:4:1", "0"), ("intra_fwd=64:8:1", "0"),
-                                             ("intra_fwd=32:8:1", "0"), ("intra_fwd=32:4:2", "0"),
-                                             ("intra_fwd=32:4:1", "1"), ("intra_fwd=16:2:2", "1"),
-                                             ("intra_fwd=64:1:1,diag_fwd=64:1:1,wu_fwd=32:2:1,state_fwd=64:4:1,"
-                                              "output_fwd=32:2:3,prep_fwd=:1:,diag_fwd_loop=32:2:1", "1"),
-                                             ("prep_fwd=16::,norm_fwd=16:1:,diag_fwd_loop=128:4:1", "1"),
-                                             ("prep_fwd=512:8:,norm_fwd=128:8:,wu_fwd=:::128", "2"), ("", "2")])
-def test_chunk_forward_launch_options(launch, diag_inv, monkeypatch):
-    # the kernels' tile widths, warps and stages (KIMI3_KDA_LAUNCH; prep_fwd's tile: the gate's column block)
-    # and the diagonal blocks' inverses in their own kernel (bench/kda.py sweeps them on the GPU): same results, both
-    # gates, with a partial last chunk
-    monkeypatch.setenv("KIMI3_KDA_LAUNCH", launch)
-    monkeypatch.setenv("KIMI3_KDA_DIAG_INV", diag_inv)
-    for lb in (-5.0, None):
-        q, k, v, f, beta, A_log, dtb, h0 = make(1, 100, 2, 64, 32, seed=12)
-        o, s = chunk_kda(q, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0[:1],
-                         output_final_state=True)
-        ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0[:1])
-        assert rel(o, ro) < TOL[torch.float32] and rel(s, rs) < TOL[torch.float32]
+@pytest.mark.parametrize("launch", ["intra_fwd=16:4:1", "intra_fwd=64:8:1", "intra_fwd=32:8:1", "intra_fwd=32:4:2",
+                                    "intra_fwd=16:2:2",
+                                    "intra_fwd=64:1:1,diag_fwd=64:1:1,wu_fwd=32:2:1,state_fwd=64:4:1,"
+                                    "output_fwd=32:2:3,prep_fwd=:1:,diag_fwd_loop=32:2:1,diag_inv=:2:",
+                                    "prep_fwd=16::,norm_fwd=16:1:,diag_fwd_loop=128:4:1",
+                                    "prep_fwd=512:8:,norm_fwd=128:8:,wu_fwd=:::128", ""])
+def test_chunk_forward_launch_options(launch):
+    # the training forward's kernels (64-token chunks, taken with autograd) under other tile widths, warps and stages
+    # (prep_fwd's tile: the gate's column block; bench/kda.py sweeps them on the GPU): same results, both gates, with a
+    # partial last chunk
+    with launches(launch), torch.enable_grad():
+        for lb in (-5.0, None):
+            q, k, v, f, beta, A_log, dtb, h0 = make(1, 100, 2, 64, 32, seed=12)
+            o, s = chunk_kda(q.requires_grad_(), k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=lb,
+                             initial_state=h0[:1], output_final_state=True)
+            ro, rs = rec64(q.detach(), k, v, f, beta, A_log, dtb, lb, h0=h0[:1])
+            assert rel(o.detach(), ro) < TOL[torch.float32] and rel(s.detach(), rs) < TOL[torch.float32]
 
 
 @needs_triton
@@ -323,10 +311,9 @@ def test_chunk_varlen(lb):
                                                     (-5.0, 48, 32, 70, 3.0, "rec_fwd=64:4:3,sub_fwd=:::0"),
                                                     (-5.0, 32, 64, 1, 0.0, "sub_fwd=64:4:1,rec_fwd=32:2:1")])
 def test_chunk_forward_sub16(lb, K, V, T, A_shift, launch, monkeypatch):
-    """KIMI3_KDA_FWD16=1: the inference forward in 16-token sub-chunks (the diagonal tiles, their inverses and the
-    recurrence with the output, no 64-token pairwise stage) against the fp64 recurrence and the 64-token kernels:
+    """The inference forward in 16-token sub-chunks (the diagonal tiles, their inverses and the recurrence with the
+    output, no 64-token pairwise stage) against the fp64 recurrence and the training forward's 64-token kernels:
     output, final state and the states at 64-token boundaries."""
-    monkeypatch.setenv("KIMI3_KDA_LAUNCH", launch)
     from kimi3_kernels.kda import chunk_fwd
     calls = []
     sub = chunk_fwd.sub16_fwd
@@ -335,24 +322,20 @@ def test_chunk_forward_sub16(lb, K, V, T, A_shift, launch, monkeypatch):
     kw = dict(A_log=A_log, dt_bias=dtb, lower_bound=lb, initial_state=h0[:1], output_final_state=True,
               return_chunk_states=True)
     out = {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv("KIMI3_KDA_FWD16", mode)
-        out[mode] = chunk_kda(q, k, v, f, beta, **kw)
+    with launches(launch):
+        out["1"] = chunk_kda(q, k, v, f, beta, **kw)
+        with torch.enable_grad():  # autograd: the 64-token kernels, which the backward reads
+            out["0"] = [x.detach() for x in chunk_kda(q.clone().requires_grad_(), k, v, f, beta, **kw)]
     assert len(calls) == 1
     ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0[:1])
     o, s, cs = out["1"]
     assert torch.isfinite(o).all() and rel(o, ro) < TOL[torch.float32] and rel(s, rs) < TOL[torch.float32]
     assert all(rel(a, b) < 2e-5 for a, b in zip(out["1"], out["0"]))  # the same math, another chunking
     assert cs.shape == out["0"][2].shape and torch.equal(cs[0], h0[0])
-    # autograd keeps the 64-token kernels, which the backward reads
-    with torch.enable_grad():
-        chunk_kda(q.requires_grad_(), k, v, f, beta, **kw)
-    assert len(calls) == 1
 
 
 @needs_triton
-def test_chunk_sub16_varlen(monkeypatch):
-    monkeypatch.delenv("KIMI3_KDA_FWD16", raising=False)
+def test_chunk_sub16_varlen():
     cu = torch.tensor([0, 0, 1, 66, 66, 97], dtype=torch.int32)  # empty, length-1, 65, empty, 31
     q, k, v, f, beta, A_log, dtb, h0 = make(1, 100, 2, 16, 16, N=5, seed=24)
     for lb in (-5.0, None):
@@ -371,40 +354,33 @@ def test_chunk_sub16_varlen(monkeypatch):
 
 @needs_triton
 def test_chunk_sub16_segments(monkeypatch):
-    """KIMI3_KDA_FWD16_SEGS: the 16-token forward in segments of the chunks, the state carried between the recurrence's
-    launches: bit-identical to one segment (the same steps, the state through memory in fp32), sequences spanning
-    segment boundaries, empty ones between them, and the fp64 recurrence."""
+    """The 16-token forward in segments of the chunks, the state carried between the recurrence's launches:
+    bit-identical to one segment (the same steps, the state through memory in fp32), sequences spanning segment
+    boundaries, empty ones between them, and the fp64 recurrence."""
     from kimi3_kernels.kda import chunk_fwd
-    monkeypatch.delenv("KIMI3_KDA_FWD16", raising=False)
     cpu = torch.device("cpu")  # an H200's 132 SMs stand in
-    # auto: one segment per 64 chunks (at most 16) where the recurrence has at most one program per SM
+    # one segment per 64 chunks (at most 16) where the recurrence has at most one program per SM
     auto = chunk_fwd.fwd16_segments
     assert auto(7, 128, cpu) == [(0, 7)] and auto(127, 128, cpu) == [(0, 127)] and auto(0, 128, cpu) == [(0, 0)]
     assert auto(256, 132, cpu) == [(0, 64), (64, 128), (128, 192), (192, 256)] and auto(256, 133, cpu) == [(0, 256)]
     assert len(auto(1024, 128, cpu)) == 16 and len(auto(4096, 128, cpu)) == 16 and auto(4096, 128, cpu)[1][0] == 256
-    monkeypatch.setattr(chunk_fwd, "SEG_MIN_CHUNKS", 1)
-    monkeypatch.setenv("KIMI3_KDA_FWD16_SEGS", "3")
-    assert auto(7, 999, cpu) == [(0, 3), (3, 6), (6, 7)] and auto(0, 999, cpu) == [(0, 0)]
     # chunks: 1 (length 1), 3 (149 tokens: chunks 1-3, across the first boundary), 3 (150: chunks 4-6, across the
     # second); the empty sequences sit at chunks 1 and 4
     cu = torch.tensor([0, 0, 1, 150, 150, 300], dtype=torch.int32)
     q, k, v, f, beta, A_log, dtb, h0 = make(1, 300, 2, 16, 16, N=5, seed=25)
     kw = dict(A_log=A_log, dt_bias=dtb, initial_state=h0, output_final_state=True, cu_seqlens=cu,
               return_chunk_states=True)
+    thirds = lambda n, programs, device: [(lo, min(lo + 3, n)) for lo in range(0, n, 3)] or [(0, 0)]  # noqa: E731
     for lb in (-5.0, None):
-        out = {}
-        for segs in ("1", "3"):
-            monkeypatch.setenv("KIMI3_KDA_FWD16_SEGS", segs)
-            out[segs] = chunk_kda(q, k, v, f, beta, lower_bound=lb, **kw)
-        assert all(torch.equal(a, b) for a, b in zip(out["1"], out["3"]))
+        one = chunk_kda(q, k, v, f, beta, lower_bound=lb, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(chunk_fwd, "fwd16_segments", thirds)
+            three = chunk_kda(q, k, v, f, beta, lower_bound=lb, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(one, three))
         ro, rs = rec64(q, k, v, f, beta, A_log, dtb, lb, h0=h0, cu=cu)
-        o, s, _ = out["3"]
+        o, s, _ = three
         assert rel(o, ro) < 1e-4 and rel(s, rs) < 1e-4
         assert torch.equal(s[0], h0[0]) and torch.equal(s[3], h0[3])
-    for bad in ("0", "x", "-2"):
-        monkeypatch.setenv("KIMI3_KDA_FWD16_SEGS", bad)
-        with pytest.raises(ValueError, match="KIMI3_KDA_FWD16_SEGS"):
-            chunk_fwd.fwd16_segments(7, 1, cpu)
 
 
 def check_vs_fp64(ins, lb, do, dS=None):
@@ -427,34 +403,23 @@ def check_vs_fp64(ins, lb, do, dS=None):
 
 
 @needs_triton
-@pytest.mark.parametrize("lb,env,K,V", [(-5.0, {}, 16, 32), (None, {}, 16, 32),
-                                      (None, dict(KIMI3_KDA_LAUNCH="intra_fwd=16:4:1", KIMI3_KDA_SAVE_FWD="0"), 16, 32),
-                                      (None, dict(KIMI3_KDA_DIAG_INV="0"), 16, 32),
-                                      (None, dict(KIMI3_KDA_DIAG_INV="2"), 16, 32),
-                                      (-5.0, dict(KIMI3_KDA_DIAG_INV="2"), 16, 32),
-                                      (-5.0, dict(KIMI3_KDA_SAVE_FWD="0"), 16, 32),
-                                      # autograd keeps 64-token chunks with the 16-token inference forward on
-                                      (None, dict(KIMI3_KDA_FWD16="1", KIMI3_KDA_SAVE_FWD="0"), 16, 32),
-                                      (None, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="1"), 64, 32),
-                                      (None, {}, 64, 32),
-                                      (-5.0, dict(KIMI3_KDA_MAIN_BWD_KSPLIT="4"), 64, 32),
-                                      (-5.0, dict(KIMI3_KDA_LAUNCH="main_bwd=16:4:2,intra_bwd=16:2:2,"
-                                                  "state_bwd=16:4:1,prep_bwd=:2:1"), 64, 32),
-                                      (None, dict(KIMI3_KDA_LAUNCH="intra_bwd_loop=16:2:2"), 16, 32),
-                                      # the backward scan's 64-wide value tiles (taken on large grids)
-                                      (-5.0, dict(KIMI3_KDA_LAUNCH="state_bwd=64:8:2"), 16, 64),
-                                      # the gate's backward in column slices apart from the norms' (two slices of
-                                      # 32 for a 48-wide head: the second one half masked)
-                                      (-5.0, dict(KIMI3_KDA_LAUNCH="prep_bwd=32::"), 48, 32),
-                                      (None, dict(KIMI3_KDA_LAUNCH="prep_bwd_softplus=16:2:1"), 64, 32)])
-def test_chunk_gradients(lb, env, K, V, monkeypatch):
-    # the backward reuses the per-chunk quantities the forward kept (default) or, with KIMI3_KDA_SAVE_FWD=0,
-    # recomputes them; KIMI3_KDA_MAIN_BWD_KSPLIT runs the main backward kernel's K columns in slices (default 2;
-    # 1 = all at once), KIMI3_KDA_DIAG_INV=0 keeps the diagonal blocks' inverses inside the pairwise kernel and 2 forms
-    # them in the diagonal-tile kernel
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    from kimi3_kernels.kda import chunk_fwd
+@pytest.mark.parametrize("lb,launch,ksplit,K,V", [(-5.0, "", 2, 16, 32), (None, "", 2, 16, 32),
+                                                  (None, "intra_fwd=16:4:1", 2, 16, 32),
+                                                  (None, "", 1, 64, 32), (None, "", 2, 64, 32), (-5.0, "", 4, 64, 32),
+                                                  (-5.0, "main_bwd=16:4:2,intra_bwd=16:2:2,state_bwd=16:4:1,"
+                                                   "prep_bwd=:2:1", 2, 64, 32),
+                                                  (None, "intra_bwd_loop=16:2:2", 2, 16, 32),
+                                                  # the backward scan's 64-wide value tiles (taken on large grids)
+                                                  (-5.0, "state_bwd=64:8:2", 2, 16, 64),
+                                                  # the gate's backward in column slices apart from the norms' (two
+                                                  # slices of 32 for a 48-wide head: the second one half masked)
+                                                  (-5.0, "prep_bwd=32::", 2, 48, 32),
+                                                  (None, "prep_bwd_softplus=16:2:1", 2, 64, 32)])
+def test_chunk_gradients(lb, launch, ksplit, K, V, monkeypatch):
+    # the backward reuses the per-chunk quantities the forward kept; the main backward kernel's K columns in 1, 2
+    # (the default) or 4 slices; other launch settings
+    from kimi3_kernels.kda import chunk_bwd, chunk_fwd
+    monkeypatch.setattr(chunk_bwd, "MAIN_BWD_KSPLIT", ksplit)
     intra_calls = []
     intra = chunk_fwd.intra_fwd
     monkeypatch.setattr(chunk_fwd, "intra_fwd", lambda *a, **kw: intra_calls.append(1) or intra(*a, **kw))
@@ -462,17 +427,29 @@ def test_chunk_gradients(lb, env, K, V, monkeypatch):
     gen = torch.Generator().manual_seed(5)
     do = torch.randn(1, 80, 2, V, generator=gen)
     dS = torch.randn(1, 2, K, V, generator=gen)
-    check_vs_fp64([q, k, v, f, beta, A_log, dtb, h0], lb, do, dS)
-    assert len(intra_calls) == (1 if env.get("KIMI3_KDA_SAVE_FWD", "1") == "1" else 2)  # forward (+ backward recompute)
+    with launches(launch):
+        check_vs_fp64([q, k, v, f, beta, A_log, dtb, h0], lb, do, dS)
+    assert len(intra_calls) == 1  # the forward's; the backward recomputes nothing
+
+
+@needs_triton
+def test_chunk_gradients_twice_through_a_retained_graph():
+    # a second backward through a retained graph recomputes the per-chunk quantities the first one released
+    q, k, v, f, beta, A_log, dtb, h0 = make(1, 80, 2, 16, 32, seed=6)
+    with torch.enable_grad():
+        qq = q.clone().requires_grad_()
+        o, _ = chunk_kda(qq, k, v, f, beta, A_log=A_log, dt_bias=dtb, lower_bound=-5.0)
+        (g1,) = torch.autograd.grad(o.square().sum(), qq, retain_graph=True)
+        (g2,) = torch.autograd.grad(o.square().sum(), qq)
+    assert rel(g2, g1) < 1e-5 and g1.abs().max() > 0
 
 
 @needs_triton
 def test_intra_backward_diagonal_tiles_take_3xtf32(monkeypatch):
     """One-pass TF32 in the intra backward's diagonal tiles leaves errors that the gate parameters' gradients sum over
-    every token (H200, bf16, K3 gate, T=8192: ddt_bias 4.2e-2 from the fp32 reference, 4.1e-3 with 3xTF32 there;
-    bench/results/kda_h200.md). The interpreter's dot is fp32 whatever the precision, so this checks what the kernel
-    is launched with: bf16 inputs one pass off the diagonal and 3xTF32 on it, fp32 inputs 3xTF32 everywhere, and the
-    BWD_PREC override."""
+    every token (bf16, K3 gate, T=8192: ddt_bias 4.2e-2 from the fp32 reference, 4.1e-3 with 3xTF32 there). The
+    interpreter's dot is fp32 whatever the precision, so this checks what the kernel is launched with: bf16 inputs one
+    pass off the diagonal and 3xTF32 on it, fp32 inputs 3xTF32 everywhere."""
     from kimi3_kernels.kda import chunk_bwd, chunk_fwd
 
     class Recorder:
@@ -487,10 +464,9 @@ def test_intra_backward_diagonal_tiles_take_3xtf32(monkeypatch):
 
     q, k, v, f, beta, A_log, dtb, _ = make(1, 40, 1, 16, 16, seed=3)
 
-    def launched(dtype, override=None):
+    def launched(dtype):
         rec = Recorder(chunk_bwd._intra_bwd_kernel)
         monkeypatch.setattr(chunk_bwd, "_intra_bwd_kernel", rec)
-        monkeypatch.setattr(chunk_bwd, "BWD_PREC", override or {})
         # the interpreter keeps every intermediate in fp32, so bf16's choice is made here as a GPU makes it
         monkeypatch.setattr(chunk_bwd, "_prec", lambda _: chunk_fwd._prec(dtype))
         xs = [x.clone().requires_grad_() for x in (q, k, v, f)]
@@ -502,7 +478,6 @@ def test_intra_backward_diagonal_tiles_take_3xtf32(monkeypatch):
     assert chunk_fwd._prec(torch.bfloat16) == "tf32"
     assert launched(torch.bfloat16) == [("tf32", "tf32x3")]
     assert launched(torch.float32) == [("tf32x3", "tf32x3")]
-    assert launched(torch.bfloat16, {"intra_bwd_diag": "tf32"}) == [("tf32", "tf32")]
 
 
 @needs_triton
@@ -517,13 +492,11 @@ def test_head_dims_not_a_power_of_two(lb):
 
 
 @needs_triton
-@pytest.mark.parametrize("save_fwd", ["1", "0"])
-def test_unbounded_gate_dense_and_loop_diagonal_tiles(save_fwd, monkeypatch):
+def test_unbounded_gate_dense_and_loop_diagonal_tiles():
     # Unbounded (softplus) gate: each diagonal tile (per K slice) takes one matmul when its gate span is at most
     # chunk_fwd.DENSE_MAX_SPAN and the per-column loop otherwise. Heads with steep, moderate and mild decay put tiles
     # on both sides of the threshold, in the same launch and within one head; forward and gradients against fp64.
-    # The backward runs the chunks the forward marked steep apart, from the kept forward or a recomputed one.
-    monkeypatch.setenv("KIMI3_KDA_SAVE_FWD", save_fwd)
+    # The backward runs the chunks the forward marked steep apart.
     from kimi3_kernels.kda.chunk_fwd import DENSE_MAX_SPAN
     q, k, v, f, beta, _, dtb, h0 = make(1, 80, 3, 16, 16, seed=21)
     A_log = torch.tensor([3.0, 0.0, 1.6])
@@ -754,14 +727,14 @@ def test_linears(dtype, M):
 
 def test_plain_weights_only_for_plain_linears(monkeypatch):
     """The decode's fused projections stand in only for plain nn.Linear calls: not for subclasses (quantised, LoRA),
-    hooks, a replaced forward (Accelerate), a bias, another dtype, too many rows, or with KIMI3_FUSED_LINEARS=0."""
+    hooks, a replaced forward (Accelerate), a bias, another dtype, too many rows, or with the fused inference kernels off."""
     sys.path.insert(0, os.path.join(ROOT, "src"))
     from transformers_kimi3 import kda as kda_layer
 
     x = torch.zeros(1, 1, 8)
     mods = [torch.nn.Linear(8, 4, bias=False) for _ in range(3)]
     assert [w is m.weight for w, m in zip(kda_layer._plain_weights(mods, x, 1), mods)] == [True] * 3
-    assert kda_layer._plain_weights(mods, x, kda_layer._linears.MAX_ROWS + 1) is None
+    assert kda_layer._plain_weights(mods, x, kda_layer.kernels.linear_ops.MAX_ROWS + 1) is None
     assert kda_layer._plain_weights(mods, x.double(), 1) is None
 
     class Sub(torch.nn.Linear):
@@ -776,7 +749,7 @@ def test_plain_weights_only_for_plain_linears(monkeypatch):
     assert kda_layer._plain_weights(mods + [hooked], x, 1) is not None
     hooked.forward = lambda t: t  # what accelerate's add_hook_to_module does
     assert kda_layer._plain_weights(mods + [hooked], x, 1) is None
-    monkeypatch.setenv("KIMI3_FUSED_LINEARS", "0")
+    monkeypatch.setenv("KIMI3_INFERENCE_KERNELS", "0")
     assert kda_layer._plain_weights(mods, x, 1) is None
 
 
@@ -822,7 +795,7 @@ def test_model_padded_batch_through_the_kernels(monkeypatch):
     mask[1, :11] = 0
     with torch.no_grad():
         ref = model(input_ids=batch, attention_mask=mask, use_cache=False).logits
-        monkeypatch.setattr(kda_layer, "resolve_backend", lambda device, requested=None, announce=True: "triton")
+        monkeypatch.setattr(kda_layer, "resolve_kda_backend", lambda device, requested=None, announce=True: "triton")
         built = []
         init = _utils.SeqInfo.__init__
         monkeypatch.setattr(_utils.SeqInfo, "__init__", lambda self, *a, **kw: built.append(1) or init(self, *a, **kw))
@@ -839,10 +812,11 @@ def test_grouped_experts_combine_in_the_module(monkeypatch):
     sys.path.insert(0, os.path.join(ROOT, "src"))
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from kimi3_testing import tiny_k3_text_config
+    from transformers_kimi3 import kernels
     from transformers_kimi3 import moe as moe_mod
 
-    monkeypatch.setattr(moe_mod, "KERNELS_ON_CPU", True)
-    monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "8")
+    monkeypatch.setattr(kernels, "kernel_device", lambda t: True)  # the kernels on CPU tensors, interpreted
+    monkeypatch.setattr(moe_mod, "GEMV_MAX_ROUTES", 8)
     gen = torch.Generator().manual_seed(3)
     ex = moe_mod.Kimi3Experts(tiny_k3_text_config(hidden_act="silu", num_experts=6, moe_intermediate_size=32), 48)
     for p in ex.parameters():
@@ -851,8 +825,8 @@ def test_grouped_experts_combine_in_the_module(monkeypatch):
     idx = torch.stack([torch.randperm(6, generator=gen)[:3] for _ in range(40)])
     w = torch.rand(40, 3, generator=gen)
     calls = []
-    real = moe_mod._moe_decode.combine_sorted
-    monkeypatch.setattr(moe_mod._moe_decode, "combine_sorted", lambda *a: calls.append(1) or real(*a))
+    real = kernels.moe_ops.combine_sorted
+    monkeypatch.setattr(kernels.moe_ops, "combine_sorted", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad():
         y = ex(x, idx, w)
         ref = (ex._unsort(*ex._grouped_mm(x, idx)).float().view(40, 3, -1) * w[..., None]).sum(1)
@@ -909,15 +883,13 @@ def test_glu_mul_situ(dtype, linear_beta):
     """K3's SiTU-GLU in one launch against GLUActivation's PyTorch path, gate values well past the tanh bound."""
     sys.path.insert(0, os.path.join(ROOT, "src"))
     from kimi3_kernels.moe_decode import glu_mul
-    from transformers_kimi3.configuration_kimi3 import Kimi3TextConfig
-    from transformers_kimi3.moe import GLUActivation
+    from transformers_kimi3.activations import GLUActivation
 
-    act = GLUActivation(Kimi3TextConfig(hidden_act="situ", activation_situ_beta=4.0,
-                                        activation_situ_linear_beta=linear_beta))
+    act = GLUActivation("situ", 4.0, linear_beta)
     gen = torch.Generator().manual_seed(6)
     g, u = (8 * torch.randn(7, 45, generator=gen)).to(dtype), (4 * torch.randn(7, 45, generator=gen)).to(dtype)
     y, ref = glu_mul(g, u, 4.0, linear_beta), act(g, u)  # CPU tensors: act takes the PyTorch path
-    # fp32: tanh as 2 sigmoid(2x) - 1 is off by ~1e-7 absolute; bf16: one rounding, truncated by the interpreter
+    # fp32: the kernel's tanh is within ~4e-7 of torch's; bf16: one rounding, truncated by the interpreter
     assert y.dtype == dtype
     if dtype == torch.float32:
         assert ((y - ref).abs() <= 1e-5 * (1 + ref.abs())).all()
@@ -963,37 +935,39 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
                                             use_full_rank_gate=False, kda_layers=[1, 2, 3, 5, 6],
                                             full_attn_layers=[4, 7]))
     model = tiny_model(seed=4, **over)
+    from transformers_kimi3 import kernels
     from transformers_kimi3 import moe as moe_mod
     gemv, routed = [], []
-    monkeypatch.setattr(moe_mod, "KERNELS_ON_CPU", True)  # router, SiLU-GLU and expert GEMVs under the interpreter
-    from transformers_kimi3 import attn_res as attn_res_mod
+    # router, SiLU-GLU, expert GEMVs and the AttnRes mix under the interpreter, on CPU tensors
+    monkeypatch.setattr(kernels, "kernel_device", lambda t: True)
     mixes = []
-    real_mix = attn_res_mod._kernel.attn_res_mix
-    monkeypatch.setattr(attn_res_mod._kernel, "attn_res_mix", lambda *a: mixes.append(1) or real_mix(*a))
-    real_route = moe_mod._moe_decode.route_topk
-    monkeypatch.setattr(moe_mod._moe_decode, "route_topk", lambda *a, **kw: routed.append(1) or real_route(*a, **kw))
+    real_mix = kernels.attn_res_ops.attn_res_mix
+    monkeypatch.setattr(kernels.attn_res_ops, "attn_res_mix", lambda *a: mixes.append(1) or real_mix(*a))
+    real_route = kernels.moe_ops.route_topk
+    monkeypatch.setattr(kernels.moe_ops, "route_topk", lambda *a, **kw: routed.append(1) or real_route(*a, **kw))
     if kind == "kimi_linear":  # SiLU experts: decode steps of <= 16 routes take the per-route GEMV
-        real = moe_mod._moe_decode.expert_gemv
-        monkeypatch.setattr(moe_mod._moe_decode, "expert_gemv", lambda *a, **kw: gemv.append(1) or real(*a, **kw))
+        real = kernels.moe_ops.expert_gemv
+        monkeypatch.setattr(kernels.moe_ops, "expert_gemv", lambda *a, **kw: gemv.append(1) or real(*a, **kw))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=gen)
     steps = [torch.randint(3, model.config.vocab_size, (2, n), generator=gen) for n in (1, 3, 1)]
     fused, convs = [], []
-    real_conv = kda_layer._triton_kda.short_conv
-    monkeypatch.setattr(kda_layer._triton_kda, "short_conv", lambda *a: convs.append(1) or real_conv(*a))
+    real_conv = kernels.kda_ops.short_conv
+    monkeypatch.setattr(kernels.kda_ops, "short_conv", lambda *a: convs.append(1) or real_conv(*a))
     monkeypatch.setattr(kda_layer.Kimi3DeltaAttention, "_fused_decode",
                         lambda self, *a, _f=kda_layer.Kimi3DeltaAttention._fused_decode: fused.append(1) or _f(self, *a))
     projected = []
-    real_linears = kda_layer._linears.linears
-    monkeypatch.setattr(kda_layer._linears, "linears", lambda *a, **kw: projected.append(len(a[0])) or real_linears(*a, **kw))
+    real_linears = kernels.linear_ops.linears
+    monkeypatch.setattr(kernels.linear_ops, "linears", lambda *a, **kw: projected.append(len(a[0])) or real_linears(*a, **kw))
     logits = {}
     # the general path with a dynamic cache; the fused one with a dynamic and with a static cache (its buffers are
     # updated in place, as a captured graph needs)
     for run, backend, max_length in (("torch", "torch", None), ("triton", "triton", None),
                                      ("triton_static", "triton", 32)):
-        monkeypatch.setattr(kda_layer, "resolve_backend", lambda device, requested=None, announce=True, b=backend: b)
-        monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "16" if backend == "triton" else "0")
-        monkeypatch.setattr(attn_res_mod, "KERNELS_ON_CPU", backend == "triton")  # the AttnRes mix in one launch
+        monkeypatch.setattr(kda_layer, "resolve_kda_backend", lambda device, requested=None, announce=True, b=backend: b)
+        monkeypatch.setattr(moe_mod, "GEMV_MAX_ROUTES", 16)
+        # the general path: every fused inference kernel off (router, GEMVs, AttnRes mix, convs, norm)
+        monkeypatch.setenv("KIMI3_INFERENCE_KERNELS", "1" if backend == "triton" else "0")
         cache = Kimi3Cache(model.config, max_length=max_length)
         with torch.no_grad():
             out = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ORACLE = os.path.join(os.path.dirname(ROOT), "shared", "oracle")
+# the oracle folder beside the checkout (../shared/oracle), or a copy inside it (shared/oracle: the GPU machine)
+ORACLE = next((p for p in (os.path.join(os.path.dirname(ROOT), "shared", "oracle"), os.path.join(ROOT, "shared", "oracle"))
+               if os.path.isdir(p)), os.path.join(os.path.dirname(ROOT), "shared", "oracle"))
 ORACLE_A = os.path.join(ORACLE, "A")
-needs_oracle = pytest.mark.skipif(not os.path.isdir(ORACLE_A), reason="../shared/oracle/A is not present")
+needs_oracle = pytest.mark.skipif(not os.path.isdir(ORACLE_A), reason=f"the oracle folder {ORACLE_A} is not present")
 
 
 def tiny_k3_text_config(**overrides):

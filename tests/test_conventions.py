@@ -57,3 +57,106 @@ def test_init_follows_fla_and_attnres_conventions():
     assert torch.count_nonzero(layer.mlp_res_proj.weight) == 0  # uniform AttnRes mixing at the start
     assert torch.count_nonzero(model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias) == 0
     assert "Kimi3DecoderLayer" in model._no_split_modules
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Repository conventions: settings are config fields (at most three environment variables), code and docs state what
+# is (no commit hashes, session narration or dated diaries), bench/ stays small, README.md stays short.
+
+import ast  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HISTORY_FREE = ("src", "kernels", "conversion", "docs", "model_cards", "README.md")
+MAX_ENV_NAMES, MAX_BENCH_SCRIPTS, MAX_BENCH_RESULTS, MAX_README_LINES = 3, 10, 16, 220
+
+
+def _files(tops, exts):
+    for top in tops:
+        path = os.path.join(ROOT, top)
+        if os.path.isfile(path):
+            yield path
+        for folder, dirs, names in os.walk(path):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            yield from (os.path.join(folder, n) for n in sorted(names) if n.endswith(exts))
+
+
+def _rel(path):
+    return os.path.relpath(path, ROOT)
+
+
+def _env_names(path):
+    """The KIMI3_* names a module can read from the environment: every string constant that is exactly such a name
+    (os.environ keys, module constants that hold one, helper arguments), except the `__all__` lists that export
+    Python names; an f-string that builds a KIMI3_ name counts as a read of an unknown name."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    exported = {id(n) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+                for n in ast.walk(node.value)}
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in exported:
+            if re.fullmatch(r"KIMI3_[A-Z0-9_]+", node.value):
+                names.add(node.value)
+        elif isinstance(node, ast.JoinedStr) and any(isinstance(v, ast.Constant) and "KIMI3_" in str(v.value)
+                                                     for v in node.values):
+            names.add(f"<an f-string at line {node.lineno}>")
+    return names
+
+
+def test_at_most_three_environment_variables_are_read():
+    """What a user chooses is a config field; KIMI3_KDA_BACKEND and KIMI3_INFERENCE_KERNELS=0 are the environment
+    variables (docs/kernels.md). A benchmark's knob is an explicit argument or context manager, not a variable."""
+    readers, internals = {}, []
+    for path in _files(("src", "kernels"), (".py",)):
+        for name in _env_names(path):
+            readers.setdefault(name, []).append(_rel(path))
+        if "environ._data" in open(path, encoding="utf-8").read():
+            internals.append(_rel(path))
+    assert len(readers) <= MAX_ENV_NAMES, f"{len(readers)} KIMI3_* environment names: {readers}"
+    assert not internals, f"modules reading os.environ's internals: {internals}"
+
+
+# A commit hash: 7-40 hex digits standing alone (not part of a word, a number or a hex literal) with both a letter
+# and a digit in it, or any such run that abbreviates a commit of this repository.
+HASH = re.compile(r"(?<![\w#.\-])[0-9a-f]{7,40}(?![\w])")
+NARRATION = re.compile(r"\b[Ss]essions?\b|\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|"
+                       r"eleventh|twelfth|[a-z]+teenth|twentieth|twenty-[a-z]+)\s+(?:session|round)\b|"
+                       r"\b20\d\d-[01]\d-[0-3]\d\b")
+
+
+def _commits():
+    try:
+        out = subprocess.run(["git", "rev-list", "--all"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return out.stdout.split() if out.returncode == 0 else []
+
+
+def test_no_history_in_code_and_docs():
+    """Code, docs and model cards state what is and why; git log and bench/results keep how it got there: no commit
+    hashes, no session or round narration, no dated diary entries."""
+    commits = _commits()
+    found = []
+    for path in _files(HISTORY_FREE, (".py", ".md")):
+        for n, line in enumerate(open(path, encoding="utf-8"), 1):
+            hashes = [h for h in HASH.findall(line) if (re.search("[a-f]", h) and re.search("[0-9]", h))
+                      or any(c.startswith(h) for c in commits)]
+            marks = hashes + [m.group(0) for m in NARRATION.finditer(line)]
+            if marks:
+                found.append(f"{_rel(path)}:{n}: {', '.join(marks)}")
+    assert not found, f"{len(found)} history marks:\n" + "\n".join(found[:60])
+
+
+def test_bench_stays_small():
+    bench = os.path.join(ROOT, "bench")
+    scripts = sorted(n for n in os.listdir(bench) if n.endswith((".py", ".sh")))
+    assert len(scripts) <= MAX_BENCH_SCRIPTS, scripts
+    results = sorted(os.listdir(os.path.join(bench, "results")))
+    assert len(results) <= MAX_BENCH_RESULTS, results
+
+
+def test_readme_reads_in_five_minutes():
+    lines = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().splitlines()
+    assert len(lines) <= MAX_README_LINES, len(lines)

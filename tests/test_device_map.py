@@ -38,8 +38,8 @@ def _offloaded(folder, offload_dir, device_map="auto", **kw):
 
 
 def _check_buffers(model, plain):
-    """Offloaded layers keep their loaded e_score_correction_bias (it was once re-initialised to zero because the
-    router's offloaded weight made the module count as not loaded)."""
+    """Offloaded layers keep their loaded e_score_correction_bias (an offloaded router weight must not make the module
+    count as not loaded, which would re-initialise the bias to zero)."""
     for (name, b), (_, ref) in zip(model.named_buffers(), plain.named_buffers()):
         assert torch.equal(b.cpu(), ref), name
 
@@ -101,7 +101,7 @@ def test_tensor_and_expert_parallel_plans_on_cpu(tmp_path):
     """bench/multi_gpu.py's TP plan (MLPs, shared and routed experts) and EP plan (whole experts per rank, with
     Kimi3Experts skipping the off-rank sentinel), as Kimi3TextConfig defines them, under torchrun with two CPU
     processes (gloo): the same fp32 logits and greedy tokens as one process. The two-H200 run is in
-    bench/results/multi_gpu.json."""
+    bench/results/multi_gpu_h200.json."""
     import json
     import subprocess
     import sys

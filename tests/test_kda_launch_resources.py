@@ -2,7 +2,7 @@
 K = V = 128 (bf16 and fp32 inputs, both gates, small and large grids) is compiled for sm_90 by Triton's own compiler,
 which needs no GPU, and its shared memory must fit the 232,448 bytes one sm_90 block may use. The interpreter that
 runs the kernels in CI never sees this limit: 3 stages for the backward state scan needed 294,912 bytes with fp32
-inputs, and only the H200 run showed it.
+inputs.
 
 The launches are recorded, not run: each kernel object is swapped for a recorder while chunk_kda's host code runs a
 forward and backward on CPU tensors; then the real kernels are compiled with the recorded arguments. The compile runs
@@ -16,7 +16,6 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SM90_SHARED_LIMIT = 232448  # bytes per block (227 KB) on H100 / H200
-ENV = ("KIMI3_KDA_LAUNCH", "KIMI3_KDA_FWD16", "KIMI3_KDA_FWD16_SEGS")  # the variables that pick kernels and launches
 
 
 def record_launches():
@@ -39,37 +38,29 @@ def record_launches():
     try:
         for m, name, obj in swapped:
             setattr(m, name, Recorder(obj))
-        # H=2: the forward scan's small-grid tile; H=72: 144 programs at 64 wide, its large-grid tile
-        # "0" keeps the inference call on the 64-token kernels too; the last ones: the inference forward in 16-token
-        # sub-chunks (the default, KIMI3_KDA_FWD16=1; the training call takes 64-token chunks), also in segments
-        # (one chunk each here)
-        off = dict(KIMI3_KDA_FWD16="0")
-        sub16, seg = {}, dict(KIMI3_KDA_FWD16_SEGS="2")
-        seg_min, chunk_fwd.SEG_MIN_CHUNKS = chunk_fwd.SEG_MIN_CHUNKS, 1
-        for dtype, lb, H, env in ((torch.bfloat16, -5.0, 2, off), (torch.bfloat16, None, 2, off),
-                                  (torch.float32, -5.0, 2, off), (torch.float32, None, 2, off),
-                                  (torch.bfloat16, -5.0, 72, off), (torch.float32, -5.0, 72, off),
-                                  (torch.bfloat16, -5.0, 2, sub16), (torch.bfloat16, None, 2, sub16),
-                                  (torch.float32, None, 2, sub16), (torch.bfloat16, -5.0, 2, seg),
-                                  (torch.float32, None, 2, seg)):
-            for name in ENV:
-                os.environ.pop(name, None)
-            os.environ.update(env)
+        # H=2: the forward scan's small-grid tile; H=72: 144 programs at 64 wide, its large-grid tile. Each case
+        # runs the inference forward (16-token sub-chunks; "seg": in segments of one chunk each) and the training
+        # forward and backward (64-token chunks)
+        one_chunk = lambda n, programs, device: [(c, c + 1) for c in range(n)] or [(0, 0)]  # noqa: E731
+        auto = chunk_fwd.fwd16_segments
+        for dtype, lb, H, seg in ((torch.bfloat16, -5.0, 2, False), (torch.bfloat16, None, 2, False),
+                                  (torch.float32, -5.0, 2, False), (torch.float32, None, 2, False),
+                                  (torch.bfloat16, -5.0, 72, False), (torch.float32, -5.0, 72, False),
+                                  (torch.bfloat16, -5.0, 2, True), (torch.float32, None, 2, True)):
+            chunk_fwd.fwd16_segments = one_chunk if seg else auto
             T, K = 128, 128
             xs = [torch.randn(1, T, H, K, dtype=dtype, requires_grad=True) for _ in range(4)]
             kw = dict(A_log=torch.zeros(H), dt_bias=torch.zeros(H * K), lower_bound=lb,
                       initial_state=torch.zeros(1, H, K, K), output_final_state=True)
             beta = torch.randn(1, T, H, dtype=dtype)
-            with torch.no_grad():  # inference keeps less (entry states in the input dtype)
+            with torch.no_grad():
                 chunk_kda(*(x.detach() for x in xs), beta, **kw)
             o, s = chunk_kda(*xs, beta, **kw)
             (o.float().sum() + s.sum()).backward()
     finally:
-        for name in ENV:
-            os.environ.pop(name, None)
+        chunk_fwd.fwd16_segments = auto
         for m, name, obj in swapped:
             setattr(m, name, obj)
-        chunk_fwd.SEG_MIN_CHUNKS = seg_min
     return launches
 
 
@@ -83,7 +74,7 @@ def compile_sm90(fn, args, kwargs):
            torch.int64: "*i64", torch.uint8: "*u8", torch.int8: "*i8"}
     vals = dict(zip(fn.arg_names, args), **kwargs)
     options = dict(num_warps=vals.pop("num_warps", 4), num_stages=vals.pop("num_stages", 3))
-    if "maxnreg" in vals:  # a launch's register cap (LAUNCH_DEFAULTS' fourth field) changes what ptxas allocates
+    if "maxnreg" in vals:  # a launch's register cap (a fourth field in kimi3_kernels.kda.configs.LAUNCH) changes what ptxas allocates
         options["maxnreg"] = vals.pop("maxnreg")
     sig, consts, attrs = {}, {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
@@ -115,7 +106,7 @@ def main():
 
 def test_default_launches_fit_sm90_shared_memory():
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and k not in ENV}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(HERE, "..", "kernels"), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, env=env,
                           timeout=900)

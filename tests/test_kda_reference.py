@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from transformers_kimi3.kda_reference import naive_chunk_kda, naive_recurrent_kda
+from kimi3_kernels.kda.reference import naive_chunk_kda, naive_recurrent_kda
 
 # fp32 reference vs fp64 recurrence: rounding only (inputs O(1), T <= 150)
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}

@@ -115,25 +115,6 @@ def test_bound_launcher_shares_launchs_cache(gpu):
     assert len({_launch.Launcher(fn, BLOCK=b, num_warps=4)._ckey for b in (16, 1, True, 32)}) == 4
 
 
-def test_env_reads_what_os_environ_holds(monkeypatch):
-    # the switches' readers (kimi3_kernels._host) answer as os.environ.get, set, changed, unset, non-ASCII;
-    # env_values' raw values (cache keys) differ exactly where the values do
-    from kimi3_kernels._host import env, env_values
-
-    name, other = "KIMI3_TEST_ENV_READ", "KIMI3_TEST_ENV_OTHER"
-    monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv(other, raising=False)
-    assert env(name) is None and env(name, "d") == "d" and env_values((name, other)) == (None, None)
-    seen = set()
-    for value in ("1", "", "64,32", "\u00e9t\u00e9"):
-        monkeypatch.setenv(name, value)
-        assert env(name) == os.environ.get(name) == value
-        seen.add(env_values((name, other)))
-    assert len(seen) == 4 and all(v[1] is None for v in seen)
-    monkeypatch.delenv(name)
-    assert env(name, "d") == "d" and env_values((name, other)) == (None, None)
-
-
 def test_failed_direct_launch_falls_back_for_good(gpu, caplog):
     k = FakeKernel(fail=True)
     fn = FakeJIT(k)
@@ -160,9 +141,11 @@ def test_signature_it_cannot_order_is_never_cached(gpu):
 
 def test_off_switches(monkeypatch):
     monkeypatch.setattr(_launch, "_FAILED", [])
-    monkeypatch.setenv("KIMI3_DIRECT_LAUNCH", "0")
-    assert not _launch.enabled()
-    monkeypatch.delenv("KIMI3_DIRECT_LAUNCH")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    allowed = _launch.enabled()
+    with _launch.direct_launch(False):
+        assert not _launch.enabled()
+    assert _launch.enabled() == allowed  # restored on exit
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not _launch.enabled()
     # CPU tensors never take the direct path
@@ -211,9 +194,8 @@ def test_decode_kernels_direct_match_triton_on_gpu(monkeypatch):
         out += [o, ht, attn_res.attn_res_mix(bank, x[None], x[0], x[1], 1e-6)]
         return out
 
-    monkeypatch.setenv("KIMI3_DIRECT_LAUNCH", "0")
-    ref = step()
-    monkeypatch.delenv("KIMI3_DIRECT_LAUNCH")
+    with _launch.direct_launch(False):
+        ref = step()
     before = _launch._DIRECT[0]
     runs = [step() for _ in range(3)]
     torch.cuda.synchronize()

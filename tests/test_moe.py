@@ -4,6 +4,7 @@ torch._grouped_mm (the CUDA bf16 path, which also runs on CPU), against a plain 
 import torch
 
 from kimi3_testing import tiny_k3_text_config
+from transformers_kimi3 import moe
 from transformers_kimi3.moe import Kimi3Experts, Kimi3TopkRouter
 
 
@@ -56,17 +57,18 @@ def test_router_uses_bias_for_selection_only():
 
 
 def _recorded(monkeypatch, name, result):
-    """Replace kimi3_kernels.moe_decode.<name> by a recorder (the kernels themselves run under the Triton
-    interpreter in kernels_kda_cases.py) and let the model use it on CPU; returns the list of calls."""
+    """Replace kimi3_kernels.moe_decode.<name> (`kernels.moe_ops`) by a recorder (the kernels themselves run under
+    the Triton interpreter in kernels_kda_cases.py) and let the model use it on CPU tensors (`kernels.kernel_device`
+    is CUDA otherwise); returns the list of calls."""
     import pytest
 
-    from transformers_kimi3 import moe
+    from transformers_kimi3 import kernels
 
-    if moe.gemv_max_routes() is None:
+    if kernels.moe_ops is None:
         pytest.skip("kimi3_kernels / triton not importable")
     calls = []
-    monkeypatch.setattr(moe, "KERNELS_ON_CPU", True)
-    monkeypatch.setattr(moe._moe_decode, name, lambda *a, **kw: calls.append(a) or result(*a))
+    monkeypatch.setattr(kernels, "kernel_device", lambda t: True)
+    monkeypatch.setattr(kernels.moe_ops, name, lambda *a, **kw: calls.append(a) or result(*a))
     return calls
 
 
@@ -74,7 +76,7 @@ def test_decode_gemv_is_chosen_only_where_it_applies(monkeypatch):
     # few routes, SiLU experts, no autograd, plain (non-DTensor) weights
     calls = _recorded(monkeypatch, "expert_gemv", lambda x, *a: torch.zeros(x.shape[0], 32))
     _recorded(monkeypatch, "glu_mul", lambda g, u, b, lb: g * u)  # the other paths' GLU
-    monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "8")
+    monkeypatch.setattr(moe, "GEMV_MAX_ROUTES", 8)
     silu = Kimi3Experts(tiny_k3_text_config(hidden_act="silu", num_experts=8, moe_intermediate_size=32), 32)
     situ = Kimi3Experts(tiny_k3_text_config(num_experts=8, moe_intermediate_size=32), 32)
 
@@ -90,7 +92,7 @@ def test_decode_gemv_is_chosen_only_where_it_applies(monkeypatch):
     assert not used(silu, 4)
     del silu.w1.device_mesh
     assert not used(silu, 4, grad=True)  # autograd recording and the weights need gradients: training path
-    monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "0")
+    monkeypatch.setattr(moe, "GEMV_MAX_ROUTES", 0)
     assert not used(silu, 1)
 
 
@@ -112,9 +114,9 @@ def test_one_token_mlp_gemv_is_chosen_only_where_it_applies(monkeypatch):
     assert not used(silu, (2, 1)) and not used(silu, (1, 3))  # each row would re-read the weights
     assert not used(situ, (1, 1))  # SiTU stays on the PyTorch path
     assert not used(silu, (1, 1), grad=True)  # training
-    monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "0")  # the decode kernels' off switch
+    monkeypatch.setattr(moe, "GEMV_MAX_ROUTES", 0)  # the decode kernels' route limit
     assert not used(silu, (1, 1))
-    monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "64")
+    monkeypatch.setattr(moe, "GEMV_MAX_ROUTES", 64)
     monkeypatch.setenv("KIMI3_INFERENCE_KERNELS", "0")  # every inference kernel off
     assert not used(silu, (1, 1))
 
@@ -125,7 +127,7 @@ def test_decode_router_and_glu_kernels_are_chosen_only_where_they_apply(monkeypa
     calls = _recorded(monkeypatch, "route_topk", lambda x, w, b, k, *a: (torch.zeros(x.shape[0], 8),
                                                                          torch.zeros(x.shape[0], k),
                                                                          torch.zeros(x.shape[0], k, dtype=torch.long)))
-    monkeypatch.setenv("KIMI3_MOE_GEMV_MAX_ROUTES", "8")
+    monkeypatch.setattr(moe, "GEMV_MAX_ROUTES", 8)
     plain = Kimi3TopkRouter(tiny_k3_text_config(num_experts=8, num_experts_per_token=2))
     grouped = Kimi3TopkRouter(tiny_k3_text_config(num_experts=8, num_experts_per_token=2, num_expert_group=2,
                                                   topk_group=1))
@@ -140,7 +142,7 @@ def test_decode_router_and_glu_kernels_are_chosen_only_where_they_apply(monkeypa
     assert not used(grouped, 1)  # expert groups: the PyTorch path
     assert not used(plain, 1, grad=True)  # autograd recording (training)
     glu_calls = _recorded(monkeypatch, "glu_mul", lambda g, u, b, lb: g)
-    silu, situ = (GLUActivation(tiny_k3_text_config(hidden_act=a)) for a in ("silu", "situ"))
+    silu, situ = (GLUActivation.from_config(tiny_k3_text_config(hidden_act=a)) for a in ("silu", "situ"))
     g = torch.randn(3, 5)
     with torch.no_grad():
         silu(g, g), situ(g, g)

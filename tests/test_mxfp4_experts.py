@@ -1,4 +1,5 @@
-"""PackedMXFP4Experts on the PyTorch path (CPU): forward and gradients equal dequantise-then-matmul."""
+"""PackedMXFP4Experts on its exact paths (CPU): forward and gradients equal dequantise-then-matmul; fp32 activations
+never reach the MXFP4 kernels (their operands are bf16)."""
 
 import sys
 from pathlib import Path
@@ -12,15 +13,10 @@ for _p in (ROOT / "src", ROOT / "kernels"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from transformers_kimi3 import mxfp4  # noqa: E402
-from transformers_kimi3.mxfp4 import (  # noqa: E402
-    PackedMXFP4Experts,
-    SiTUGLU,
-    dequantize_mxfp4,
-    fused_act_spec,
-    quantize_mxfp4,
-    silu_glu,
-)
+from transformers_kimi3 import kernels, mxfp4_experts  # noqa: E402
+from transformers_kimi3.activations import GLUActivation  # noqa: E402
+from transformers_kimi3.mxfp4 import dequantize_mxfp4, quantize_mxfp4, weight_memory_bytes  # noqa: E402
+from transformers_kimi3.mxfp4_experts import PackedMXFP4Experts  # noqa: E402
 
 E, D, I, T, K = 6, 64, 96, 9, 3
 
@@ -29,7 +25,7 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def make(glu_act=silu_glu, seed=0):
+def make(glu_act=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     w1 = torch.randn(E, I, D, generator=g) * 0.1
     w3 = torch.randn(E, I, D, generator=g) * 0.1
@@ -59,10 +55,13 @@ def reference(mod, x, idx, w):
     return out.to(x.dtype)
 
 
-@pytest.mark.parametrize("act", [silu_glu, SiTUGLU(4.0, 25.0), SiTUGLU(4.0, None), lambda g, u: torch.relu(g) * u])
+SILU, SITU = GLUActivation("silu"), GLUActivation("situ", 4.0, 25.0)
+
+
+@pytest.mark.parametrize("act", [SILU, SITU, GLUActivation("situ", 4.0, None), lambda g, u: torch.relu(g) * u])
 def test_forward_and_grads_fp32(act):
     mod = make(act)
-    assert mod.kernel_path == "torch-per-expert" or mxfp4._gemm_module().interpreter_enabled()
+    assert mod.kernel_path == "torch-per-expert"
     idx, w = routing()
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(2), requires_grad=True)
     w = w.requires_grad_()
@@ -80,7 +79,7 @@ def test_forward_and_grads_fp32(act):
 
 
 def test_forward_and_grads_bf16():
-    mod = make(SiTUGLU())
+    mod = make(SITU)
     idx, w = routing(seed=5)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(6)).bfloat16().requires_grad_()
     y = mod(x, idx, w)
@@ -106,13 +105,13 @@ def test_top1_repeated_expert_and_unused_experts():
 def test_dequantises_one_expert_at_a_time(monkeypatch):
     mod = make()
     shapes = []
-    real = mxfp4.dequantize_mxfp4
+    real = mxfp4_experts.decode_mxfp4
 
-    def spy(packed, scale, dtype=torch.bfloat16, name="weight"):
+    def spy(packed, scale, dtype=torch.float32):
         shapes.append(tuple(packed.shape))
-        return real(packed, scale, dtype, name)
+        return real(packed, scale, dtype)
 
-    monkeypatch.setattr(mxfp4, "dequantize_mxfp4", spy)
+    monkeypatch.setattr(mxfp4_experts, "decode_mxfp4", spy)
     idx, w = routing()
     x = torch.randn(T, D, requires_grad=True)
     mod(x, idx, w).sum().backward()
@@ -134,8 +133,8 @@ def test_buffers_are_the_checkpoint_bytes():
     d1, d3, d2 = mod.dequantize(torch.bfloat16)
     assert d1.dtype == torch.bfloat16 and d2.shape == (E, D, I)
     assert torch.equal(d3, dequantize_mxfp4(sd["w3_packed"], sd["w3_scale"]))
-    assert mod.weight_bytes == mxfp4.weight_memory_bytes(E, D, I)
-    assert mod.weight_bytes <= 0.3 * mxfp4.weight_memory_bytes(E, D, I, torch.bfloat16)
+    assert mod.weight_bytes == weight_memory_bytes(E, D, I)
+    assert mod.weight_bytes <= 0.3 * weight_memory_bytes(E, D, I, torch.bfloat16)
     fresh = PackedMXFP4Experts(E, D, I)
     fresh.load_state_dict(sd)
     x = torch.randn(T, D)
@@ -159,19 +158,8 @@ def test_corrupt_state_dict_refused_by_name():
         mod(torch.randn(2, D), torch.tensor([[0, E]]).expand(2, 2), torch.ones(2, 2))
 
 
-def test_from_experts_module_and_fused_spec_detection():
-    class GLUActivation(nn.Module):  # shaped like transformers_kimi3.moe.GLUActivation
-        def __init__(self, kind, beta=None, linear_beta=None):
-            super().__init__()
-            self.kind, self.beta, self.linear_beta = kind, beta, linear_beta
-
-        def forward(self, gate, up):
-            if self.kind == "situ":
-                if self.linear_beta is not None:
-                    up = self.linear_beta * torch.tanh(up / self.linear_beta)
-                return self.beta * torch.tanh(gate / self.beta) * torch.sigmoid(gate) * up
-            return torch.nn.functional.silu(gate) * up
-
+def test_from_experts_module_and_fused_glu():
+    """The fused kernels take the GLU from a GLUActivation's spec; any other callable runs unfused in PyTorch."""
     class Experts(nn.Module):
         def __init__(self):
             super().__init__()
@@ -183,28 +171,92 @@ def test_from_experts_module_and_fused_spec_detection():
 
     dense = Experts()
     mod = PackedMXFP4Experts.from_experts(dense)
-    assert mod._fused == ("situ", 4.0, 25.0)
+    assert mod._fused == ("situ", 4.0, 25.0) and mod.glu_act is dense.act_fn
     assert torch.equal(mod.w1_packed, quantize_mxfp4(dense.w1.detach())[0])
-    assert fused_act_spec(GLUActivation("silu")) == ("silu",)
-    assert fused_act_spec(GLUActivation("situ", 4.0, None)) == ("situ", 4.0, None)
-    assert fused_act_spec(lambda g, u: g * u) is None
-
-    class Lying(GLUActivation):  # claims SiLU but computes something else: must not be fused
-        def forward(self, gate, up):
-            return torch.relu(gate) * up
-
-    assert fused_act_spec(Lying("silu")) is None
+    assert make()._fused == ("silu", None, None) == GLUActivation("swish").spec
+    assert GLUActivation("situ", 4.0, None).spec == ("situ", 4.0, None)
+    assert make(lambda g, u: g * u)._fused is None
+    with pytest.raises(ValueError, match="activation_situ_beta"):
+        GLUActivation("situ")
+    with pytest.raises(ValueError, match="unknown"):
+        GLUActivation("gelu")
 
 
 def test_kernel_status_reports_path():
-    st = mxfp4.kernel_status("cpu")
-    assert st["mxfp4_experts"] in ("torch-per-expert", "triton")
-    assert make().kernel_path == mxfp4.kernel_path("cpu")
+    st = kernels.kernel_status("cpu")["moe"]
+    assert st["mxfp4_experts"] == make().kernel_path == "torch-per-expert"
+
+
+class _KernelsReached(Exception):
+    pass
+
+
+class _FakeMXFP4Ops:
+    """Stands in for kimi3_kernels.mxfp4 on the CPU: available everywhere, and any kernel call is recorded by
+    raising _KernelsReached."""
+    HAS_TRITON = True
+
+    def available(self, device):
+        return True
+
+    def __getattr__(self, name):
+        def kernel(*a, **kw):
+            raise _KernelsReached(name)
+        return kernel
+
+
+@pytest.fixture
+def fake_kernel_device(monkeypatch):
+    """A kernel device (as CUDA would be) with the fake MXFP4 kernels and no decode kernels (the GLU runs in
+    PyTorch)."""
+    monkeypatch.setattr(kernels, "kernel_device", lambda t: True)
+    monkeypatch.setattr(kernels, "mxfp4_ops", lambda: _FakeMXFP4Ops())
+    monkeypatch.setattr(kernels, "moe_ops", None)
+
+
+@pytest.mark.parametrize("T_", [T, 40])
+@pytest.mark.parametrize("grad", [False, True])
+def test_fp32_never_reaches_the_bf16_kernels(fake_kernel_device, T_, grad):
+    """Issue 52: an fp32 model on the GPU computes its experts in fp32 (the packed GEMM's operands are bf16). On a
+    kernel device fp32 activations take the exact paths (without autograd and up to GATHER_MAX_ROUTES routes the
+    gathered one, which has no host synchronisation; else the sorted one), equal to the CPU's to 1e-6; bf16
+    activations reach the kernels."""
+    mod = make(SITU)
+    idx, w = routing(seed=4, t=T_)
+    x = torch.randn(T_, D, generator=torch.Generator().manual_seed(9))
+    gathered = []
+    real = PackedMXFP4Experts._forward_gathered
+    mod._forward_gathered = lambda *a: gathered.append(1) or real(mod, *a)
+    with torch.set_grad_enabled(grad):
+        y = mod(x.clone().requires_grad_(grad), idx, w)
+    assert gathered == ([1] if not grad and T_ * K <= mod.GATHER_MAX_ROUTES else [])
+    with pytest.raises(_KernelsReached):
+        with torch.set_grad_enabled(grad):
+            mod(x.bfloat16().requires_grad_(grad), idx, w)
+    with pytest.MonkeyPatch.context() as mp:  # the CPU as it is: no kernel device
+        mp.setattr(kernels, "kernel_device", lambda t: False)
+        ref = mod(x, idx, w)
+    assert rel(y, ref) < 1e-6
+
+
+def test_gathered_path_chunks_and_checks(fake_kernel_device):
+    """The gathered path in chunks of decoded weights equals one chunk and the sorted path; bad ids are refused."""
+    mod = make(SITU)
+    idx, w = routing(seed=6)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(10)).bfloat16()
+    with torch.no_grad():
+        one = mod._forward_gathered(x.float(), idx, w)
+        mod.GATHER_CHUNK_BYTES = 5 * 3 * I * D * 4  # 5 routes per chunk
+        chunked = mod._forward_gathered(x.float(), idx, w)
+        assert torch.equal(one, chunked)
+        assert rel(mod._forward_gathered(x, idx, w), reference(mod, x, idx, w)) < 4e-3  # bf16 h and y, as the module
+        with pytest.raises(ValueError, match="outside"):
+            mod._forward_gathered(x.float(), torch.full_like(idx, E), w)
 
 
 def test_adapter_training_step_on_frozen_base():
     """A LoRA-style adapter in front of frozen packed experts receives gradients; the packed bytes never change."""
-    mod = make(SiTUGLU())
+    mod = make(SITU)
     before = {k: v.clone() for k, v in mod.state_dict().items()}
     adapter = nn.Linear(D, D)
     opt = torch.optim.SGD(adapter.parameters(), lr=0.1)

@@ -11,7 +11,7 @@ from kimi3_testing import ORACLE_A, needs_oracle, rel_err
 pytestmark = needs_oracle
 from transformers_kimi3 import Kimi3ForConditionalGeneration, kernel_status
 from transformers_kimi3.moe import Kimi3Experts
-from transformers_kimi3.mxfp4 import PackedMXFP4Experts
+from transformers_kimi3.mxfp4_experts import PackedMXFP4Experts
 
 
 def _experts(model):

@@ -15,6 +15,7 @@ from transformers_kimi3.mxfp4 import (  # noqa: E402
     E2M1_VALUES,
     _e2m1_codes,
     check_mxfp4,
+    decode_mxfp4,
     dequantize_mxfp4,
     pack_fp4_codes,
     quantize_mxfp4,
@@ -153,6 +154,22 @@ def test_dequantize_layout_low_nibble_even_column():
     scale = torch.tensor([[128]], dtype=torch.uint8)  # X = 2
     deq = dequantize_mxfp4(packed, scale, torch.float32)
     assert deq[0, :2].tolist() == [2.0, 12.0] and deq[0, 2:].abs().sum() == 0
+
+
+def test_decode_builds_every_value_from_its_bits():
+    """decode_mxfp4 (no checks, graph-safe) gives code * 2^(e-127) bit for bit for every byte and every finite
+    scale, the subnormal scale 0 and the overflow 6 * 2^127 included, in fp32 and bf16; 0xFF (refused at load)
+    decodes to inf instead of NaN."""
+    packed = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # [256 scales, 512 columns]
+    scale = torch.arange(256, dtype=torch.uint8)[:, None].repeat(1, 16)
+    codes = unpack_fp4_codes(packed).long()
+    want = (LUT.double()[codes].unflatten(-1, (16, 32)) * torch.pow(2.0, scale.double() - 127)[..., None]).flatten(-2)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = decode_mxfp4(packed, scale, dtype)
+        assert torch.equal(bits(got[:255]), bits(want[:255].to(dtype))), dtype
+        assert torch.isinf(got[255][LUT[codes[255]] != 0]).all()
+    assert torch.equal(bits(dequantize_mxfp4(packed[:255], scale[:255], torch.float32)), bits(decode_mxfp4(
+        packed[:255], scale[:255])))
 
 
 # ---------------------------------------------------------------- round trips and error bounds

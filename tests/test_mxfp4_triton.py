@@ -1,5 +1,5 @@
-"""The Triton MXFP4 grouped GEMM under TRITON_INTERPRET=1 (CPU) equals its PyTorch reference, and the packed
-experts' Triton path equals dequantise-then-matmul, gradients included.
+"""The Triton MXFP4 grouped GEMM (`kimi3_kernels.mxfp4`) under TRITON_INTERPRET=1 (CPU) equals its PyTorch
+reference, and the packed experts' kernel path equals dequantise-then-matmul, gradients included.
 
 Triton reads TRITON_INTERPRET when it launches, and other test files in the same pytest process may use Triton
 compiled for real or set the variable differently, so the checks run in a subprocess with the variable set; this
@@ -50,13 +50,10 @@ def _kernel_checks(G, R, torch):
     wp, ws = weights(E, N, K)
     bp, bs = weights(E, N, K)
     common = dict(a_rows=tok, c_rows=order.to(torch.int32), num_c_rows=M, b_packed=bp, b_scale=bs)
-    cfgs = {"bk64": dict(BM=16, BN=64, BK=64, DEQ=0), "bk32": dict(BM=16, BN=32, BK=32, DEQ=0),
-            "dot_scaled": dict(BM=16, BN=64, BK=64, DEQ=1),
-            # parity split: even / odd weight columns as two half-width operands against strided activation halves
-            "split": dict(BM=16, BN=64, BK=64, DEQ=0, SPLIT=1),
+    cfgs = {"bk64": dict(BM=16, BN=64, BK=64), "bk32": dict(BM=16, BN=32, BK=32),
             # K permuted inside each tile (weights and activations alike); BK=128 > K=96: a half-masked tile
-            "perm": dict(BM=16, BN=64, BK=64, DEQ=0, PERM=1), "perm_bk128": dict(BM=16, BN=32, BK=128, DEQ=0, PERM=1),
-            "perm_bk32": dict(BM=16, BN=32, BK=32, DEQ=0, PERM=1)}
+            "perm": dict(BM=16, BN=64, BK=64, PERM=1), "perm_bk128": dict(BM=16, BN=32, BK=128, PERM=1),
+            "perm_bk32": dict(BM=16, BN=32, BK=32, PERM=1)}
     for mode, kw in {"plain": {}, "dual_out": dict(dual="out"), "silu": dict(dual="out", act="silu"),
                      "situ": dict(dual="out", act="situ", act_params=(4.0, 25.0)),
                      "situ_linear_up": dict(dual="out", act="situ", act_params=(4.0, None))}.items():
@@ -78,6 +75,8 @@ def _kernel_checks(G, R, torch):
         for cname, cfg in {"bk64": dict(BM=16, BN=64, BK=64), "perm_bk32": dict(BM=16, BN=32, BK=32, PERM=1)}.items():
             c = G.mxfp4_grouped_gemm(x, wp, ws, None, expert_ids=eids, a_row_div=k, config=cfg, **gkw)
             out[f"fwd_unsorted_{mode}_{cname}"] = _rel(c, r)
+        # the reference takes the same arguments: rows one by one, each with its expert id
+        out[f"ref_unsorted_{mode}"] = _rel(R(x, wp, ws, None, expert_ids=eids, a_row_div=k, **gkw), r)
     # an id past the last expert (another rank's, under expert parallelism) gets zeros from the kernel itself:
     # outputs come from torch.empty, here filled with NaN so that a row left unwritten shows
     off_rank = eids.clone()
@@ -111,15 +110,6 @@ def _kernel_checks(G, R, torch):
                                  config=dict(BM=16, BN=64, BK=64), **kw)
         r = R(a, wtp, wts, offs, trans_w=True, b_packed=btp, b_scale=bts, **kw)
         out[f"bwd_{mode}"] = _rel(c, r)
-        # parity split along n (the packing direction of the transposed layout): two half-height accumulators
-        c = G.mxfp4_grouped_gemm(a, wtp, wts, offs, trans_w=True, b_packed=btp, b_scale=bts,
-                                 config=dict(BM=16, BN=64, BK=64, SPLIT=1), **kw)
-        out[f"bwd_{mode}_split"] = _rel(c, r)
-    # parity split with the trans_w + dual="out" combination (two weights, four half accumulators)
-    c = G.mxfp4_grouped_gemm(a, wtp, wts, offs, trans_w=True, b_packed=btp, b_scale=bts, dual="out",
-                             config=dict(BM=16, BN=64, BK=64, SPLIT=1))
-    out["bwd_trans_dual_out_split"] = _rel(c, R(a, wtp, wts, offs, trans_w=True, b_packed=btp, b_scale=bts,
-                                                dual="out"))
     # activations stored in the K order of the PERM tiles (permute_k / a_kperm): gate+up and down, K a multiple of
     # BK, three tile widths (BK=64 from the default tile of another BM)
     K2, N2 = 128, 128
@@ -135,6 +125,7 @@ def _kernel_checks(G, R, torch):
                     (32, dict(BM=16, BN=32, BK=32, num_warps=4, num_stages=1))):
         h = G.mxfp4_grouped_gemm(G.permute_k(x2, bk), w1p, w1s, offs, a_kperm=bk, config=cfg, **up)
         out[f"kperm{bk}_gate_up"] = _rel(h, h_ref)
+        out[f"ref_kperm{bk}_gate_up"] = _rel(R(G.permute_k(x2, bk), w1p, w1s, offs, a_kperm=bk, **up), h_ref)
         y = G.mxfp4_grouped_gemm(G.permute_k(hb, bk), w2p, w2s, offs, c_rows=order.to(torch.int32), num_c_rows=M,
                                  a_kperm=bk, config=cfg)
         out[f"kperm{bk}_down"] = _rel(y, y_ref)
@@ -156,8 +147,6 @@ def _kernel_checks(G, R, torch):
     ws_edge[1, :, 1] = 130
     c = G.mxfp4_grouped_gemm(xm, wp, ws_edge, offs2, config=dict(BM=16, BN=32, BK=32))
     out["fwd_scale_edges"] = _rel(c, R(xm, wp, ws_edge, offs2))
-    c = G.mxfp4_grouped_gemm(xm, wp, ws_edge, offs2, config=dict(BM=16, BN=32, BK=32, SPLIT=1))
-    out["fwd_scale_edges_split"] = _rel(c, R(xm, wp, ws_edge, offs2))
     # tail launches: full BM-row blocks, then each expert's short last block in TAIL-row tiles. Segment lengths
     # around the block edges (0, 1, TAIL +- 1, BM +- 1, ...), gate+up with the GLU fused and down scattered, in
     # stored and pre-permuted K order; then the default tiles where they split (BM=128, TAIL=64)
@@ -223,8 +212,15 @@ def _kernel_checks(G, R, torch):
     return out
 
 
-def _module_checks(mxfp4, torch):
-    """PackedMXFP4Experts on the Triton path (interpreted) vs dequantise-then-matmul, forward and grads."""
+def _module_checks(G, torch):
+    """PackedMXFP4Experts on the kernel path (interpreted) vs dequantise-then-matmul, forward and grads."""
+    from transformers_kimi3 import kernels, mxfp4_experts
+    from transformers_kimi3.activations import GLUActivation
+    from transformers_kimi3.mxfp4_experts import PackedMXFP4Experts
+
+    from kimi3_kernels.mxfp4 import tiles
+
+    kernels.kernel_device = lambda t: True  # the kernels on CPU tensors (this worker runs under the interpreter)
     out = {}
     E, D, I, T, k = 6, 64, 96, 7, 3
     gen = torch.Generator().manual_seed(1)
@@ -234,9 +230,10 @@ def _module_checks(mxfp4, torch):
     tw = torch.rand(T, k, generator=gen)
     x0 = torch.randn(T, D, generator=gen).bfloat16()
     dy = torch.randn(T, D, generator=gen).bfloat16()
-    for name, act in {"silu": mxfp4.silu_glu, "situ": mxfp4.SiTUGLU(4.0, 25.0),
+    situ = GLUActivation("situ", 4.0, 25.0)
+    for name, act in {"silu": GLUActivation("silu"), "situ": situ,
                       "unfused": lambda g, u: torch.relu(g) * u}.items():
-        mod = mxfp4.PackedMXFP4Experts.from_float(w1, w3, w2, act)
+        mod = PackedMXFP4Experts.from_float(w1, w3, w2, act)
         out[f"path_{name}"] = mod.kernel_path
         d1, d3, d2 = mod.dequantize(torch.float32)
         x, w = x0.clone().requires_grad_(), tw.clone().requires_grad_()
@@ -246,7 +243,8 @@ def _module_checks(mxfp4, torch):
         ref = 0
         for j in range(k):
             e = idx[:, j]
-            h = act(torch.einsum("td,tid->ti", xr, d1[e]), torch.einsum("td,tid->ti", xr, d3[e]))
+            with torch.enable_grad():
+                h = act(torch.einsum("td,tid->ti", xr, d1[e]), torch.einsum("td,tid->ti", xr, d3[e]))
             h = h + (h.bfloat16().float() - h).detach()
             ref = ref + wr[:, j:j + 1] * torch.einsum("ti,tdi->td", h, d2[e])
         ref.backward(dy.float())
@@ -254,37 +252,34 @@ def _module_checks(mxfp4, torch):
         out[f"module_{name}_dx"] = _rel(x.grad, xr.grad)
         out[f"module_{name}_dw"] = _rel(w.grad, wr.grad)
         if name == "situ":  # forward and the backward's recompute of gate+up with x in K-permuted order
-            Gm = mxfp4._gemm_module()
-            saved = dict(Gm._PERM_TILES)
-            Gm._PERM_TILES.update({(16, "out"): (32, 64, 4, 1, 1)})
+            saved = dict(tiles._PERM_TILES)
+            tiles._PERM_TILES.update({(16, "out"): (32, 64, 4, 1, 1)})
             try:
-                assert Gm.kperm_bk(T * k, E, I, D, "out") == 64
+                assert G.kperm_bk(T * k, E, I, D, "out") == 64
                 x, w = x0.clone().requires_grad_(), tw.clone().requires_grad_()
                 mod(x, idx, w).backward(dy)
             finally:
-                Gm._PERM_TILES.clear()
-                Gm._PERM_TILES.update(saved)
+                tiles._PERM_TILES.clear()
+                tiles._PERM_TILES.update(saved)
             out["module_situ_kperm_dx"] = _rel(x.grad, xr.grad)
             out["module_situ_kperm_dw"] = _rel(w.grad, wr.grad)
     # without autograd at decode sizes the packed GEMM reads the routes' experts from topk_idx, one route per
-    # program (no sort; KIMI3_MXFP4_UNSORTED_MAX_ROUTES): two launches (SiTU fused into gate+up), the same result
-    # as the reference
+    # program (no sort; UNSORTED_MAX_ROUTES): two launches (SiTU fused into gate+up), the same result as the
+    # reference
     sorts = []
-    real_route = mxfp4._route
-    mxfp4._route = lambda *a, **kw: sorts.append(1) or real_route(*a, **kw)
-    Gm = mxfp4._gemm_module()
-    gemm, gemm_calls = Gm.mxfp4_grouped_gemm, []
-    Gm.mxfp4_grouped_gemm = lambda *a, **kw: gemm_calls.append(kw.get("expert_ids") is not None) or gemm(*a, **kw)
-    act = mxfp4.SiTUGLU(4.0, 25.0)
-    mod = mxfp4.PackedMXFP4Experts.from_float(w1, w3, w2, act)
+    real_route = mxfp4_experts._route
+    mxfp4_experts._route = lambda *a, **kw: sorts.append(1) or real_route(*a, **kw)
+    gemm, gemm_calls = G.mxfp4_grouped_gemm, []
+    G.mxfp4_grouped_gemm = lambda *a, **kw: gemm_calls.append(kw.get("expert_ids") is not None) or gemm(*a, **kw)
+    mod = PackedMXFP4Experts.from_float(w1, w3, w2, situ)
     d1, d3, d2 = mod.dequantize(torch.float32)
     ref = 0
     for j in range(k):
         e = idx[:, j]
-        h = act(torch.einsum("td,tid->ti", x0.float(), d1[e]), torch.einsum("td,tid->ti", x0.float(), d3[e]))
+        h = situ(torch.einsum("td,tid->ti", x0.float(), d1[e]), torch.einsum("td,tid->ti", x0.float(), d3[e]))
         ref = ref + tw[:, j:j + 1] * torch.einsum("ti,tdi->td", h.bfloat16().float(), d2[e])
     try:
-        os.environ["KIMI3_MXFP4_UNSORTED_MAX_ROUTES"] = "64"
+        mod.UNSORTED_MAX_ROUTES = 64
         with torch.no_grad():
             y = mod(x0, idx, tw)
         out["module_gemm_unsorted_y"] = _rel(y, ref)
@@ -299,28 +294,28 @@ def _module_checks(mxfp4, torch):
             out["module_unsorted_refuses_bad_id"] = False
         except RuntimeError as ex:
             out["module_unsorted_refuses_bad_id"] = "out-of-range" in str(ex)
-        ids, ok = Gm.route_expert_ids(idx, E)
-        _, bad_ok = Gm.route_expert_ids(bad_idx - 2 * E * (bad_idx == E), E)  # a negative id
+        ids, ok = G.route_expert_ids(idx, E)
+        _, bad_ok = G.route_expert_ids(bad_idx - 2 * E * (bad_idx == E), E)  # a negative id
         out["route_expert_ids"] = [bool(torch.equal(ids.long(), idx.reshape(-1))), int(ok), int(bad_ok)]
         # ... and with x in a tile's K order from the same launch (both orders), as permute_k gives it
         out["route_expert_ids_x"] = [
-            bool(torch.equal(xp, Gm.permute_k(x0, 64, nib=nib)) and torch.equal(ids2, ids) and int(ok2))
-            for nib in (False, True) for ids2, ok2, xp in [Gm.route_expert_ids(idx, E, x0, 64, nib)]]
+            bool(torch.equal(xp, G.permute_k(x0, 64, nib=nib)) and torch.equal(ids2, ids) and int(ok2))
+            for nib in (False, True) for ids2, ok2, xp in [G.route_expert_ids(idx, E, x0, 64, nib)]]
         # one route per program with K-permuted tiles (x and h copied into their K order)
-        saved = dict(Gm._PERM_TILES)
-        Gm._PERM_TILES.update({(16, "out"): (32, 64, 4, 1, 1), (16, None): (32, 32, 4, 1, 1)})
+        saved = dict(tiles._PERM_TILES)
+        tiles._PERM_TILES.update({(16, "out"): (32, 64, 4, 1, 1), (16, None): (32, 32, 4, 1, 1)})
         try:
             with torch.no_grad():
                 out["module_gemm_kperm_unsorted_y"] = _rel(mod(x0, idx, tw), ref)
             # the module's cached tile choice follows the tables (gate+up K-permuted at BK 64 now, plain before)
-            out["module_tiles_follow_tables"] = [mod._mlp_tiles(Gm, T * k, T * k, True, x0.device)[::2]]
+            out["module_tiles_follow_tables"] = [mod._mlp_tiles(G, T * k, T * k, True, x0.device)[::2]]
         finally:
-            Gm._PERM_TILES.clear()
-            Gm._PERM_TILES.update(saved)
-        out["module_tiles_follow_tables"].append(mod._mlp_tiles(Gm, T * k, T * k, True, x0.device)[::2])
-        # the default (variable unset): unsorted up to 32 routes without autograd; sorted above 32 routes or with
-        # autograd. Top-2 here, so 16 tokens are 32 routes; (GEMM launches with expert_ids, all GEMM launches, sorts)
-        os.environ.pop("KIMI3_MXFP4_UNSORTED_MAX_ROUTES")
+            tiles._PERM_TILES.clear()
+            tiles._PERM_TILES.update(saved)
+        out["module_tiles_follow_tables"].append(mod._mlp_tiles(G, T * k, T * k, True, x0.device)[::2])
+        # the default: unsorted up to 32 routes without autograd; sorted above 32 routes or with autograd. Top-2
+        # here, so 16 tokens are 32 routes; (GEMM launches with expert_ids, all GEMM launches, sorts)
+        del mod.UNSORTED_MAX_ROUTES
         gen2 = torch.Generator().manual_seed(2)  # leaves `gen`'s draws below as they were
         xd = torch.randn(17, D, generator=gen2).bfloat16()
         idx2 = torch.stack([torch.randperm(E, generator=gen2)[:2] for _ in range(17)])
@@ -331,51 +326,61 @@ def _module_checks(mxfp4, torch):
             with torch.set_grad_enabled(grad):
                 mod(xd[:n].clone().requires_grad_(grad), idx2[:n], tw2[:n])
             out[f"default_routes_{name}"] = [sum(gemm_calls), len(gemm_calls), len(sorts)]
+        # fp32 activations (an fp32 model) never reach the packed GEMM (bf16 operands): the gathered exact path
+        # without autograd at decode sizes, the sorted one otherwise, against the fp32 dequantise-then-matmul
+        xf = xd.float()
+        d1, d3, d2 = mod.dequantize(torch.float32)
+        for name, n, grad in (("16", 16, False), ("17_grad", 17, True)):
+            gemm_calls.clear()
+            with torch.set_grad_enabled(grad):
+                yf = mod(xf[:n].clone().requires_grad_(grad), idx2[:n], tw2[:n])
+            ref_f = 0
+            for j in range(2):
+                e = idx2[:n, j]
+                h = situ(torch.einsum("td,tid->ti", xf[:n], d1[e]), torch.einsum("td,tid->ti", xf[:n], d3[e]))
+                ref_f = ref_f + tw2[:n, j:j + 1] * torch.einsum("ti,tdi->td", h, d2[e])
+            out[f"fp32_{name}"] = [len(gemm_calls), _rel(yf, ref_f)]
     finally:
-        mxfp4._route = real_route
-        Gm.mxfp4_grouped_gemm = gemm
-        os.environ["KIMI3_MXFP4_UNSORTED_MAX_ROUTES"] = "0"  # the checks below mean the sorted path
+        mxfp4_experts._route = real_route
+        G.mxfp4_grouped_gemm = gemm
     # K-permuted operands through the module (x and h copied into the tiles' K order), with K-permuted
     # default tiles at this size (BM=16: BK 64 for gate+up, 32 for down), against the module with plain tiles
-    G = mxfp4._gemm_module()
-    mod = mxfp4.PackedMXFP4Experts.from_float(w1, w3, w2, mxfp4.silu_glu)
+    mod = PackedMXFP4Experts.from_float(w1, w3, w2)
+    mod.UNSORTED_MAX_ROUTES = 0  # the sorted path
     with torch.no_grad():
         plain = mod(x0, idx, tw)
-        saved = dict(G._PERM_TILES)
-        G._PERM_TILES.update({(16, "out"): (32, 64, 4, 1, 1), (16, None): (32, 32, 4, 1, 1)})
+        saved = dict(tiles._PERM_TILES)
+        tiles._PERM_TILES.update({(16, "out"): (32, 64, 4, 1, 1), (16, None): (32, 32, 4, 1, 1)})
         bks = G.kperm_bk(T * k, E, I, D, "out"), G.kperm_bk(T * k, E, D, I)
         try:
             permuted = mod(x0, idx, tw)
         finally:
-            G._PERM_TILES.clear()
-            G._PERM_TILES.update(saved)
+            tiles._PERM_TILES.clear()
+            tiles._PERM_TILES.update(saved)
     out["module_kperm_bks"] = list(bks)
     out["module_kperm_vs_plain"] = _rel(permuted, plain)
     # prefill: experts decoded to bf16 in chunks (two experts per chunk here) + torch._grouped_mm, against the
     # packed GEMMs on the same inputs; an unused expert (5) leaves its chunk's bounds empty
-    from kimi3_kernels.mxfp4_gemm import dequantize_bf16
-    from kimi3_kernels.mxfp4_gemm_ref import dequant_ref
-
-    mod = mxfp4.PackedMXFP4Experts.from_float(w1, w3, w2, mxfp4.SiTUGLU(4.0, 25.0))
+    mod = PackedMXFP4Experts.from_float(w1, w3, w2, situ)
     out["dequant_bits_equal"] = all(
-        torch.equal(dequantize_bf16(getattr(mod, f"{n}_packed"), getattr(mod, f"{n}_scale")),
-                    dequant_ref(getattr(mod, f"{n}_packed"), getattr(mod, f"{n}_scale")).bfloat16())
+        torch.equal(G.dequantize_bf16(getattr(mod, f"{n}_packed"), getattr(mod, f"{n}_scale")),
+                    G.dequant_ref(getattr(mod, f"{n}_packed"), getattr(mod, f"{n}_scale")).bfloat16())
         for n in ("w1", "w3", "w2"))
     idx_p = torch.stack([torch.randperm(E - 1, generator=gen)[:k] for _ in range(40)])
     xp = torch.randn(40, D, generator=gen).bfloat16()
     with torch.no_grad():
         packed = mod(xp, idx_p, tw[:1].expand(40, k))
         mod.DEQUANT_MIN_ROWS_PER_EXPERT, mod.DEQUANT_CHUNK_BYTES = 1, 2 * 3 * I * D * 2
-        mxfp4.DEQUANT_ON_CPU = True
         deq = mod(xp, idx_p, tw[:1].expand(40, k))
-        mxfp4.DEQUANT_ON_CPU = False
     out["module_dequantized_vs_packed"] = _rel(deq, packed)
     return out
 
 
 def _plan_checks(G, torch):
-    """mxfp4_grouped_gemm's launch plans: made once per call signature, made again when a tile table or a switch
+    """mxfp4_grouped_gemm's launch plans: made once per call signature, made again when a tile table or an option
     changes, never kept for a call that fails its checks."""
+    from kimi3_kernels.mxfp4 import gemm, tiles
+
     out = {}
     gen = torch.Generator().manual_seed(5)
     E, N, K = 3, 64, 64
@@ -384,28 +389,27 @@ def _plan_checks(G, torch):
     x = torch.randn(6, K, generator=gen).bfloat16()
     offs = torch.tensor([0, 2, 2, 6], dtype=torch.int32)
     made = []
-    real = G._Plan
+    real = gemm._Plan
 
     class Counting(real):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             made.append(self)
 
-    G._Plan = Counting
-    saved = dict(G._PERM_TILES)
+    gemm._Plan = Counting
+    saved = dict(tiles._PERM_TILES)
     try:
         G.clear_plans()
         first = G.mxfp4_grouped_gemm(x, wp, ws, offs)
         again = G.mxfp4_grouped_gemm(x, wp, ws, offs)
         out["plan_reused"] = [len(made), bool(torch.equal(first, again))]
-        G._PERM_TILES[16, None] = (64, 128, 4, 4, 0)  # BN 128 -> 64: a new plan with the new tile
+        tiles._PERM_TILES[16, None] = (64, 128, 4, 4, 0)  # BN 128 -> 64: a new plan with the new tile
         narrow = G.mxfp4_grouped_gemm(x, wp, ws, offs)
         out["plan_table_change"] = [len(made), made[-1].steps[0][1].meta["BN"], bool(torch.equal(first, narrow))]
-        G._PERM_TILES.update(saved)
-        os.environ["KIMI3_MXFP4_SPLIT"] = "1"
-        split = G.mxfp4_grouped_gemm(x, wp, ws, offs)
-        out["plan_switch_change"] = [len(made), made[-1].steps[0][1].meta["SPLIT"], _rel(split, first)]
-        os.environ.pop("KIMI3_MXFP4_SPLIT")
+        tiles._PERM_TILES.update(saved)
+        with G.variant(l2_prefetch=0):  # another option value: another plan (the Gluon kernel's; same bits here)
+            other = G.mxfp4_grouped_gemm(x, wp, ws, offs)
+        out["plan_option_change"] = [len(made), bool(torch.equal(other, first))]
         G.mxfp4_grouped_gemm(x, wp, ws, offs)  # the tables as at first: a plan from them
         rows = torch.tensor([5, 4, 3, 2, 1, 0], dtype=torch.int32)
         gathered = G.mxfp4_grouped_gemm(x, wp, ws, offs, a_rows=rows)  # another signature: its own plan
@@ -419,10 +423,9 @@ def _plan_checks(G, torch):
                 refused.append("columns" in str(ex))
         out["plan_refused_twice"] = refused + [len(made)]
     finally:
-        G._Plan = real
-        G._PERM_TILES.clear()
-        G._PERM_TILES.update(saved)
-        os.environ.pop("KIMI3_MXFP4_SPLIT", None)
+        gemm._Plan = real
+        tiles._PERM_TILES.clear()
+        tiles._PERM_TILES.update(saved)
         G.clear_plans()
     return out
 
@@ -431,32 +434,12 @@ def _worker():
     _setup_path()
     import torch
 
-    try:
-        from kimi3_kernels import mxfp4_gemm as G
-        from kimi3_kernels.mxfp4_gemm_ref import mxfp4_grouped_gemm_ref as R
-        note = ""
-    except Exception as ex:  # the package __init__ belongs to others; test our module even if it is broken
-        import importlib.util
-        import types
+    import kimi3_kernels.mxfp4 as G
 
-        note = f"kimi3_kernels package import failed ({ex!r}); loaded mxfp4_gemm by path"
-        pkg = types.ModuleType("kimi3_kernels")
-        pkg.__path__ = [str(ROOT / "kernels" / "kimi3_kernels")]
-        sys.modules["kimi3_kernels"] = pkg
-        mods = {}
-        for m in ("mxfp4_gemm", "mxfp4_gemm_ref"):
-            spec = importlib.util.spec_from_file_location(f"kimi3_kernels.{m}", pkg.__path__[0] + f"/{m}.py")
-            mods[m] = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = mods[m]
-            spec.loader.exec_module(mods[m])
-        G, R = mods["mxfp4_gemm"], mods["mxfp4_gemm_ref"].mxfp4_grouped_gemm_ref
-    from transformers_kimi3 import mxfp4
-
-    mxfp4._GEMM[:] = [G]
-    res = {"note": note, "interpreter": G.interpreter_enabled(), "available_cpu": G.available("cpu")}
-    res.update(_kernel_checks(G, R, torch))
+    res = {"interpreter": G.gemm.interpreter_enabled(), "available_cpu": G.available("cpu")}
+    res.update(_kernel_checks(G, G.mxfp4_grouped_gemm_ref, torch))
     res.update(_plan_checks(G, torch))
-    res.update(_module_checks(mxfp4, torch))
+    res.update(_module_checks(G, torch))
     print("RESULT " + json.dumps(res))
 
 
@@ -464,7 +447,7 @@ def _worker():
 def results():
     pytest.importorskip("triton", reason="triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
                           cwd=str(ROOT))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -477,21 +460,21 @@ def test_interpreter_active(results):
 
 def test_kernel_matches_reference(results):
     # same bf16 operands, fp32 accumulation in another order; fused GLU outputs are fp32 here: 1e-5
-    kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_", "kperm", "tail_"))}
-    assert len(kernel) == 68, sorted(kernel)
+    # (ref_: the reference's own K-order and expert_ids arguments against its sorted, stored-order form)
+    kernel = {k: v for k, v in results.items() if k.startswith(("fwd_", "bwd_", "kperm", "tail_", "ref_"))}
+    assert len(kernel) == 60, sorted(kernel)
     bad = {k: v for k, v in kernel.items() if not v < 1e-5}
     assert not bad, bad
 
 
 def test_launch_plans(results):
-    # one plan for repeated calls (same bits); a changed tile table or switch gives a new plan that uses it (BN 64,
-    # the parity split: same products, other accumulation order: < 1e-5); another signature has its own (the
-    # gathered rows equal the reference on gathered inputs bit for bit in this order: < 1e-6); a call refused by
-    # the checks is refused again and leaves no plan
+    # one plan for repeated calls (same bits); a changed tile table or option gives a new plan that uses it (BN 64;
+    # the L2 prefetch is the Gluon kernel's, so the same bits here); another signature has its own (the gathered
+    # rows equal the reference on gathered inputs bit for bit in this order: < 1e-6); a call refused by the checks
+    # is refused again and leaves no plan
     assert results["plan_reused"] == [1, True]
     assert results["plan_table_change"] == [2, 64, True]
-    n, split, err = results["plan_switch_change"]
-    assert (n, split) == (3, True) and err < 1e-5, results["plan_switch_change"]
+    assert results["plan_option_change"] == [3, True]
     n, err = results["plan_gather"]
     assert n == 5 and err < 1e-6, results["plan_gather"]  # 4: the first tables again
     assert results["plan_refused_twice"] == [True, True, 5]
@@ -542,6 +525,14 @@ def test_module_triton_path_matches_dequantise_then_matmul(results):
     assert results["module_kperm_vs_plain"] < 1e-3, results
 
 
+def test_module_fp32_runs_exact_not_the_bf16_gemm(results):
+    """Issue 52: fp32 activations on a kernel device take the exact paths (no packed GEMM launch, whose operands
+    are bf16): fp32 sums of the same products against dequantise-then-matmul in another order."""
+    for name in ("16", "17_grad"):
+        calls, err = results[f"fp32_{name}"]
+        assert calls == 0 and err < 1e-6, (name, results[f"fp32_{name}"])
+
+
 def test_host_grid_helpers_match_triton():
     """The plain-Python cdiv / next_pow2 the launch paths use instead of Triton's constexpr functions (host calls
     cost ~2.7 us each there) give Triton's values."""
@@ -558,11 +549,12 @@ def test_host_grid_helpers_match_triton():
 def test_ptx_decode_emulated():
     """The inline-PTX E2M1 decode (GPU-only, so the interpreter cannot run it), executed instruction by instruction
     here, equals the exact decode for every byte value and the scale bytes that matter (subnormal 0 and 1,
-    overflow at 253 and 254), in both output forms. bench/mxfp4_decode_check.py runs the real thing on a GPU."""
+    overflow at 253 and 254). On an sm_90 GPU tests/test_mxfp4_wgmma.py compares the kernels that run it with the
+    reference."""
     pytest.importorskip("triton", reason="triton is not installed")
     import torch
 
-    from kimi3_kernels import mxfp4_gemm as G
+    from kimi3_kernels.mxfp4 import decode as G
     lut = (0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6)
 
     def want(code, s):
@@ -573,7 +565,7 @@ def test_ptx_decode_emulated():
         b = max(s << 7, 0x40)  # as _e8m0_to_bf16x2
         return b | (b << 16)
 
-    pairs, split = G._e2m1_ptx(True), G._e2m1_ptx(False)
+    pairs = G.E2M1_PTX
     # the table operands are exact only because a scale word's halves are equal: ZERO_PTX gives 0 for every one
     assert {run_decode_ptx(G.ZERO_PTX, scale_word(s), [], n_out=1)[0] for s in range(255)} == {0}
     assert run_decode_ptx(G.ZERO_PTX, 0x3F803F00, [], n_out=1)[0] != 0
@@ -587,9 +579,6 @@ def test_ptx_decode_emulated():
             hi = [want(v >> 4, s) for v, s in zip(byts, sc)]
             out = run_decode_ptx(pairs, x, [scale_word(s) for s in sc], G)
             assert out == [lo[i] | (hi[i] << 16) for i in range(4)], (s0, byts)
-            out = run_decode_ptx(split, x, [scale_word(s) for s in sc], G)
-            assert out == [lo[0] | lo[1] << 16, lo[2] | lo[3] << 16, hi[0] | hi[1] << 16, hi[2] | hi[3] << 16], \
-                (s0, byts)
 
 
 if __name__ == "__main__":

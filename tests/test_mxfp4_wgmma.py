@@ -1,9 +1,9 @@
-"""The Gluon MXFP4 grouped GEMM with asynchronous wgmma (`kimi3_kernels.mxfp4_wgmma`).
+"""The Gluon MXFP4 grouped GEMM with asynchronous wgmma (`kimi3_kernels.mxfp4.wgmma`).
 
 Gluon has no interpreter, so on the CPU the kernel is compiled for sm_90 (no GPU needed) and its SASS checked for
 what makes it fast and correct: every MMA asynchronous with one left in flight, no spills, no shared-memory round
-trip of the decoded tile. On an H200 the outputs are compared with the Triton kernel's (same decode, same K order:
-bit-identical) and with the PyTorch reference; `bench/moe_probe.py` does the same at K3 shapes.
+trip of the decoded tile. On an sm_90 GPU the outputs are compared with the Triton kernel's (same decode, same K
+order: bit-identical) and with the PyTorch reference; `bench/moe.py` checks the module at K3 shapes.
 """
 
 import re
@@ -23,9 +23,10 @@ for p in (ROOT / "src", ROOT / "kernels"):
         sys.path.insert(0, str(p))
 
 triton = pytest.importorskip("triton")
-from kimi3_kernels import mxfp4_gemm as G  # noqa: E402
-from kimi3_kernels import mxfp4_gemm_ref as R  # noqa: E402
-from kimi3_kernels import mxfp4_wgmma as W  # noqa: E402
+from kimi3_kernels import mxfp4 as G  # noqa: E402
+from kimi3_kernels.mxfp4 import decode, tiles  # noqa: E402
+from kimi3_kernels.mxfp4 import reference as R  # noqa: E402
+from kimi3_kernels.mxfp4 import wgmma as W  # noqa: E402
 
 needs_gluon = pytest.mark.skipif(not W.HAS_GLUON, reason="this Triton has no Gluon")
 on_h100_class = pytest.mark.skipif(
@@ -112,8 +113,8 @@ def test_compiles_for_sm90_with_asynchronous_register_operand_wgmma(BM, STAGES, 
 
 def test_default_tiles_and_dispatch(monkeypatch):
     """Where the kernel runs: the forward tiles of one and two rows per expert on an sm_90 GPU; not BM >= 64,
-    the backward layouts; one row per program (decode) with tiles of its own; KIMI3_MXFP4_WGMMA=0 turns it off."""
-    monkeypatch.setattr(G, "wgmma_enabled", lambda device=None: True)
+    the backward layouts; one row per program (decode) with tiles of its own; `variant(wgmma=False)` turns it off."""
+    monkeypatch.setattr(tiles, "wgmma_enabled", lambda device=None: True)
     E, D, I = 896, 3584, 3072
     up = G.default_config(64 * 16, E, I, D, "out")
     assert (up["WG"], up["PERM"], up["AK"], up["BM"], up["BN"], up["BK"], up["PAIR"]) == (1, 1, 1, 16, 64, 128, 0)
@@ -126,53 +127,53 @@ def test_default_tiles_and_dispatch(monkeypatch):
     row_dn = G.default_config(16, 16, D, I, row_expert=True)
     assert (row_up["WG"], row_up["num_stages"], row_dn["WG"], row_dn["PAIR"]) == (1, 5, 1, 0)
     monkeypatch.undo()
-    monkeypatch.setenv("KIMI3_MXFP4_WGMMA", "0")
-    assert not G.wgmma_enabled()
-    monkeypatch.setenv("KIMI3_MXFP4_WGMMA", "1")
+    with G.variant(wgmma=False):
+        assert not G.wgmma_enabled()
+        assert "WG" not in G.default_config(64 * 16, E, I, D, "out")
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         assert not G.wgmma_enabled()
 
 
 def test_gluon_tail_tiles(monkeypatch):
-    """By default (KIMI3_MXFP4_WG_TAIL=16, read at each call; 0: off) the BM=32 Gluon tiles hand each expert's last
-    block of at most 16 rows to a launch of the BM=16 Gluon tiles, with the same BK (the activations are permuted for
-    it); never for one route per program."""
-    monkeypatch.setattr(G, "wgmma_enabled", lambda device=None: True)
+    """The BM=32 Gluon tiles hand each expert's last block of at most 16 rows to a launch of the BM=16 Gluon tiles
+    (`tiles._TAILS["wg"]`), with the same BK (the activations are permuted for it); never for one route per
+    program."""
+    monkeypatch.setattr(tiles, "wgmma_enabled", lambda device=None: True)
     E, D, I = 896, 3584, 3072
-    monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "0")
-    assert G.default_config(1024 * 16, E, I, D, "out")["TAIL"] == ()
-    monkeypatch.delenv("KIMI3_MXFP4_WG_TAIL")
+    with monkeypatch.context() as mp:
+        mp.setitem(tiles._TAILS, "wg", ())
+        assert G.default_config(1024 * 16, E, I, D, "out")["TAIL"] == ()
     up, dn = G.default_config(1024 * 16, E, I, D, "out"), G.default_config(1024 * 16, E, D, I)
     assert up["TAIL"] == dn["TAIL"] == (16,) and up["BM"] == dn["BM"] == 32
-    t_up, t_dn = G._tail_config(up, 16, "out", False, None), G._tail_config(dn, 16, None, False, None)
+    t_up, t_dn = tiles.tail_config(up, 16, "out", False, None), tiles.tail_config(dn, 16, None, False, None)
     assert (t_up["BM"], t_up["WG"], t_up["BN"], t_up["BK"], t_up["num_warps"], t_up["PAIR"]) == (16, 1, 64, 128, 4, 0)
     assert (t_dn["BM"], t_dn["WG"], t_dn["BN"], t_dn["BK"], t_dn["num_warps"], t_dn["PAIR"]) == (16, 1, 64, 128, 4, 1)
     assert G.default_config(64 * 16, E, I, D, "out")["TAIL"] == ()  # BM=16 has nothing smaller
     assert G.default_config(16, 16, I, D, "out", row_expert=True)["TAIL"] == ()
-    monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "8")
-    with pytest.raises(ValueError, match="KIMI3_MXFP4_WG_TAIL"):
-        G.default_config(1024 * 16, E, I, D, "out")
 
 
-def test_l2_prefetch_bytes(monkeypatch):
+def test_l2_prefetch_bytes():
     """The weight rows' L2 prefetch: 128 bytes by default, where that is a whole number of K steps (BK/2 bytes) and
-    lines of a row (K/2 bytes); KIMI3_MXFP4_L2_PREFETCH sets it (0: off)."""
-    monkeypatch.delenv("KIMI3_MXFP4_L2_PREFETCH", raising=False)
+    lines of a row (K/2 bytes); `variant(l2_prefetch=...)` sets it for benchmarks (0: off)."""
     assert W.prefetch_bytes(3584, 128) == W.prefetch_bytes(3072, 128) == W.prefetch_bytes(256, 64) == 128
     assert W.prefetch_bytes(3584 + 128, 128) == 0  # a row of 1,856 bytes: no whole lines
     assert W.prefetch_bytes(3584, 512) == 0  # a K step of 256 bytes: longer than a run
-    monkeypatch.setenv("KIMI3_MXFP4_L2_PREFETCH", "0")
-    assert W.prefetch_bytes(3584, 128) == 0
-    monkeypatch.setenv("KIMI3_MXFP4_L2_PREFETCH", "256")
-    assert W.prefetch_bytes(3584, 128) == 256
-    for bad in ("100", "-128", "1k"):
-        monkeypatch.setenv("KIMI3_MXFP4_L2_PREFETCH", bad)
-        with pytest.raises(ValueError, match="KIMI3_MXFP4_L2_PREFETCH"):
-            W.prefetch_bytes(3584, 128)
+    with G.variant(l2_prefetch=0):
+        assert W.prefetch_bytes(3584, 128) == 0
+    with G.variant(l2_prefetch=256):
+        assert W.prefetch_bytes(3584, 128) == 256
+    assert W.prefetch_bytes(3584, 128) == 128
+    for bad in (100, -128, "1k"):
+        with pytest.raises(ValueError, match="l2_prefetch"):
+            with G.variant(l2_prefetch=bad):
+                pass
+    with pytest.raises(ValueError, match="unknown"):
+        with G.variant(split=True):
+            pass
 
 
 def test_table_free_decode_ptx_gives_the_e2m1_values():
-    """`_e2m1_shift_ptx` run instruction by instruction (`kimi3_testing.run_decode_ptx`): bf16 pair p of a 4-byte
+    """`decode.e2m1_shift_ptx` run instruction by instruction (`kimi3_testing.run_decode_ptx`): bf16 pair p of a 4-byte
     word holds nibbles p and p + 4, each code times its scale 2^(e-127) exactly, -0 for the code of negative zero, at
     every scale exponent it accepts (0..128); 129 would overflow the multiplier, which is why callers check."""
     import struct
@@ -182,7 +183,7 @@ def test_table_free_decode_ptx_gives_the_e2m1_values():
     rng = np.random.default_rng(0)
     words = [0x88888888, 0, 0xFFFFFFFF, 0x77777777] + [int(w) for w in rng.integers(0, 2 ** 32, size=508)]
     exps = [0, 1, 127, 128] + [int(e) for e in rng.integers(0, 129, size=508)]
-    ptx = W._e2m1_shift_ptx()
+    ptx = decode.e2m1_shift_ptx()
     for x, e in zip(words, exps):
         mult = ((e + 126) << 7) * 0x10001  # the kernel's multiplier word
         out = run_decode_ptx(ptx, x, [mult] * 4)
@@ -221,7 +222,7 @@ def test_table_free_order_puts_each_pair_where_the_mma_reads_it():
 def test_table_free_dispatch(monkeypatch):
     """Where the activations may come in the table-free order: the Gluon tiles only (not BM >= 64), one row per
     program included, scales up to exponent 128; a_nib elsewhere is an error, not the wrong products."""
-    monkeypatch.setattr(G, "wgmma_enabled", lambda device=None: True)
+    monkeypatch.setattr(tiles, "wgmma_enabled", lambda device=None: True)
     E, D, I = 896, 3584, 3072
     assert G.kperm_tile(64 * 16, E, I, D, "out") == (128, True) and G.kperm_tile(1024 * 16, E, D, I) == (128, True)
     assert not G.kperm_tile(16384 * 16, E, I, D, "out")[1]
@@ -382,9 +383,9 @@ def test_one_route_per_program_on_gpu():
 @on_h100_class
 @needs_gluon
 def test_tail_launch_matches_one_launch_on_gpu(monkeypatch):
-    """The default tiles at ~17 rows per expert (BM=32, KIMI3_MXFP4_WG_TAIL=16): experts of at most 16 rows (and the
-    last 16 of 33-48) in a second launch of BM=16 tiles give the same bits as one launch (KIMI3_MXFP4_WG_TAIL=0):
-    each row's sums run over K in the same order whatever the tile height; so does turning the L2 prefetch off.
+    """The default tiles at ~17 rows per expert (BM=32, 16-row tails): experts of at most 16 rows (and the last 16
+    of 33-48) in a second launch of BM=16 tiles give the same bits as one launch (no tails): each row's sums run
+    over K in the same order whatever the tile height; so does turning the L2 prefetch off.
     gate+up with the GLU fused writing h in the down GEMM's K order, and down, both with the table-free decode, as
     the module runs them."""
     rows = [0, 1, 17, 3, 40, 0, 9, 33, 16, 32, 48]
@@ -407,15 +408,14 @@ def test_tail_launch_matches_one_launch_on_gpu(monkeypatch):
                                  c_kperm=bk, c_nib=True)
         return h, G.mxfp4_grouped_gemm(h, w2p, w2s, offs, c_rows=c_rows, num_c_rows=M, a_kperm=bk, a_nib=True)
 
-    monkeypatch.setenv("KIMI3_MXFP4_WG_TAIL", "0")
-    h1, y1 = run()
-    monkeypatch.delenv("KIMI3_MXFP4_WG_TAIL")
+    with monkeypatch.context() as mp:
+        mp.setitem(tiles._TAILS, "wg", ())
+        h1, y1 = run()
     assert G.default_config(M, E, I, D, "out")["TAIL"] == (16,)
     h2, y2 = run()
     assert torch.equal(h1, h2) and torch.equal(y1, y2)
-    monkeypatch.setenv("KIMI3_MXFP4_L2_PREFETCH", "0")  # the weight rows' L2 prefetch moves no result bit
-    h3, y3 = run()
-    monkeypatch.delenv("KIMI3_MXFP4_L2_PREFETCH")
+    with G.variant(l2_prefetch=0):  # the weight rows' L2 prefetch moves no result bit
+        h3, y3 = run()
     assert torch.equal(h1, h3) and torch.equal(y1, y3)
     h = torch.empty_like(h1)
     h[:, G.kperm_index(I, 128, h1.device, nib=True)] = h1  # back in stored order
@@ -431,9 +431,10 @@ def test_direct_launches_match_triton_launches_on_gpu(tokens, monkeypatch):
     """`kimi3_kernels._launch` hands later launches straight to the compiled kernels: the packed experts' forward
     (1 and 8 tokens at top-4: one route per program; 12 and 40: sorted, BM=16 and BM=32 Gluon tiles with tails) and
     the backward (the Triton kernel's layouts) give the same bits with direct launches as through Triton's launch
-    path (KIMI3_DIRECT_LAUNCH=0), the direct path really runs, and a CUDA graph captured from it replays the same."""
+    path (`_launch.direct_launch(False)`), the direct path really runs, and a CUDA graph captured from it replays
+    the same."""
     from kimi3_kernels import _launch
-    from transformers_kimi3.mxfp4 import PackedMXFP4Experts
+    from transformers_kimi3.mxfp4_experts import PackedMXFP4Experts
 
     E, D, I, k = 16, 256, 512, 4
     gen = torch.Generator().manual_seed(tokens)
@@ -456,9 +457,8 @@ def test_direct_launches_match_triton_launches_on_gpu(tokens, monkeypatch):
         assert (d.norm() / y_sorted.detach().float().norm()).item() < 1e-2  # bf16 outputs: ~1e-3 apart
         return y, xg.grad
 
-    monkeypatch.setenv("KIMI3_DIRECT_LAUNCH", "0")
-    ref = run()
-    monkeypatch.delenv("KIMI3_DIRECT_LAUNCH")
+    with _launch.direct_launch(False):
+        ref = run()
     assert _launch.enabled()
     before = _launch._DIRECT[0]
     outs = [run() for _ in range(3)]  # the first through Triton where a specialisation is new, then direct

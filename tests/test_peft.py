@@ -163,13 +163,12 @@ def test_lora_with_frozen_mxfp4_experts():
     """The bundled tiny K3 keeps its routed experts MXFP4-packed as on disk (buffers, frozen). LoRA goes on everything
     else; the gradient flows back through the packed experts (routed_expert_down_proj feeds only the experts, so its
     adapter's gradient has crossed them)."""
-    from transformers_kimi3 import mxfp4
+    from transformers_kimi3 import mxfp4_experts
 
     folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "kimi-k3-tiny")
     model = Kimi3ForCausalLM.from_pretrained(folder, dtype=torch.float32)
     moe = model.model.layers[1].block_sparse_moe
-    if not isinstance(moe.experts, mxfp4.PackedMXFP4Experts):
-        pytest.skip("this model version dequantises MXFP4 experts on load")
+    assert isinstance(moe.experts, mxfp4_experts.PackedMXFP4Experts)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION + GATES + MLPS))
     with torch.no_grad():
         for n, p in peft_model.named_parameters():

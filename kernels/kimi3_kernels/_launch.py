@@ -5,8 +5,8 @@ specialisation goes through Triton, which compiles the kernel (or finds it in it
 with the same specialisation hand the arguments straight to that compiled kernel's launcher.
 
 Triton's own launch path binds the arguments and computes their specialisation. It then builds the cache key and
-reads the stream and launch metadata. On the H200's host that is 20-50 us per launch (bench/moe_host.py,
-`empty_triton_40_args`), which is most of an eager decode step's host time. Here the key holds:
+reads the stream and launch metadata: tens of microseconds of host time per launch, which is most of an eager
+decode step's host time. Here the key holds:
 - each tensor's dtype and 16-byte alignment;
 - each integer's value (Triton specialises on it being 1, a multiple of 16, or wider than 32 bits);
 - every constexpr and launch option, and the device.
@@ -14,25 +14,27 @@ This key is finer than Triton's, so a cached kernel is always the one Triton wou
 
 `args` are the kernel's leading parameters, in order; the keywords give the ones after them (constexprs, or runtime
 ones passed by name, like the recurrent kernel's H) and launch options. Direct launches are
-off under the interpreter, while Triton's launch hooks are set (profilers), with KIMI3_DIRECT_LAUNCH=0 (read at each
-call, for A/B timing), and after any direct launch has failed. A failure is logged once; from then on every launch
-goes through Triton. Triton settings changed after a kernel's first launch (its debug knobs, say) do not reach the
-cached kernels: set KIMI3_DIRECT_LAUNCH=0 for that.
+off under the interpreter, while Triton's launch hooks are set (profilers), inside `direct_launch(False)`, and after
+any direct launch has failed. A failure is logged once; from then on every launch goes through Triton. Triton
+settings changed after a kernel's first launch (its debug knobs, say) do not reach the cached kernels: run such code
+inside `direct_launch(False)`.
 """
 
+import contextlib
 import inspect
 import itertools
 import logging
 
 import torch
 
-from ._host import env, interpreter_enabled
+from ._host import interpreter_enabled
 
 logger = logging.getLogger(__name__)
 
 _COMPILED = {}  # key -> (compiled kernel, values of the parameters after the runtime arguments)
 _FAILED = []  # the error of a direct launch that failed: Triton's path from then on
 _DIRECT = [0]  # direct launches so far (kernel_status, tests)
+_ALLOWED = [True]  # direct_launch()
 _MAX_ENTRIES = 4096
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")  # launch options, not kernel parameters
 
@@ -46,8 +48,19 @@ except ImportError:  # no Triton, or one without knobs (< 3.4, its launch hooks 
 def _switched_on():
     # what launch() checks at each call; the interpreter runs on CPU tensors, which never take the direct path
     return (not _FAILED and _knobs is not None and not _hook_set(_knobs.runtime.launch_enter_hook)
-            and not _hook_set(_knobs.runtime.launch_exit_hook)
-            and env("KIMI3_DIRECT_LAUNCH", "1").strip() not in ("0", ""))
+            and not _hook_set(_knobs.runtime.launch_exit_hook) and _ALLOWED[0])
+
+
+@contextlib.contextmanager
+def direct_launch(allowed: bool):
+    """Allow or forbid direct launches inside the block (forbid: every launch through Triton, e.g. to time Triton's
+    own launch path, or after changing Triton settings that cached kernels would not see)."""
+    saved = _ALLOWED[0]
+    _ALLOWED[0] = bool(allowed)
+    try:
+        yield
+    finally:
+        _ALLOWED[0] = saved
 
 
 def _hook_set(hook):

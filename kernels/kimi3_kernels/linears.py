@@ -2,8 +2,7 @@
 
 A KDA layer's decode step projects its input six times (q, k, v, the gate's and the output gate's low-rank
 halves, beta), and then twice more (the gates' second halves). Each projection is a separate cuBLAS call: a
-launch of a few microseconds on the GPU, and 20-50 us of host time in an eager step (bench/results/
-decode_host_profile_h200_4086912.txt). The narrow ones (128 or H rows) move ~1 MB and are pure latency.
+launch of a few microseconds on the GPU, and tens of microseconds of host time in an eager step. The narrow ones (128 or H rows) move ~1 MB and are pure latency.
 
     ys = linears(xs, weights)   # ys[i] = xs[i] @ weights[i].T; every x [..., K] of one shape, at most MAX_ROWS rows
 

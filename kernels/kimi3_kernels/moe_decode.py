@@ -11,10 +11,13 @@ from `topk_idx` directly:
 
 Rounding follows the grouped-GEMM path (`transformers_kimi3.moe.Kimi3Experts`): the GEMM outputs are rounded to
 the weights' dtype, the activation is computed in fp32 and rounded, each expert's down output is rounded before
-the fp32 weighted sum. SiLU-GLU only (Kimi Linear; K3's SiTU stays on the general path). Routes to index
-`num_experts` (another rank's expert under expert parallelism, weight 0) are skipped. Inference only (no
-backward). `route_topk` is the sigmoid router for the same few tokens in two launches instead of ~12, `glu_mul`
-the GLU (SiLU or K3's SiTU) in one launch instead of 5 (SiTU: 11), `mlp_gemv` one token through a dense MLP. For prefill,
+the fp32 weighted sum; with fp32 weights and inputs every product and sum is fp32 (elementwise products and
+tl.sum, no tl.dot and so no TF32), so an fp32 model keeps fp32 values. SiLU-GLU only (Kimi Linear; K3's SiTU
+stays on the general path). Routes to index `num_experts` (another rank's expert under expert parallelism,
+weight 0) are skipped. Inference only (no backward).
+
+`route_topk` is the sigmoid router for the same few tokens in two launches instead of ~12, `glu_mul` the GLU (SiLU
+or K3's SiTU) in one launch instead of 5 (SiTU: 11), `mlp_gemv` one token through a dense MLP. For prefill,
 `combine_sorted` sums the grouped GEMM's expert-sorted outputs per token in one launch. Runs under
 TRITON_INTERPRET=1 on CPU tensors (CI); the references are `expert_gemv_ref` and `route_topk_ref`.
 """
@@ -134,8 +137,16 @@ if HAS_TRITON:
         tl.store(wts + t * KTOP + j, w * scale, mask=mj)
 
     @triton.jit
-    def _tanh(x):  # 2 sigmoid(2x) - 1: absolute error ~1e-7 in fp32, what the bf16 result can resolve
-        return 2. * tl.sigmoid(2. * x) - 1.
+    def _tanh(x):
+        """tanh to a few fp32 ulps, for fp32 models too: below |x| = 0.3 its odd Taylor polynomial to x^11 (next
+        term < 2e-9 relative), above it 1 - 2 / (exp(2|x|) + 1), whose cancellation costs at most ~2e-7 there.
+        (Forms like 2 sigmoid(2x) - 1 lose the relative precision of small x.)"""
+        a = tl.abs(x)
+        x2 = x * x
+        p = x * (1. + x2 * (-1. / 3. + x2 * (2. / 15. + x2 * (-17. / 315. + x2 * (62. / 2835.
+                                                                                 + x2 * (-1382. / 155925.))))))
+        t = 1. - 2. / (tl.exp(2. * tl.minimum(a, 20.)) + 1.)  # tanh(20) == 1 in fp32; keeps exp finite
+        return tl.where(a < 0.3, p, tl.where(x < 0, -t, t))
 
     @triton.jit
     def _glu_mul_kernel(g, u, y, N, beta, linear_beta, SITU: tl.constexpr, LINEAR_BETA: tl.constexpr,
@@ -232,7 +243,7 @@ def mlp_gemv(x, gate, up, down, BN=8, BN_DOWN=16, BK=128):
     """One token through a dense SiLU-GLU MLP (a shared expert): x [1, D]; gate, up [I, D]; down [D, I]. Returns
     [1, D] in the weights' dtype, rounded as Kimi3MLP (each projection's output, then the fp32 GLU). Two launches of
     the expert kernels instead of four; cuBLAS gives a one-row 2304 -> 1024 projection a tile that streams its
-    weights at a tenth of the bandwidth (bench/decode_gemms.py). Each row re-reads the weights: one token only."""
+    weights at a tenth of the bandwidth. Each row re-reads the weights: one token only."""
     I, D = gate.shape
     if x.shape != (1, D) or up.shape != (I, D) or down.shape != (D, I):
         raise ValueError(f"mlp_gemv: x {tuple(x.shape)}, gate {tuple(gate.shape)}, up {tuple(up.shape)}, "

@@ -16,14 +16,10 @@ from transformers import (
     AutoProcessor,
 )
 
-from .attn_res import kernel_path as _attn_res_path
 from .cache import Kimi3Cache
 from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig, Kimi3VisionConfig, KimiK3Config
 from .image_processing_kimi3 import Kimi3ImageProcessor
-from .kernel_switch import inference_kernels_enabled
-from .kda import kernel_status as _kda_status
-from .moe import gemv_max_routes
-from .mxfp4 import kernel_status as _mxfp4_status
+from .kernels import kernel_status
 from .modeling_kimi3 import (
     Kimi3ForCausalLM,
     Kimi3ForConditionalGeneration,
@@ -39,14 +35,6 @@ from .tokenization_kimi3 import Kimi3Tokenizer, Kimi3TokenizerFast
 logger = logging.getLogger("transformers_kimi3")
 
 __version__ = "0.1.0"
-
-
-def kernel_status(device=None):
-    """Which kernel backends are importable here and which ones the model uses (KDA; packed MXFP4 experts)."""
-    kda = _kda_status(device)
-    return {"kda": kda, "moe": dict(_mxfp4_status(kda["device"]), dense_experts_gemv_max_routes=gemv_max_routes()),
-            "attn_res_mix": _attn_res_path(kda["device"]),
-            "inference_kernels": inference_kernels_enabled()}  # KIMI3_INFERENCE_KERNELS=0: the PyTorch paths
 
 
 def _register(name, config_cls, pairs):

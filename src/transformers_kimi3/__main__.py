@@ -1,4 +1,5 @@
-"""`python -m transformers_kimi3 demo --model FOLDER`: load, generate, report backend and speed."""
+"""`python -m transformers_kimi3 demo --model FOLDER`: load, generate, report the KDA backend and speed.
+`python -m transformers_kimi3 bench`: a quick timing of the model on this machine (see benchmark.py)."""
 
 import argparse
 import time
@@ -32,8 +33,8 @@ def demo(args):
     print(f"generated ids: {new.tolist()}")
     if tokenizer:
         print(f"generated text: {tokenizer.decode(new)!r}")
-    status = transformers_kimi3.kernel_status(ids.device)
-    print(f"KDA backend: {status['kda']['kda_backend']} on {status['kda']['device']}")
+    kda = transformers_kimi3.kernel_status(ids.device)["kda"]
+    print(f"KDA backend: {kda['backend']} on {ids.device.type}")
     print(f"speed: {new.numel() / seconds:.1f} tokens/s ({new.numel()} tokens in {seconds:.2f} s, prefill included)")
     if hasattr(model, "vision_tower"):
         image_question(args, model, pad)
@@ -66,19 +67,18 @@ def main():
     d.add_argument("--model", default="assets/kimi-k3-tiny")
     d.add_argument("--prompt", default="Kimi K3 is a model that")
     d.add_argument("--max-new-tokens", type=int, default=24)
-    b = sub.add_parser("bench", help="a small end-to-end benchmark (ours vs native Kimi Linear) on this device")
-    b.add_argument("--out", default=None)
+    b = sub.add_parser("bench", help="a quick timing of the model on this machine (prefill, decode); writes nothing")
+    b.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    b.add_argument("--prefill", default=None, help="prompt lengths, e.g. 2048,8192")
+    b.add_argument("--batches", default=None, help="decode batch sizes, e.g. 1,8")
+    b.add_argument("--new-tokens", type=int, default=None, help="decode steps timed per batch")
     args = ap.parse_args()
-    {"demo": demo, "bench": bench}[args.cmd](args)
+    if args.cmd == "demo":
+        demo(args)
+    else:
+        from .benchmark import main as bench
 
-
-def bench(args):
-    from .benchmark import main as run, print_table
-
-    small = ["--tiny", "--prefill", "32", "--batches", "1", "--prompt", "16", "--new-tokens", "4"]
-    if torch.cuda.is_available():
-        small = ["--prefill", "2048,8192", "--batches", "1,8", "--prompt", "512", "--new-tokens", "32"]
-    print_table(run(small + (["--out", args.out] if args.out else []) + ["--budget-s", "300"]))
+        bench(args)
 
 
 if __name__ == "__main__":

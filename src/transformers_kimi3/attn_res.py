@@ -4,39 +4,21 @@ Each aggregation point owns a pseudo-query (`*_res_proj`, Linear d->1, checkpoin
 (`*_res_norm`) whose gain multiplies the query; sources are RMS-normalised for the scores only and mixed raw, in
 fp32 (SPEC 0.6 and 4): score = (k * norm.weight * proj.weight[0]).sum(-1) = proj(norm(v)).
 Both run through their own modules' forward, so offloading hooks see every weight use; for inference on CUDA
-`kimi3_kernels.attn_res` does the whole mix in one launch when the weights are already on the bank's device.
+`kernels.attn_res_ops` does the whole mix in one launch when the weights are already on the bank's device.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernel_switch import inference_kernels_enabled
-from .mxfp4 import _on_device
+from . import kernels
 from .norms import Kimi3RMSNorm, rms
-
-try:  # optional: the mix in one Triton launch (kimi3_kernels/attn_res.py)
-    from kimi3_kernels import attn_res as _kernel
-
-    if not _kernel.HAS_TRITON:
-        _kernel = None
-except Exception:  # noqa: BLE001 - absent kernels must not stop the remote code from loading
-    _kernel = None
-
-KERNELS_ON_CPU = False  # tests: run the kernel on CPU tensors under TRITON_INTERPRET=1
-
-
-def kernel_path(device):
-    """What an AttnRes mix on `device` runs for inference: 'triton' or 'torch'."""
-    ok = _kernel is not None and torch.device(device).type == "cuda" and inference_kernels_enabled()
-    return "triton" if ok else "torch"
 
 
 def kernel_used(bank, proj, norm):
-    """The Triton mix runs for inference on CUDA when importable, with both weights already on the bank's device
+    """The one-launch mix runs for inference when importable, with both weights already on the bank's device
     (under Accelerate offloading they arrive only inside their module's forward: the PyTorch path then)."""
-    return (_kernel is not None and (bank.is_cuda or KERNELS_ON_CPU) and not torch.is_grad_enabled()
-            and inference_kernels_enabled()
+    return (kernels.attn_res_ops is not None and not torch.is_grad_enabled() and kernels.inference_ok(bank)
             and proj.weight.device == bank.device == norm.weight.device
             and not any(hasattr(w, "device_mesh") for w in (proj.weight, norm.weight)))
 
@@ -61,8 +43,8 @@ class Kimi3AttnResProj(nn.Linear):
 def attn_res_mix(bank, partial, proj, norm):
     """bank [B,T,n,d] (n >= 1 completed blocks), partial [B,T,d] or None -> mix [B,T,d] in bank's dtype."""
     if kernel_used(bank, proj, norm):
-        with _on_device(bank):
-            return _kernel.attn_res_mix(bank, partial, norm.weight, proj.weight, norm.variance_epsilon)
+        with kernels.on_device(bank):
+            return kernels.attn_res_ops.attn_res_mix(bank, partial, norm.weight, proj.weight, norm.variance_epsilon)
     sources = bank if partial is None else torch.cat([bank, partial[:, :, None].to(bank.dtype)], dim=2)
     v = sources.float()
     weights = torch.softmax(proj(norm(v))[..., 0], dim=-1)

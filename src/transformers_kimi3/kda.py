@@ -1,108 +1,13 @@
-"""Kimi Delta Attention layer and the one place that picks its kernel backend.
-
-Backends, in order: our Triton kernels (`kimi3_kernels`, CUDA), flash-linear-attention (`fla`, only when asked
-for with `config.kda_backend="fla"` or KIMI3_KDA_BACKEND=fla), the PyTorch reference. "fla_chunk" mixes them:
-fla's chunked kernels for prefill and training (faster than ours on the H200 today, bench/results/kda_h200.md)
-and our recurrent kernel for decode (faster than fla's). The choice is logged once and reported by
-`kernel_status()`; asking for a backend that cannot run is an error, never a silent fallback.
-"""
-
-import importlib.util
-import logging
-import os
+"""Kimi Delta Attention: q/k/v projections -> short causal convs + SiLU -> gated delta rule -> per-head gated
+RMSNorm -> o_proj. The delta rule runs on the backend `kernels.resolve_kda_backend` picks (config `kda_backend`)."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kda_reference import naive_chunk_kda, naive_recurrent_kda
-from .kernel_switch import env, inference_kernels_enabled
-from .mxfp4 import _on_device
+from . import kernels
+from .kernels import resolve_kda_backend  # also what Transformers' remote-code scan follows to copy kernels.py
 from .norms import Kimi3GatedRMSNorm
-
-logger = logging.getLogger("transformers_kimi3")
-
-_KERNEL_IMPORT_ERROR = None
-try:
-    from kimi3_kernels import kda as _triton_kda
-
-    _TRITON_OK = bool(getattr(_triton_kda, "TRITON_AVAILABLE", False))
-except Exception as e:  # noqa: BLE001 - absent or broken kernels must not stop the remote code from loading
-    _triton_kda, _TRITON_OK, _KERNEL_IMPORT_ERROR = None, False, f"{type(e).__name__}: {e}"
-
-try:  # optional: several decode projections in one launch
-    from kimi3_kernels import linears as _linears
-except Exception:  # noqa: BLE001 - as above
-    _linears = None
-
-_FLA = {}
-
-
-def _fla():
-    """fla's KDA ops, imported on first use: importing fla costs seconds and it is only used when asked for."""
-    if "ops" not in _FLA:
-        try:
-            from fla.ops.kda import chunk_kda, fused_recurrent_kda
-
-            _FLA["ops"] = (chunk_kda, fused_recurrent_kda)
-        except Exception:  # noqa: BLE001 - fla raises more than ImportError when triton is missing or broken
-            _FLA["ops"] = None
-    return _FLA["ops"]
-
-
-def _fla_installed():
-    return importlib.util.find_spec("fla") is not None
-
-BACKENDS = ("triton", "fla", "fla_chunk", "torch")
-_announced = set()
-
-
-def kernel_status(device=None, requested=None):
-    """What can run here and what a KDA layer on `device` would use."""
-    device = torch.device(device) if device is not None else (
-        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    available = {
-        "triton": _TRITON_OK and device.type == "cuda",
-        "fla": device.type == "cuda" and _fla_installed() and _fla() is not None,
-        "torch": True,
-    }
-    # the chunk kernels' A/B options (environment variables read at each call; bench/kda.py sweeps them)
-    options = {name: os.environ.get(name) for name in ("KIMI3_KDA_LAUNCH", "KIMI3_KDA_DIAG_INV",
-                                                       "KIMI3_KDA_MAIN_BWD_KSPLIT", "KIMI3_KDA_SAVE_FWD",
-                                                       "KIMI3_KDA_FWD16", "KIMI3_KDA_FWD16_SEGS")
-               if os.environ.get(name)}
-    return {"device": str(device), "available": available,
-            "kda_backend": resolve_backend(device, requested, announce=False),
-            "triton_kernels_installed": _triton_kda is not None, "triton_kernels_error": _KERNEL_IMPORT_ERROR,
-            "fla_installed": _fla_installed(), "kernel_options": options}
-
-
-def resolve_backend(device, requested=None, announce=True):
-    requested = requested or env("KIMI3_KDA_BACKEND") or None
-    if requested is not None and requested not in BACKENDS:
-        raise ValueError(f"Unknown KDA backend {requested!r}; choose one of {BACKENDS}")
-    on_cuda = device.type == "cuda"
-    if requested in ("fla", "fla_chunk") and (not on_cuda or _fla() is None):
-        raise RuntimeError(f"KDA backend {requested!r} was requested but flash-linear-attention is not importable "
-                           f"or the device is {device.type}; install fla-core or choose another backend")
-    if requested in ("triton", "fla_chunk") and not (_TRITON_OK and on_cuda):
-        raise RuntimeError(f"KDA backend {requested!r} was requested but kimi3_kernels/triton cannot run on "
-                           f"{device.type}")
-    if requested in ("fla", "triton", "fla_chunk"):
-        backend = requested
-    elif requested == "torch":
-        backend = "torch"
-    else:
-        backend = "triton" if (_TRITON_OK and on_cuda) else "torch"
-    if announce and (backend, device.type) not in _announced:
-        _announced.add((backend, device.type))
-        msg = f"Kimi3 KDA backend: {backend} on {device.type}"
-        if backend == "torch" and on_cuda:
-            logger.warning(msg + " (PyTorch reference: slow; install triton for the fast kernels)")
-        else:
-            logger.info(msg)
-    return backend
-
 
 _LAST_PACKING = ()
 
@@ -141,37 +46,6 @@ def packing(mask, seq_idx):
     return plan
 
 
-def kda_chunk(q, k, v, g, beta, backend, **kw):
-    if backend == "fla_chunk":
-        backend = "fla"
-    if backend == "triton":
-        with _on_device(q):
-            return _triton_kda.chunk_kda(q, k, v, g, beta, **kw)
-    if backend == "fla":
-        return _fla_call(_fla()[0], q, k, v, g, beta, safe_gate=kw.get("lower_bound") is not None, **kw)
-    return naive_chunk_kda(q, k, v, g, beta, **kw)
-
-
-def kda_recurrent(q, k, v, g, beta, backend, **kw):
-    if backend == "fla_chunk":
-        backend = "triton"
-    if backend == "triton":
-        with _on_device(q):
-            return _triton_kda.fused_recurrent_kda(q, k, v, g, beta, **kw)
-    if backend == "fla":
-        return _fla_call(_fla()[1], q, k, v, g, beta, **kw)
-    return naive_recurrent_kda(q, k, v, g, beta, **kw)
-
-
-def _fla_call(fn, q, k, v, g, beta, *, A_log, dt_bias, lower_bound=None, scale=None, initial_state=None,
-              output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=True, **extra):
-    extra.pop("inplace_final_state", None)
-    return fn(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-              initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=True,
-              use_beta_sigmoid_in_kernel=True, **extra)
-
-
 def causal_conv(x, weight, state=None, seq_idx=None):
     """Depthwise causal conv + SiLU. x [B,T,D], weight [D,1,W], state [B,D,W] (last W inputs) or None.
     `seq_idx` [B,T] (packed documents): taps never reach into another document.
@@ -200,21 +74,21 @@ class Kimi3ShortConv(nn.Conv1d):
         super().__init__(channels, channels, kernel_size, groups=channels, padding=kernel_size - 1, bias=False)
 
     def forward(self, x, state=None, seq_idx=None, kernel=False):
-        if kernel:  # inference on CUDA with our Triton kernels: one launch (same math, kimi3_kernels tests)
-            with _on_device(x):
-                return _triton_kda.short_conv(x, self.weight, state)
+        if kernel:  # inference with our Triton kernels: one launch, the same math
+            with kernels.on_device(x):
+                return kernels.kda_ops.short_conv(x, self.weight, state)
         return causal_conv(x, self.weight, state, seq_idx)
 
 
 def _plain_weights(mods, x, rows):
-    """The weights of these modules, if one `kimi3_kernels.linears` launch may stand in for their calls: each a
-    plain bias-free nn.Linear (not a subclass: quantised or LoRA layers compute something else) with no hooks and no
+    """The weights of these modules, if one `kernels.linear_ops` launch may stand in for their calls: each a plain
+    bias-free nn.Linear (not a subclass: quantised or LoRA layers compute something else) with no hooks and no
     replaced forward (Accelerate's offloading), its weight an ordinary contiguous tensor in x's dtype on x's device;
-    few rows; on CUDA only while a CUDA graph is captured. Else None. KIMI3_FUSED_LINEARS=0 turns it off (A/B).
-    In a graph launches are free and the fused kernel is faster (H200, B=1 static-graph decode: 4.3B config 1.51 ->
-    1.37 ms per step, K3-shaped 5.20 -> 4.95 ms; bench/results/linears_h200.md); in an eager step its host time
-    (31 launch arguments) exceeds the eight cuBLAS calls' (6.5 -> 7.45 ms per step at 4.3B)."""
-    if (_linears is None or rows > _linears.MAX_ROWS or env("KIMI3_FUSED_LINEARS", "1") == "0"
+    few rows; on CUDA only while a CUDA graph is captured: there launches cost nothing and one fused kernel beats the
+    separate GEMMs, while in an eager step its many launch arguments cost more host time than the cuBLAS calls.
+    Else None."""
+    linears = kernels.linear_ops
+    if (linears is None or rows > linears.MAX_ROWS or not kernels.inference_kernels_enabled()
             or (x.is_cuda and not torch.cuda.is_current_stream_capturing())
             or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks):
         return None
@@ -273,15 +147,13 @@ class Kimi3DeltaAttention(nn.Module):
                              "they cannot be combined with a cache")
         states = cache.conv_states[self.layer_idx] if cache is not None else None
         h0 = cache.recurrent_states[self.layer_idx] if cache is not None else None
-        backend = resolve_backend(x.device, self.requested_backend)
-        if (backend in ("triton", "fla_chunk") and states is not None and h0 is not None and T <= 4
-                and attention_mask is None and not torch.is_grad_enabled()
-                and all(s.is_contiguous() for s in states)  # updated in place by the conv kernel
-                and inference_kernels_enabled()):
+        backend = resolve_kda_backend(x.device, self.requested_backend)
+        ours = backend in ("triton", "fla_chunk") and not torch.is_grad_enabled() and kernels.inference_kernels_enabled()
+        if (ours and states is not None and h0 is not None and T <= 4 and attention_mask is None
+                and all(s.is_contiguous() for s in states)):  # updated in place by the conv kernel
             return self._fused_decode(x, states, h0)
         states = states or (None, None, None)
-        kernel = (backend in ("triton", "fla_chunk") and seq_idx is None and not torch.is_grad_enabled()
-                  and inference_kernels_enabled())
+        kernel = ours and seq_idx is None
         q, sq = self.q_conv1d(self.q_proj(x), states[0], seq_idx, kernel)
         k, sk = self.k_conv1d(self.k_proj(x), states[1], seq_idx, kernel)
         v, sv = self.v_conv1d(self.v_proj(x), states[2], seq_idx, kernel)
@@ -294,9 +166,9 @@ class Kimi3DeltaAttention(nn.Module):
         if seq_idx is not None or attention_mask is not None:
             o, ht = self._packed(q, k, v, g, beta, attention_mask, seq_idx, backend, kw)
         elif h0 is not None and T <= 4:  # decode / speculative verification
-            o, ht = kda_recurrent(q, k, v, g, beta, backend, **kw)
+            o, ht = kernels.kda_recurrent(q, k, v, g, beta, backend, **kw)
         else:
-            o, ht = kda_chunk(q, k, v, g, beta, backend, **kw)
+            o, ht = kernels.kda_chunk(q, k, v, g, beta, backend, **kw)
         if cache is not None:
             cache.update_kda_state(self.layer_idx, (sq, sk, sv), ht.float())
 
@@ -310,25 +182,26 @@ class Kimi3DeltaAttention(nn.Module):
         it only saves launches, which dominate a graph-replayed decode step at small batch."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        with _on_device(x):
+        ops = kernels.kda_ops
+        with kernels.on_device(x):
             q, k, v, beta, g, gate = self._decode_projections(x)
-            q, k, v = _triton_kda.short_conv_update(
+            q, k, v = ops.short_conv_update(
                 (q, k, v), states, (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight))
             inplace = h0.dtype == torch.float32 and h0.is_contiguous()
-            o, ht = _triton_kda.fused_recurrent_kda(
+            o, ht = ops.fused_recurrent_kda(
                 q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), g.view(B, T, H, K), beta,
                 A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound, initial_state=h0,
                 output_final_state=True, use_qk_l2norm_in_kernel=True, inplace_final_state=inplace)
             if not inplace:
                 h0.copy_(ht)
-            o = _triton_kda.gated_rms_norm(o, gate.view(B, T, H, K), self.o_norm.weight,
+            o = ops.gated_rms_norm(o, gate.view(B, T, H, K), self.o_norm.weight,
                                            self.o_norm.variance_epsilon)
         return self.o_proj(o.reshape(B, T, H * K))
 
     def _decode_projections(self, x):
         """q, k, v [B, T, H*K], beta [B, T, H] and the gates' pre-activations of a decode step. Where
         `_plain_weights` allows (plain nn.Linear modules; on CUDA inside a graph capture), two launches of
-        `kimi3_kernels.linears`: the six that read x, then the gates' second halves; else the modules' own calls
+        `kernels.linear_ops`: the six that read x, then the gates' second halves; else the modules' own calls
         (seven or eight launches)."""
         B, T, _ = x.shape
         full = hasattr(self, "g_proj")
@@ -340,11 +213,12 @@ class Kimi3DeltaAttention(nn.Module):
             gate = self.g_proj(x) if full else self.g_b_proj(self.g_a_proj(x))
             return (self.q_proj(x), self.k_proj(x), self.v_proj(x), self.b_proj(x), self.f_b_proj(self.f_a_proj(x)),
                     gate)
-        q, k, v, beta, fa, ga = _linears.linears((x,) * 6, ws[:6], check=False)  # _plain_weights checked them
+        linears = kernels.linear_ops.linears
+        q, k, v, beta, fa, ga = linears((x,) * 6, ws[:6], check=False)  # _plain_weights checked them
         if full:
-            (g,), gate = _linears.linears((fa,), ws[6:], check=False), ga
+            (g,), gate = linears((fa,), ws[6:], check=False), ga
         else:
-            g, gate = _linears.linears((fa, ga), ws[6:], check=False)
+            g, gate = linears((fa, ga), ws[6:], check=False)
         return q, k, v, beta, g, gate
 
     @staticmethod
@@ -355,7 +229,7 @@ class Kimi3DeltaAttention(nn.Module):
         idx, cu = packing(mask, seq_idx)
         pack = lambda t: (t.reshape(B * T, *t.shape[2:]) if idx is None  # noqa: E731
                           else t.reshape(B * T, *t.shape[2:]).index_select(0, idx))[None]
-        o, ht = kda_chunk(pack(q), pack(k), pack(v), pack(g), pack(beta), backend, cu_seqlens=cu, **kw)
+        o, ht = kernels.kda_chunk(pack(q), pack(k), pack(v), pack(g), pack(beta), backend, cu_seqlens=cu, **kw)
         if idx is None:
             return o.view(B, T, *o.shape[2:]), ht
         out = o.new_zeros(B * T, *o.shape[2:]).index_copy(0, idx, o[0])

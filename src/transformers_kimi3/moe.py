@@ -1,80 +1,26 @@
-"""Feed-forward blocks: SiTU-GLU, the dense MLP, the sigmoid router and the (latent) mixture of experts."""
-
-import os
+"""Feed-forward blocks: the dense MLP, the sigmoid router and the (latent) mixture of experts. The GLU they share
+is `activations.GLUActivation`; the packed MXFP4 experts are `mxfp4_experts.PackedMXFP4Experts`. Decode-size
+kernels (router, expert and MLP GEMVs, the grouped-GEMM combine) come from `kernels.moe_ops`."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernel_switch import env, inference_kernels_enabled
-from .mxfp4 import PackedMXFP4Experts, _on_device
+from . import kernels
+from .activations import GLUActivation
+from .mxfp4_experts import PackedMXFP4Experts
 from .norms import Kimi3RMSNorm
 
-# KIMI3_MOE_GROUPED_MM=0 computes bf16 CUDA experts as per-expert segments instead of torch._grouped_mm
-GROUPED_MM = os.environ.get("KIMI3_MOE_GROUPED_MM", "1") != "0"
-
-try:  # optional: decode-size router and expert GEMVs, SiLU-GLU (kimi3_kernels/moe_decode.py)
-    from kimi3_kernels import moe_decode as _moe_decode
-
-    if not _moe_decode.HAS_TRITON:
-        _moe_decode = None
-except Exception:  # noqa: BLE001 - absent kernels must not stop the remote code from loading
-    _moe_decode = None
+# Up to this many routes (tokens x top_k) the router runs as two launches and SiLU experts as per-route GEMVs, no
+# sorting: at 1 and 8 tokens of Kimi Linear (top-8) 45 vs 122 us and 178 vs 290 us against the grouped GEMM,
+# CUDA-graph-replayed.
+GEMV_MAX_ROUTES = 64
 
 
-def gemv_max_routes():
-    """Up to this many routes (tokens x top_k) the router runs as two Triton launches and CUDA bf16/fp32 SiLU experts
-    as per-route GEMVs, no sorting (KIMI3_MOE_GEMV_MAX_ROUTES; 0 = never). None when the kernels are not
-    importable."""
-    # 64 (batch 8 at top-8): the GEMVs beat the grouped GEMM at 1, 2 and 8 tokens on the H200, 45 vs 122 us at one
-    # token and 178 vs 290 us at eight, CUDA-graph-replayed (bench/moe_decode.py, bench/results/moe_decode_h200.json)
-    return int(env("KIMI3_MOE_GEMV_MAX_ROUTES", "64")) if _moe_decode is not None else None
-
-
-KERNELS_ON_CPU = False  # tests: run the moe_decode kernels on CPU tensors under TRITON_INTERPRET=1
-
-
-def _kernel_ok(x, params, routes=0):
-    """Whether a moe_decode kernel may stand in for the PyTorch path: importable; CUDA; at most `gemv_max_routes()`
-    routes; no autograd recording through x or params; plain parameters (DTensors under tensor parallelism stay on
-    the PyTorch path)."""
-    if not inference_kernels_enabled():
-        return False
-    limit = gemv_max_routes()
-    return (limit is not None and routes <= limit and (x.is_cuda or KERNELS_ON_CPU)
-            and not any(hasattr(p, "device_mesh") for p in params)
-            and not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))))
-
-
-def situ(x, beta):
-    """SiTU_beta(x) = beta tanh(x / beta) sigmoid(x): SiLU for small x, bounded by beta."""
-    return beta * torch.tanh(x / beta) * torch.sigmoid(x)
-
-
-class GLUActivation(nn.Module):
-    """act(gate) * up in fp32, cast back. SiTU-GLU (K3): SiTU_b1(gate) * b2 tanh(up / b2), |h| <= b1 b2;
-    SiLU-GLU (Kimi Linear)."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.kind = config.hidden_act
-        self.beta = config.activation_situ_beta
-        self.linear_beta = config.activation_situ_linear_beta
-        if self.kind == "situ" and self.beta is None:
-            raise ValueError("Kimi3 config: `activation_situ_beta` is required when hidden_act is 'situ'")
-
-    def forward(self, gate, up):
-        if gate.shape == up.shape and _kernel_ok(gate, (up,)):  # inference: one launch instead of 5 (SiTU: 11)
-            betas = (self.beta, self.linear_beta) if self.kind == "situ" else (None, None)
-            with _on_device(gate):
-                return _moe_decode.glu_mul(gate, up, *betas)
-        dtype = gate.dtype
-        gate, up = gate.float(), up.float()
-        if self.kind == "situ":
-            if self.linear_beta is not None:
-                up = self.linear_beta * torch.tanh(up / self.linear_beta)
-            return (situ(gate, self.beta) * up).to(dtype)
-        return (F.silu(gate) * up).to(dtype)
+def _decode_kernels(x, params, routes=0):
+    """Whether a `kernels.moe_ops` kernel may stand in for the PyTorch path: importable, at most GEMV_MAX_ROUTES
+    routes, and `kernels.inference_ok` (a kernel device, no autograd recording, plain parameters)."""
+    return kernels.moe_ops is not None and routes <= GEMV_MAX_ROUTES and kernels.inference_ok(x, params)
 
 
 class Kimi3MLP(nn.Module):
@@ -83,14 +29,14 @@ class Kimi3MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
-        self.act_fn = GLUActivation(config)
+        self.act_fn = GLUActivation.from_config(config)
 
     def forward(self, x):
         weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        if self.act_fn.kind == "silu" and x.numel() == x.shape[-1] and _kernel_ok(x, weights, 1) \
+        if self.act_fn.kind == "silu" and x.numel() == x.shape[-1] and _decode_kernels(x, weights, 1) \
                 and all(w.is_contiguous() for w in weights):
-            with _on_device(x):  # one token: two launches, and no slow cuBLAS tile for narrow projections
-                return _moe_decode.mlp_gemv(x.reshape(1, -1), *weights).view(x.shape)
+            with kernels.on_device(x):  # one token: two launches, and no slow cuBLAS tile for narrow projections
+                return kernels.moe_ops.mlp_gemv(x.reshape(1, -1), *weights).view(x.shape)
         return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -110,11 +56,11 @@ class Kimi3TopkRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
 
     def forward(self, x):
-        if self.num_group <= 1 and _kernel_ok(x, (self.weight,), x.shape[0] * self.top_k):
+        if self.num_group <= 1 and _decode_kernels(x, (self.weight,), x.shape[0] * self.top_k):
             # a few tokens (decode): two launches instead of ~12 small ones
-            with _on_device(x):
-                return _moe_decode.route_topk(x, self.weight, self.e_score_correction_bias, self.top_k,
-                                              self.renormalize, self.routed_scaling_factor)
+            with kernels.on_device(x):
+                return kernels.moe_ops.route_topk(x, self.weight, self.e_score_correction_bias, self.top_k,
+                                                  self.renormalize, self.routed_scaling_factor)
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
@@ -135,9 +81,9 @@ class Kimi3Experts(nn.Module):
     """Routed experts as 3-D weights (checkpoint names w1 = gate, w3 = up, w2 = down, stacked over experts).
 
     Computed as index-sorted segments: assignments are sorted by expert and each expert's tokens go through one
-    matmul; `torch._grouped_mm` does all experts in one launch on CUDA. At decode sizes on CUDA (SiLU experts, up to
-    `gemv_max_routes()` routes) per-route Triton GEMVs skip the sort; on CPU small batches gather the chosen
-    experts' weights. Neither synchronises with the host.
+    matmul; `torch._grouped_mm` does all experts in one launch on CUDA (bf16). At decode sizes on CUDA (SiLU
+    experts, up to GEMV_MAX_ROUTES routes) per-route Triton GEMVs skip the sort; elsewhere small batches gather the
+    chosen experts' weights. Neither synchronises with the host.
     """
 
     GATHER_MAX_ASSIGNMENTS = 32  # copying the chosen experts' weights only pays for a handful of tokens
@@ -149,7 +95,7 @@ class Kimi3Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(E, inter, input_size))
         self.w3 = nn.Parameter(torch.empty(E, inter, input_size))
         self.w2 = nn.Parameter(torch.empty(E, input_size, inter))
-        self.act_fn = GLUActivation(config)
+        self.act_fn = GLUActivation.from_config(config)
 
     def forward(self, x, topk_idx, topk_weights):
         """Under expert parallelism (Transformers' `ep_router` / `ep_dispatch_experts`) `num_experts` is this rank's
@@ -157,17 +103,17 @@ class Kimi3Experts(nn.Module):
         T, k = topk_idx.shape
         weights = (self.w1, self.w3, self.w2)
         if (self.act_fn.kind == "silu" and all(w.is_contiguous() for w in weights)
-                and _kernel_ok(x, weights, T * k)):
-            with _on_device(x):
-                return _moe_decode.expert_gemv(x, self.w1, self.w3, self.w2, topk_idx, topk_weights)
-        if (x.is_cuda or KERNELS_ON_CPU) and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and GROUPED_MM:
+                and _decode_kernels(x, weights, T * k)):
+            with kernels.on_device(x):
+                return kernels.moe_ops.expert_gemv(x, self.w1, self.w3, self.w2, topk_idx, topk_weights)
+        if kernels.kernel_device(x) and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16:
             out, order, offs = self._grouped_mm(x, topk_idx)
-            if _kernel_ok(x, weights):  # inference: the weighted sum straight from the sorted rows, one launch
-                with _on_device(x):
-                    return _moe_decode.combine_sorted(out, order, topk_idx, topk_weights, self.num_experts)
+            if _decode_kernels(x, weights):  # inference: the weighted sum straight from the sorted rows, one launch
+                with kernels.on_device(x):
+                    return kernels.moe_ops.combine_sorted(out, order, topk_idx, topk_weights, self.num_experts)
             y = self._unsort(out, order, offs)
-        elif T * k <= self.GATHER_MAX_ASSIGNMENTS:
-            y = self._gathered(x, topk_idx)
+        elif T * k <= self.GATHER_MAX_ASSIGNMENTS or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            y = self._gathered(x, topk_idx)  # no host synchronisation (a graph capture has no other way)
         else:
             y = self._segments(x, topk_idx)
         return (y.float().view(T, k, -1) * topk_weights.float()[..., None]).sum(1)
@@ -229,7 +175,7 @@ class Kimi3SparseMoeBlock(nn.Module):
             self.routed_expert_norm = Kimi3RMSNorm(config.expert_input_size, eps=config.rms_norm_eps)
         if config.checkpoint_quantization_config:  # routed experts stay MXFP4 as on disk (4x less memory)
             self.experts = PackedMXFP4Experts(config.num_experts, config.expert_input_size,
-                                              config.moe_intermediate_size, glu_act=GLUActivation(config))
+                                              config.moe_intermediate_size, glu_act=GLUActivation.from_config(config))
         else:
             self.experts = Kimi3Experts(config, config.expert_input_size)
         if config.num_shared_experts:

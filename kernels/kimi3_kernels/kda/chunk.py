@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, SeqInfo, env, interpreter_enabled, require_triton
+from ._utils import CHUNK_SIZE, SeqInfo, interpreter_enabled, require_triton
 
 
 def _flat(x):
@@ -31,17 +31,11 @@ def _check(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens):
         raise ValueError(f"initial_state must be [N={N}, H, K, V] = {(N, H, K, V)}, got {tuple(initial_state.shape)}")
 
 
-def _save_fwd():
-    # Default since the H200 sweep of 2026-11-30: forward+backward 18.6 vs 23.4 ms (H=32, T=16K) and 38.2 vs
-    # 47.4 ms (H=96, K3 gate) with no higher peak there. KIMI3_KDA_SAVE_FWD=0 recomputes in the backward instead.
-    return env("KIMI3_KDA_SAVE_FWD", "1") == "1"
-
-
 class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, lower_bound, output_final_state,
                 cu_seqlens, use_l2, return_chunk_states):
-        from .chunk_fwd import fwd16, intra_fwd, state_fwd, sub16_fwd
+        from .chunk_fwd import intra_fwd, state_fwd, sub16_fwd
         from .gate import prep_fwd
         B, T, H, K = q.shape
         V = v.shape[-1]
@@ -53,13 +47,13 @@ class ChunkKDAFunction(torch.autograd.Function):
         # intermediates (normalised q/k, W, U, ...) are kept in the input dtype; the Triton CPU interpreter
         # cannot multiply bf16 matrices, so it keeps them in fp32
         inter = torch.float32 if (interpreter_enabled() or q.dtype == torch.float32) else q.dtype
-        # KIMI3_KDA_SAVE_FWD=1 (default) keeps what the backward needs (per-chunk M, P, W, U, ..., the chunk states and
-        # v_new) instead of recomputing it: less time, ~(2 * 64 * 4 + 8 K) bytes per token and head more memory.
+        # With autograd the forward keeps what the backward needs (per-chunk M, P, W, U, ..., the chunk states and
+        # v_new) instead of recomputing it: ~(2 * 64 * 4 + 8 K) bytes per token and head buy a faster backward.
         # The chunk states are kept in the matmul dtype, as the output kernel reads them (fp32 when asked for).
         grad = any(ctx.needs_input_grad)
-        save = _save_fwd() and grad
+        save = grad
         o = torch.zeros(B * T, H, V, device=q.device, dtype=q.dtype) if info.tokens < B * T else None
-        if not grad and fwd16():  # no preparation kernels: the sub-chunk kernel reads the raw inputs
+        if not grad:  # inference: 16-token sub-chunks straight from the raw inputs, no preparation kernels
             o, ht, hs = sub16_fwd(qf, kf, vf, gf, bf, A_log_c, dt_c, scale, lower_bound, use_l2, info, h0, inter,
                                   q.dtype, output_final_state, torch.float32 if return_chunk_states else None, o=o)
             qn = kn = gc = bs = rq = rk = None

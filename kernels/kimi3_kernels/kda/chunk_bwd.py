@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, env, launch_config, next_pow2, state_scan_tile
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, next_pow2
+from .configs import launch_config, state_scan_tile
 from .chunk_fwd import DENSE_MAX_SPAN, SAFE_LOWER_BOUND, _prec
 
 if TRITON_AVAILABLE:
@@ -77,9 +78,8 @@ if TRITON_AVAILABLE:
                          KS: tl.constexpr):
         """Per chunk, KS + 1 programs side by side: program i_z < KS takes the K columns of slice i_z (the gradients
         that flow through the state terms: dq, dk, dG), program KS the V side and the WY form (dA, dv, dbeta, dL).
-        Each keeps only its own accumulators. One program doing all of them ran at 255 registers with spills, one
-        8-warp program per SM, latency-bound (Nsight Compute on the H200: 0.17 eligible warps per scheduler); this
-        split runs two 4-warp programs per SM (8.96 -> 6.83 ms per call at H=96 T=16K, bench/results/kda_h200.md).
+        Each keeps only its own accumulators. One program doing all of them runs at 255 registers with spills, one
+        latency-bound 8-warp program per SM; the split runs two 4-warp programs per SM, about 1.3x faster.
         The V side needs dT = dVn (v - Kg S0)^T, which the K slices used to add up as dVn v^T + dW Kg^T: it forms
         v - Kg S0 itself from S0, which its neighbours are reading at the same time."""
         i_z = tl.program_id(0) % (KS + 1)
@@ -316,32 +316,31 @@ if TRITON_AVAILABLE:
 
 
 def _main_bwd_ksplit(BK):
-    """KIMI3_KDA_MAIN_BWD_KSPLIT=KS (default 2): _main_bwd_kernel's K columns in KS slices, one program each beside the
-    V-side one. On the H200 at 32:4:2 (4f6ee34) KS=4 took 8.40 against 7.29 ms per call at H=96 T=16K; KS=1 spills
-    (sm_90: 2,968 bytes of stack per thread at 4 warps). Slices stay >= 16 wide."""
-    ks = int(env("KIMI3_KDA_MAIN_BWD_KSPLIT", "2"))
+    """_main_bwd_kernel's K columns in slices of their own programs beside the V-side one: 2 slices (4 spill less
+    but run slower; 1 spills on sm_90 at 4 warps), each at least 16 wide."""
+    ks = MAIN_BWD_KSPLIT
     while ks > 1 and (BK % ks or BK // ks < 16):
         ks //= 2
     return max(ks, 1)
 
 
-BWD_PREC = {}  # kernel name -> input_precision override (experiments: bench/kda_grad_precision.py)
+MAIN_BWD_KSPLIT = 2
 
 
 def _intra_diag_prec(prec):
     """The intra backward's diagonal 16x16 tiles take 3xTF32 even for bf16 inputs. Their row and column sides are
     one-pass TF32 matmuls whose errors do not cancel the way the exact terms do in the gate's gradient (q dq + k (dr -
-    dc)), and the gate parameters' gradients sum that over every token. H200, bf16, K3 gate, T=8192
-    (bench/kda_grad_precision.py, kda_h200.md): ddt_bias 4.2e-2 -> 4.1e-3 from the fp32 reference, dg 8.1e-3 -> 4.2e-3,
-    for 2.3-2.7% more forward+backward time; 3xTF32 in the off-diagonal tiles changes nothing and costs 7%. Rounding
-    the one-pass operands to nearest instead of truncating did not help either (4.2e-2)."""
-    return BWD_PREC.get("intra_bwd_diag", "tf32x3" if prec == "tf32" else prec)
+    dc)), and the gate parameters' gradients sum that over every token (bf16, K3 gate, T=8192: ddt_bias 4.2e-2 from
+    the fp32 reference with one pass, 4.1e-3 with 3xTF32) for ~2.5% more forward+backward time. 3xTF32 in the
+    off-diagonal tiles changes nothing and costs 7%."""
+    return "tf32x3" if prec == "tf32" else prec
 
 
 def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, saved=None):
     """Returns dqn, dkn (w.r.t. the normalised q, k), dv, dG (w.r.t. the chunk-local cumsum, natural
     log units), dbeta (w.r.t. sigmoid(beta)) in fp32, and dh0. `saved` = (I, hs, vn) kept by the forward
-    (KIMI3_KDA_SAVE_FWD=1) skips recomputing the per-chunk quantities and the state scan."""
+    skips recomputing the per-chunk quantities and the state scan (None, e.g. a second backward through a retained
+    graph: recomputed)."""
     from .chunk_fwd import intra_fwd, state_fwd
     TT, H, K = qn.shape
     V = v.shape[-1]
@@ -365,10 +364,10 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
             I["W"], I["Qg"], I["Kd"], I["Aqk"], gc, do, dht if dht is not None else do,
             dh0 if dh0 is not None else do, dhs, dvn, info.cu, info.chunk_off,
             H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_DHT=dht is not None, HAS_H0=h0 is not None,
-            PREC=BWD_PREC.get("state_bwd", prec), num_warps=warps, num_stages=stages, **regs)
+            PREC=prec, num_warps=warps, num_stages=stages, **regs)
     # no zero fill: _main_bwd_kernel stores every row of every chunk before _intra_bwd_kernel adds to dqn / dkn / dG,
-    # and rows after the last sequence are never read (ChunkKDAFunction zeroes their gradients). The fills took 0.52 of
-    # 28.5 ms of kernel time in an H=96 T=16K forward+backward on the H200 (bench/results/kda_h200.md).
+    # and rows after the last sequence are never read (ChunkKDAFunction zeroes their gradients): ~2% of the kernel
+    # time saved.
     dv = torch.empty(TT, H, V, device=dev, dtype=v.dtype)
     dqn = torch.empty(TT, H, K, device=dev, dtype=torch.float32)
     dkn = torch.empty_like(dqn)
@@ -382,13 +381,13 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
         _main_bwd_kernel[(info.NC * (ks + 1), H)](
             qn, kn, v, gc, bs, I["M"], I["P"], hs, dhs, vn, dvn, do, dv, dAs, dPs, dqn, dkn, dG, db,
             info.chunk_tab, info.cu, scale, H=H, K=K, V=V, BK=BK, BV=min(bv, next_pow2(V)), BT=BT,
-            PREC=BWD_PREC.get("main_bwd", prec), KS=ks, num_warps=warps, num_stages=stages, **regs)
+            PREC=prec, KS=ks, num_warps=warps, num_stages=stages, **regs)
         safe = lower_bound is not None and lower_bound >= SAFE_LOWER_BOUND
         # unbounded gates: two launches, the chunks whose diagonal tiles all take one matmul (most) without the
         # per-column loop's code and registers, then the steep ones (sm_90, Triton 3.6: 240 against 744 bytes of
         # spill stack per thread)
         passes = [("intra_bwd", True, 0)] if safe else [("intra_bwd", True, 1), ("intra_bwd_loop", False, 2)]
-        intra_prec = BWD_PREC.get("intra_bwd", prec)
+        intra_prec = prec
         for name, dense, sel in passes:
             bk, warps, stages, regs = launch_config(name)
             bk = min(bk, BK)

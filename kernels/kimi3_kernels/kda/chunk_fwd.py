@@ -24,7 +24,8 @@ import contextlib
 
 import torch
 
-from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, env, launch_config, next_pow2, sm_count, state_scan_tile
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, next_pow2
+from .configs import launch_config, sm_count, state_scan_tile
 
 # K3's bound (-5): 15 steps inside a 16-row sub-tile stay above -75 nats, so exp(+span) < 4e32.
 SAFE_LOWER_BOUND = -5.5
@@ -173,9 +174,9 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _solve(p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, bs, Mo, Tm, Md, r0, eos, H, i_h, BT: tl.constexpr,
-               BC: tl.constexpr, STORE_BWD: tl.constexpr, MINV: tl.constexpr):
-        """M = (I + Diag(beta) P)^-1 blockwise from P's ten lower 16x16 blocks (strictly lower on the diagonal), and
-        T = M Diag(beta) into Tm; with MINV the diagonal blocks' inverses come from Md ([TT, H, BC])."""
+               BC: tl.constexpr, STORE_BWD: tl.constexpr):
+        """M = (I + Diag(beta) P)^-1 blockwise from P's ten lower 16x16 blocks (strictly lower on the diagonal) and
+        the diagonal blocks' inverses in Md ([TT, H, BC]), and T = M Diag(beta) into Tm."""
         o_c = tl.arange(0, BC)
         r1 = r0 + BC
         r2 = r1 + BC
@@ -185,17 +186,11 @@ if TRITON_AVAILABLE:
         b1 = tl.load(bs + r1 * H + i_h, mask=r1 < eos, other=0.)
         b2 = tl.load(bs + r2 * H + i_h, mask=r2 < eos, other=0.)
         b3 = tl.load(bs + r3 * H + i_h, mask=r3 < eos, other=0.)
-        # M = (I + Diag(beta) P)^-1, blockwise
-        if MINV:
-            m00 = _ld(Md, r0, eos, H, i_h, BC, o_c, o_c < BC)
-            m11 = _ld(Md, r1, eos, H, i_h, BC, o_c, o_c < BC)
-            m22 = _ld(Md, r2, eos, H, i_h, BC, o_c, o_c < BC)
-            m33 = _ld(Md, r3, eos, H, i_h, BC, o_c, o_c < BC)
-        else:
-            m00 = _inv_unit_lower(b0[:, None] * p00, BC)
-            m11 = _inv_unit_lower(b1[:, None] * p11, BC)
-            m22 = _inv_unit_lower(b2[:, None] * p22, BC)
-            m33 = _inv_unit_lower(b3[:, None] * p33, BC)
+        # M = (I + Diag(beta) P)^-1, blockwise, from the diagonal blocks' inverses
+        m00 = _ld(Md, r0, eos, H, i_h, BC, o_c, o_c < BC)
+        m11 = _ld(Md, r1, eos, H, i_h, BC, o_c, o_c < BC)
+        m22 = _ld(Md, r2, eos, H, i_h, BC, o_c, o_c < BC)
+        m33 = _ld(Md, r3, eos, H, i_h, BC, o_c, o_c < BC)
         l10 = b1[:, None] * p10
         l20 = b2[:, None] * p20
         l21 = b2[:, None] * p21
@@ -232,10 +227,10 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _intra_fwd_kernel(qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, Md, tab, cu, scale,
                           H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          STORE_BWD: tl.constexpr, PREC: tl.constexpr, MINV: tl.constexpr):
+                          STORE_BWD: tl.constexpr, PREC: tl.constexpr):
         """The six off-diagonal 16x16 tiles of Aqk and P for one chunk and head, then the blockwise inverse and
-        T = M Diag(beta); the diagonal tiles come from _diag_fwd_kernel (Aqk's written, P's in Pd), and with MINV
-        the inverses of the diagonal blocks of I + Diag(beta) P from _diag_inv_kernel (Md)."""
+        T = M Diag(beta); the diagonal tiles come from _diag_fwd_kernel (Aqk's written, P's in Pd), the inverses of
+        the diagonal blocks of I + Diag(beta) P from _diag_inv_kernel (Md)."""
         i_c = tl.program_id(0)
         i_h = tl.program_id(1)
         _, t0, eos = _chunk_span(tab, cu, i_c)
@@ -312,11 +307,10 @@ if TRITON_AVAILABLE:
         p11 = _ld(Pd, r1, eos, H, i_h, BC, o_c, o_c < BC)
         p22 = _ld(Pd, r2, eos, H, i_h, BC, o_c, o_c < BC)
         p33 = _ld(Pd, r3, eos, H, i_h, BC, o_c, o_c < BC)
-        if STORE_BWD:  # before the solve, so the P tiles need not stay live through it (H200, H=96 T=16K training:
-            # 1.547 -> 1.417 ms per call, bench/results/kda_h200.md)
+        if STORE_BWD:  # before the solve, so the P tiles need not stay live through it (~8% faster)
             _st_lower(Po, p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, r0, eos, H, i_h, BT, BC)
         _solve(p00, p10, p11, p20, p21, p22, p30, p31, p32, p33, bs, Mo, Tm, Md, r0, eos, H, i_h, BT, BC,
-               STORE_BWD, MINV)
+               STORE_BWD)
 
     @triton.jit
     def _tile_span(g, ref, valid):
@@ -324,14 +318,14 @@ if TRITON_AVAILABLE:
         return tl.max(tl.max(tl.where(valid, ref[None, :] - g, 0.), 1), 0)
 
     @triton.jit
-    def _diag_fwd_kernel(qn, kn, gc, bs, Aqk, Pd, Md, steep, tab, cu, scale, max_span, H, K: tl.constexpr,
+    def _diag_fwd_kernel(qn, kn, gc, Aqk, Pd, steep, tab, cu, scale, max_span, H, K: tl.constexpr,
                          BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SAFE: tl.constexpr,
-                         PREC: tl.constexpr, INV: tl.constexpr):
+                         PREC: tl.constexpr):
         """The four diagonal 16x16 tiles of a chunk, one program per tile (4x the parallelism of the pairwise
         kernel, a fraction of its registers): Aqk's go straight to Aqk, the key-key ones to Pd [TT, H, BC].
         Without a static bound (SAFE) each K slice checks its gate span: one matmul when the span is at most
         max_span, the per-column loop otherwise, and marks the chunk in steep [NC, H] (int8, zeroed by the caller) for
-        the backward. INV: also (I + Diag(beta) P_dd)^-1 into Md, as _diag_inv_kernel."""
+        the backward."""
         i_s = tl.program_id(0)
         i_h = tl.program_id(1)
         i_c = i_s // (BT // BC)
@@ -368,9 +362,6 @@ if TRITON_AVAILABLE:
         strict = o_c[:, None] > o_c[None, :]
         _st_blk(Aqk, tl.where(incl, acc_a, 0.) * scale, rows, eos, H, i_h, BT, sub * BC, BC)
         _st_blk(Pd, tl.where(strict, acc_k, 0.), rows, eos, H, i_h, BC, 0, BC)
-        if INV:
-            b = tl.load(bs + rows * H + i_h, mask=rows < eos, other=0.)
-            _st_blk(Md, _inv_unit_lower(b[:, None] * tl.where(strict, acc_k, 0.), BC), rows, eos, H, i_h, BC, 0, BC)
 
     @triton.jit
     def _diag_inv_kernel(Pd, bs, Md, tab, cu, H, BT: tl.constexpr, BC: tl.constexpr):
@@ -637,19 +628,6 @@ if TRITON_AVAILABLE:
             tl.store(hc + s_off, S, mask=m_s & (run_v & ~last_v)[None, :])
 
 
-def _diag_inv(safe):
-    """Where the inverses of the diagonal 16x16 blocks are formed, KIMI3_KDA_DIAG_INV: 0 inside the pairwise kernel,
-    1 in `_diag_inv_kernel`, 2 at the end of `_diag_fwd_kernel` (one launch and one read of the blocks fewer). Default:
-    2 for bounded gates (safe), 1 for unbounded ones. On an H200 (bench/results/kda_h200.md): 1 against 0, forward
-    at H=32 / 96, T=16K 4.77 / 11.53 -> 4.00 / 10.02 ms (9b619ae); 2 against 1, per-call CUDA time of the diagonal
-    stage at H=96 T=16K, K3 gate 875 -> 855 us, but at H=32 with the per-column loop of an unbounded gate 412 -> 469
-    us (359a6df)."""
-    mode = env("KIMI3_KDA_DIAG_INV", "").strip() or ("2" if safe else "1")
-    if mode not in ("0", "1", "2"):
-        raise ValueError(f"KIMI3_KDA_DIAG_INV must be 0, 1 or 2, got {mode!r}")
-    return int(mode)
-
-
 def _prec(dtype):
     # fp32 inputs: 3xTF32 matmuls (about fp32 accuracy); bf16/fp16: one pass
     return "tf32x3" if dtype == torch.float32 else "tf32"
@@ -662,8 +640,7 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
     DT = qn.dtype
     BT = CHUNK_SIZE
     # the output kernel and the backward scan round Aqk to the matmul dtype as they load it: stored in that dtype
-    # (half the bytes written and read back, the same results; H200, in the same process: the output kernel 0.216 ->
-    # 0.203 ms at H=32 T=16K, 0.637 -> 0.605 ms at H=96, bench/results/kda_h200.md)
+    # (half the bytes written and read back, the same results)
     Aqk = torch.empty(TT, H, BT, device=dev, dtype=DT)
     W = torch.empty(TT, H, K, device=dev, dtype=DT)
     Qg = torch.empty_like(W)
@@ -678,26 +655,24 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
     if info.NC > 0:
         Pd = torch.empty(TT, H, 16, device=dev, dtype=torch.float32)  # the diagonal tiles' key-key products
         # The diagonal 16x16 tiles in their own kernel (a quarter of a chunk per program, few registers), the
-        # off-diagonal ones and the solve in the pairwise kernel: forward 1.38x at H=32, T=16K and 1.05x at H=96
-        # on the H200 against the diagonal tiles inside the pairwise kernel, which, like splitting the pairwise
-        # kernel in two launches, was slower at both shapes (bench/results/kda_h200.md, sweep of 76324af).
-        inv = _diag_inv(safe)
-        Md = torch.empty_like(Pd) if inv else Pd
+        # off-diagonal ones and the solve in the pairwise kernel: faster than either inside the pairwise kernel or
+        # the pairwise kernel split in two launches.
+        Md = torch.empty_like(Pd)  # the inverses of the diagonal blocks of I + Diag(beta) P
         bk, warps, stages, regs = launch_config("diag_fwd" if safe else "diag_fwd_loop")
         _diag_fwd_kernel[(info.NC * (BT // 16), H)](
-            qn, kn, gc, bs, Aqk, Pd, Md, steep if steep is not None else Pd, info.chunk_tab, info.cu, scale,
+            qn, kn, gc, Aqk, Pd, steep if steep is not None else Pd, info.chunk_tab, info.cu, scale,
             DENSE_MAX_SPAN, H=H, K=K,
-            BK=min(bk, next_pow2(K)), BT=BT, BC=16, SAFE=safe, PREC=_prec(DT), INV=inv == 2, num_warps=warps,
+            BK=min(bk, next_pow2(K)), BT=BT, BC=16, SAFE=safe, PREC=_prec(DT), num_warps=warps,
             num_stages=stages, **regs)
-        if inv == 1:
-            _, warps, stages, regs = launch_config("diag_inv")
-            _diag_inv_kernel[(info.NC * (BT // 16), H)](Pd, bs, Md, info.chunk_tab, info.cu, H=H, BT=BT, BC=16,
-                                                         num_warps=warps, num_stages=stages, **regs)
+        # the 15-step forward substitutions in many small programs, out of the register-bound pairwise kernel
+        _, warps, stages, regs = launch_config("diag_inv")
+        _diag_inv_kernel[(info.NC * (BT // 16), H)](Pd, bs, Md, info.chunk_tab, info.cu, H=H, BT=BT, BC=16,
+                                                     num_warps=warps, num_stages=stages, **regs)
         # at K = 128 the pairwise kernel sits at sm_90's 255-register cap
         bk, warps, stages, regs = launch_config("intra_fwd")
         _intra_fwd_kernel[(info.NC, H)](
             qn, kn, gc, bs, Aqk, Mo, Po, Tm, Pd, Md, info.chunk_tab, info.cu, scale,
-            H=H, K=K, BK=min(bk, next_pow2(K)), BT=BT, BC=16, STORE_BWD=store_bwd, PREC=_prec(DT), MINV=inv > 0,
+            H=H, K=K, BK=min(bk, next_pow2(K)), BT=BT, BC=16, STORE_BWD=store_bwd, PREC=_prec(DT),
             num_warps=warps, num_stages=stages, **regs)
     if info.NC > 0:
         bk, warps, stages, regs = launch_config("wu_fwd")
@@ -713,8 +688,8 @@ def intra_fwd(qn, kn, v, gc, bs, scale, lower_bound, info, store_bwd=False):
 
 def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, states_dtype, store_vn, compute_o, o=None):
     """The sequential scan over chunks (state entering each chunk, v_new), then, with compute_o, the output by
-    `_output_fwd_kernel`, parallel over chunks: the scan stays short. Computing the output inside the scan was
-    slower on the H200 (bench/results/kda_h200.md). states_dtype: keep the states entering each chunk in that dtype
+    `_output_fwd_kernel`, parallel over chunks: the scan stays short (computing the output inside the scan is
+    slower). states_dtype: keep the states entering each chunk in that dtype
     and return them (None: not returned)."""
     W = I["W"]
     TT, H, K = W.shape
@@ -751,37 +726,16 @@ def state_fwd(I, gc, h0, info, V, out_dtype, output_final_state, states_dtype, s
     return o, ht, hs, vn
 
 
-def fwd16():
-    """KIMI3_KDA_FWD16: whether the inference forward (no autograd) runs in 16-token sub-chunks, `sub16_fwd`, in place
-    of the preparation kernels and the 64-token chunks' pairwise, solve, W/U, scan and output kernels: "1" (default)
-    or "0". Other forms were timed slower and removed (bench/results/kda_h200.md): the W/U forms (the sub-chunk kernel
-    also forming W = T Kg and U = T v; H200, 1a87938) and the transposed-state recurrence (H100, 93dfac0)."""
-    mode = env("KIMI3_KDA_FWD16", "").strip() or "1"
-    if mode not in ("0", "1"):
-        raise ValueError(f"KIMI3_KDA_FWD16 must be 0 or 1, got {mode!r}")
-    return mode == "1"
-
-
 def fwd16_segments(n_chunks, programs, device):
     """The 16-token forward's segments of the chunks, [(first, end), ...]: each a sub-chunk launch on a side stream
     and a recurrence launch on the caller's, so that the next segment's sub-chunk kernel runs beside this segment's
-    recurrence. That pays where the recurrence leaves SMs idle: with at most one program per SM (H=32 at B=1: 128
-    programs) each is bound by its steps' latency, not by the SM. KIMI3_KDA_FWD16_SEGS: "auto" (default) takes one
-    segment per 64 chunks (4K tokens), at most 16, when the recurrence has no more programs than the GPU has SMs, else
-    one segment; n > 0 asks for n, each of at least SEG_MIN_CHUNKS chunks. On an H100 at H=32 T=16K / 64K one segment
-    took 1.63 / 6.03 ms, auto 1.45 / 4.95 (93dfac0); at H=96 (384 programs) 8 segments were 1.06x slower."""
-    value = env("KIMI3_KDA_FWD16_SEGS", "").strip() or "auto"
-    if value == "auto":
-        n = max(1, min(16, n_chunks // 64)) if programs <= sm_count(device) else 1
-        size = cdiv(n_chunks, n)
-    elif value.isdigit() and int(value) >= 1:
-        size = max(SEG_MIN_CHUNKS, cdiv(n_chunks, int(value)))
-    else:
-        raise ValueError(f"KIMI3_KDA_FWD16_SEGS must be 'auto' or a positive integer, got {value!r}")
+    recurrence. That pays where the recurrence leaves SMs idle: with at most one program per SM (H=32 at B=1) each is
+    bound by its steps' latency, not by the SM. Then one segment per 64 chunks (4K tokens), at most 16; else one."""
+    n = max(1, min(16, n_chunks // 64)) if programs <= sm_count(device) else 1
+    size = cdiv(n_chunks, n)
     return [(lo, min(lo + size, n_chunks)) for lo in range(0, n_chunks, max(size, 1))] or [(0, 0)]
 
 
-SEG_MIN_CHUNKS = 16  # below ~1K tokens a segment's launches cost more than the overlap gains
 _SIDE_STREAMS = {}
 
 

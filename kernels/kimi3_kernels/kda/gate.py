@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, launch_config, next_pow2
+from ._utils import CHUNK_SIZE, TRITON_AVAILABLE, cdiv, next_pow2
+from .configs import launch_config
 
 if TRITON_AVAILABLE:
     import triton

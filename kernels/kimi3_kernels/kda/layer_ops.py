@@ -2,7 +2,7 @@
 
 A decode step of a KDA layer otherwise spends ~20 launches on them (per conv: concatenate, conv, SiLU, state copy;
 the output norm: casts, RMS, sigmoid, products), each a few microseconds for a few KB of data; at batch 1 such
-launches are most of a CUDA-graph-replayed step (bench/results/e2e_h200.json, profile rows).
+launches are most of a CUDA-graph-replayed step.
 
 - `short_conv_update(xs, states, weights)`: the depthwise causal convs + SiLU of q, k and v for T new tokens
   (decode, speculative verification) in one launch, the conv states [B, D, W] updated in place.
