@@ -9,10 +9,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 GPU_FILES = ("test_mxfp4_wgmma.py",)
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: part of the GPU suite (pytest -m gpu tests)")
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = str(item.fspath)

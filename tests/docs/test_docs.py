@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REQUIREMENTS = {"gpu", "hub"}
 BLOCK = re.compile(r"^```python[^\n]*\n(.*?)^```", re.S | re.M)
 NEEDS = re.compile(r"#\s*needs:\s*([\w ,]+)")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 for _p in (ROOT / "src", ROOT / "kernels"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 for _p in (ROOT / "src", ROOT / "kernels"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))

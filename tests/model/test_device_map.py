@@ -110,7 +110,7 @@ def test_tensor_and_expert_parallel_plans_on_cpu(tmp_path):
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [os.path.join(root, "src"), os.path.join(root, "kernels"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, os.path.join(root, "bench", "multi_gpu.py"), "all", "--tiny", "--device",

@@ -17,7 +17,7 @@ import pytest
 import torch
 from kimi3_testing import run_decode_ptx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 for p in (ROOT / "src", ROOT / "kernels"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))

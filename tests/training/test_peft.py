@@ -165,7 +165,7 @@ def test_lora_with_frozen_mxfp4_experts():
     adapter's gradient has crossed them)."""
     from transformers_kimi3 import mxfp4_experts
 
-    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "kimi-k3-tiny")
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets", "kimi-k3-tiny")
     model = Kimi3ForCausalLM.from_pretrained(folder, dtype=torch.float32)
     moe = model.model.layers[1].block_sparse_moe
     assert isinstance(moe.experts, mxfp4_experts.PackedMXFP4Experts)

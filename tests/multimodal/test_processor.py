@@ -19,8 +19,8 @@ from transformers_kimi3.tiny_tokenizer import build_tiny_tokenizer
 from transformers_kimi3.tokenization_kimi3 import Kimi3Tokenizer
 
 PAD = 469  # <|media_pad|> in the tiny tokenizer
-ORACLE_A = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "oracle", "A")
-TINY = os.path.join(os.path.dirname(__file__), "..", "assets", "kimi-k3-tiny")
+from kimi3_testing import ORACLE_A  # noqa: E402
+TINY = os.path.join(os.path.dirname(__file__), "..", "..", "assets", "kimi-k3-tiny")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from kimi3_testing import run_decode_ptx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _setup_path():
@@ -446,7 +446,8 @@ def _worker():
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("triton", reason="triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
                           cwd=str(ROOT))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

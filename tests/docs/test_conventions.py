@@ -67,7 +67,7 @@ import ast  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HISTORY_FREE = ("src", "kernels", "conversion", "docs", "model_cards", "README.md")
 MAX_ENV_NAMES, MAX_BENCH_SCRIPTS, MAX_BENCH_RESULTS, MAX_README_LINES = 3, 10, 16, 220
 

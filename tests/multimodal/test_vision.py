@@ -12,14 +12,16 @@ import torch
 try:
     import transformers_kimi3  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from safetensors.torch import load_file
 
 from transformers_kimi3.configuration_kimi3 import Kimi3Config
 from transformers_kimi3.vision import Kimi3MultiModalProjector, Kimi3VisionModel
 
-ORACLE = Path(os.environ.get("KIMI3_ORACLE_DIR", Path(__file__).resolve().parents[2] / "shared" / "oracle" / "A"))
+from kimi3_testing import ORACLE_A  # noqa: E402
+
+ORACLE = Path(ORACLE_A)
 # The official fp32 code and an independent fp64 implementation agree to ~5e-7 here (oracle README section 5).
 REL_TOL = 1e-4
 

@@ -14,14 +14,16 @@ import torch
 try:
     import transformers_kimi3  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from PIL import Image
 from safetensors.torch import load_file
 
 from transformers_kimi3.image_processing_kimi3 import Kimi3ImageProcessor
 
-ORACLE = Path(os.environ.get("KIMI3_ORACLE_DIR", Path(__file__).resolve().parents[2] / "shared" / "oracle" / "A"))
+from kimi3_testing import ORACLE_A  # noqa: E402
+
+ORACLE = Path(ORACLE_A)
 needs_oracle = pytest.mark.skipif(not (ORACLE / "inputs_and_logits.safetensors").exists(),
                                   reason=f"oracle not found at {ORACLE}")
 
@@ -188,7 +190,7 @@ def test_official_media_proc_cfg_layout_loads(tmp_path):
 def test_works_without_torchvision(ref, monkeypatch):
     # a fresh copy of the module loaded as a lone file, as trust_remote_code copies it, with torchvision unimportable
     monkeypatch.setitem(sys.modules, "torchvision", None)
-    path = Path(__file__).resolve().parents[1] / "src" / "transformers_kimi3" / "image_processing_kimi3.py"
+    path = Path(__file__).resolve().parents[2] / "src" / "transformers_kimi3" / "image_processing_kimi3.py"
     spec = importlib.util.spec_from_file_location("kimi3_lone_image_processing", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
