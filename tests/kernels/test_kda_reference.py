@@ -91,3 +91,23 @@ def test_chunk_gradients_match_recurrent():
         grads.append(torch.autograd.grad(loss, list(leaves.values())))
     for name, a, b in zip(leaves, *grads):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-3), name
+
+
+@pytest.mark.parametrize("B,T,D,W", [(2, 7, 12, 4), (1, 1, 8, 4), (3, 2, 5, 3)])
+def test_causal_conv_is_the_depthwise_conv(B, T, D, W):
+    """The layer's causal conv (explicit taps, no cuDNN) against F.conv1d in fp64, with and without a state: the same
+    values, and the new state is the last W inputs."""
+    import torch.nn.functional as F
+
+    from transformers_kimi3.kda import causal_conv
+
+    gen = torch.Generator().manual_seed(T)
+    x = torch.randn(B, T, D, generator=gen, dtype=torch.float64)
+    w = torch.randn(D, 1, W, generator=gen, dtype=torch.float64)
+    for state in (None, torch.randn(B, D, W, generator=gen, dtype=torch.float64)):
+        y, new_state = causal_conv(x, w, state)
+        prev = x.new_zeros(B, D, W) if state is None else state
+        full = torch.cat([prev, x.transpose(1, 2)], -1)
+        ref = F.silu(F.conv1d(full, w, groups=D)[..., -T:]).transpose(1, 2)
+        assert (y - ref).abs().max() < 1e-12
+        assert torch.equal(new_state, full[..., -W:])
