@@ -62,13 +62,13 @@ def causal_conv(x, weight, state=None, seq_idx=None):
     xt = x.transpose(1, 2)
     prev = xt.new_zeros(B, D, W) if state is None else state.to(xt.dtype)
     full = torch.cat([prev, xt], dim=-1)  # [B, D, W+T]: the state's last W inputs, then this call's
-    # y_t = sum_j w_j full_{t+1+j}, one multiply-add per tap in the weight's dtype: the same on every device (cuDNN
-    # would round fp32 inputs to TF32 on the GPU)
-    f, w = full.to(weight.dtype), weight[:, 0, :, None]
+    # y_t = sum_j w_j full_{t+1+j}: the taps summed in fp32 and rounded once to the weight's dtype, as a conv in that
+    # dtype would; the same on every device (cuDNN would round fp32 inputs to TF32 on the GPU)
+    f, w = full.to(weight.dtype).float(), weight[:, 0, :, None].float()
     y = f[:, :, 1:T + 1] * w[:, 0]
     for j in range(1, W):
         y = y + f[:, :, 1 + j:T + 1 + j] * w[:, j]
-    return F.silu(y).to(x.dtype).transpose(1, 2), full[..., -W:].contiguous()
+    return F.silu(y.to(weight.dtype)).to(x.dtype).transpose(1, 2), full[..., -W:].contiguous()
 
 
 class Kimi3ShortConv(nn.Conv1d):

@@ -95,19 +95,19 @@ def test_chunk_gradients_match_recurrent():
 
 @pytest.mark.parametrize("B,T,D,W", [(2, 7, 12, 4), (1, 1, 8, 4), (3, 2, 5, 3)])
 def test_causal_conv_is_the_depthwise_conv(B, T, D, W):
-    """The layer's causal conv (explicit taps, no cuDNN) against F.conv1d in fp64, with and without a state: the same
-    values, and the new state is the last W inputs."""
+    """The layer's causal conv (explicit taps summed in fp32, no cuDNN) against F.conv1d in fp64, with and without a
+    state: fp32 rounding only, and the new state is the last W inputs."""
     import torch.nn.functional as F
 
     from transformers_kimi3.kda import causal_conv
 
     gen = torch.Generator().manual_seed(T)
-    x = torch.randn(B, T, D, generator=gen, dtype=torch.float64)
-    w = torch.randn(D, 1, W, generator=gen, dtype=torch.float64)
-    for state in (None, torch.randn(B, D, W, generator=gen, dtype=torch.float64)):
+    x = torch.randn(B, T, D, generator=gen)
+    w = torch.randn(D, 1, W, generator=gen)
+    for state in (None, torch.randn(B, D, W, generator=gen)):
         y, new_state = causal_conv(x, w, state)
         prev = x.new_zeros(B, D, W) if state is None else state
         full = torch.cat([prev, x.transpose(1, 2)], -1)
-        ref = F.silu(F.conv1d(full, w, groups=D)[..., -T:]).transpose(1, 2)
-        assert (y - ref).abs().max() < 1e-12
+        ref = F.silu(F.conv1d(full.double(), w.double(), groups=D)[..., -T:]).transpose(1, 2)
+        assert y.dtype == torch.float32 and (y.double() - ref).abs().max() < 1e-6 * ref.abs().max()
         assert torch.equal(new_state, full[..., -W:])
