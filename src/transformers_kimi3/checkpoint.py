@@ -234,7 +234,7 @@ def load_pretrained(cls, name_or_path, base_from_pretrained, *model_args, **kwar
               "trust_remote_code"):
         kwargs.pop(k, None)
     model = base_from_pretrained(None, *model_args, config=config, state_dict=state_dict, **kwargs)
-    model.config._name_or_path = str(name_or_path)
+    model.config._name_or_path = model.name_or_path = str(name_or_path)  # PEFT records it in adapters
     return model
 
 

@@ -85,6 +85,16 @@ class _PackedExpertsFunction(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
+
+def _own_precision(fn):
+    """The PyTorch expert paths compute in fp32 from the decoded weights (h rounded to x's dtype) whatever autocast
+    is active: under bf16 autocast their matmuls would otherwise return bf16 into the fp32 buffers."""
+    def wrapped(self, x, *args, **kwargs):
+        with torch.autocast(x.device.type, enabled=False):
+            return fn(self, x, *args, **kwargs)
+    wrapped.__name__, wrapped.__doc__ = fn.__name__, fn.__doc__
+    return wrapped
+
 class PackedMXFP4Experts(nn.Module):
     """E routed experts y = sum_k w_k W2_e act(W1_e x, W3_e x), weights kept as MXFP4 exactly as on disk.
 
@@ -228,6 +238,7 @@ class PackedMXFP4Experts(nn.Module):
             if bounds[e + 1] > bounds[e]:
                 yield e, order[bounds[e]:bounds[e + 1]]
 
+    @_own_precision
     def _forward_torch(self, x, order, offsets, k):
         o = torch.empty(order.numel(), self.hidden_size, dtype=torch.float32, device=x.device)
         for e, pairs in self._segments(order, offsets):
@@ -236,6 +247,7 @@ class PackedMXFP4Experts(nn.Module):
             o[pairs] = h @ self._expert(e, "w2").T
         return o
 
+    @_own_precision
     def _forward_gathered(self, x, topk_idx, topk_w):
         """The routes in topk_idx's order, each with its expert decoded to fp32 (chunks of GATHER_CHUNK_BYTES):
         the arithmetic of `_forward_torch` without reading the expert bounds on the host."""
@@ -254,6 +266,7 @@ class PackedMXFP4Experts(nn.Module):
             out[m0:m0 + per] = torch.bmm(w2, h[:, :, None])[..., 0]
         return _combine(out, topk_w, T, k, x.dtype)
 
+    @_own_precision
     def _backward_torch(self, x, topk_w, dy, order, offsets, k, need_dx=True):
         M = order.numel()
         dx = torch.zeros(M, self.hidden_size, dtype=torch.float32, device=x.device)

@@ -57,3 +57,26 @@ def test_packed_save_writes_the_source_bytes(tmp_path):
     ids = torch.randint(3, 448, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(again(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
+
+
+def test_bf16_autocast_with_packed_experts_on_cpu():
+    """bf16 autocast over a model whose experts stay packed: forward, backward and generate run (the experts keep their
+    own fp32 arithmetic), the loss is finite, gradients reach the layers before the experts, and the name the model
+    was loaded from is kept (PEFT writes it into adapters)."""
+    import math
+
+    from transformers_kimi3 import Kimi3ForCausalLM
+
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets",
+                        "kimi-k3-tiny")
+    model = Kimi3ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    assert model.name_or_path == tiny and model.config._name_or_path == tiny
+    assert any(isinstance(e, PackedMXFP4Experts) for e in _experts(model))
+    ids = torch.randint(3, 400, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        gen = model.generate(ids[:, :5], max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert math.isfinite(out.loss.item()) and gen.shape == (2, 8)
+    down = model.model.layers[1].block_sparse_moe.routed_expert_down_proj.weight.grad
+    assert down is not None and down.abs().max() > 0  # the gradient crossed the packed experts
