@@ -173,6 +173,7 @@ class Kimi3Model(Kimi3PreTrainedModel):
                 return_dict=None, **kwargs):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
+        check_input_shapes(input_ids, inputs_embeds, attention_mask)
         if inputs_embeds is None:
             if not (input_ids.is_cuda and input_ids.shape[1] == 1):  # a CUDA decode step must not sync the host
                 check_token_ids(input_ids, self.vocab_size)
@@ -270,6 +271,19 @@ def packed_sequence_ids(position_ids, cu_seq_lens, B, T, device):
     if not bool(restarts.any()):
         return None
     return F.pad(restarts.long(), (1, 0)).cumsum(1)
+
+
+def check_input_shapes(input_ids, inputs_embeds, attention_mask):
+    """Shape errors at the model's entry, named, instead of deep inside a layer (host-side: no GPU sync)."""
+    name, x, dims = (("input_ids", input_ids, "[batch, seq_len]") if input_ids is not None
+                     else ("inputs_embeds", inputs_embeds, "[batch, seq_len, hidden]"))
+    if x.dim() != len(dims.split(",")):
+        raise ValueError(f"{name} must be {dims}, got shape {list(x.shape)}"
+                         + (" (add a batch dimension: input_ids[None])" if name == "input_ids" and x.dim() == 1 else ""))
+    if x.shape[1] == 0:
+        raise ValueError(f"{name} has no tokens (shape {list(x.shape)}): pass at least one token per row")
+    if attention_mask is not None and attention_mask.shape[0] != x.shape[0]:
+        raise ValueError(f"attention_mask has batch size {attention_mask.shape[0]}, {name} has {x.shape[0]}")
 
 
 def check_token_ids(input_ids, vocab_size):

@@ -165,3 +165,26 @@ def test_config_json_keeps_official_keys(tmp_path):
         assert saved["text_config"][key] == official["text_config"][key], key
     assert "layer_types" not in saved["text_config"]  # derived, never serialized
     assert tiny_k3_text_config().to_dict()["model_type"] == "kimi_linear"
+
+
+def test_input_shapes_are_checked_at_the_entry():
+    """Degenerate inputs get a ValueError that names the tensor, not an error from inside a layer: 1-D input_ids,
+    empty rows, an attention_mask whose batch differs (padded or all ones), in forward and in generate."""
+    from kimi3_testing import tiny_model
+
+    model = tiny_model()
+    ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(0))
+    padded = torch.ones(3, 6, dtype=torch.long)
+    padded[2, :2] = 0
+    cases = [(dict(input_ids=ids[0]), "input_ids must be \\[batch, seq_len\\].*add a batch dimension"),
+             (dict(input_ids=ids[:, :0]), "input_ids has no tokens"),
+             (dict(input_ids=ids, attention_mask=padded), "attention_mask has batch size 3, input_ids has 2"),
+             (dict(input_ids=ids, attention_mask=torch.ones(1, 6, dtype=torch.long)), "attention_mask has batch size 1"),
+             (dict(inputs_embeds=torch.zeros(2, 64)), "inputs_embeds must be \\[batch, seq_len, hidden\\]")]
+    with torch.no_grad():
+        for kwargs, message in cases:
+            with pytest.raises(ValueError, match=message):
+                model(**kwargs)
+        with pytest.raises(ValueError, match="attention_mask has batch size 3"):
+            model.generate(input_ids=ids, attention_mask=padded, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        assert model(input_ids=ids, attention_mask=torch.ones(2, 6, dtype=torch.long)).logits.shape == (2, 6, 96)
