@@ -41,7 +41,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from _timing import Results, rel  # noqa: E402
+from _timing import Results, capture, rel  # noqa: E402
 
 K3 = dict(E=896, TOPK=16, D=3584, I=3072)
 SMOKE = dict(E=8, TOPK=2, D=128, I=256)
@@ -233,15 +233,7 @@ class Timer:
         self.graph = None
         if graph and device.type == "cuda":
             with ctx():
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    for _ in range(3):
-                        fn()
-                torch.cuda.current_stream().wait_stream(s)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    fn()
+                self.graph = capture(fn)
 
     def __call__(self):
         """Milliseconds per call, this round."""
