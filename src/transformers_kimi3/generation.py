@@ -242,18 +242,30 @@ class Kimi3GenerationMixin(GenerationMixin):
         chunked = kwargs.get("prefill_chunk_size", getattr(config, "prefill_chunk_size", None))
         if chunked is not None and (isinstance(chunked, bool) or not isinstance(chunked, int) or chunked < 1):
             raise ValueError(f"prefill_chunk_size must be a positive number of tokens, not {chunked!r}")
+        ids, mask = inputs if inputs is not None else kwargs.get("input_ids"), kwargs.get("attention_mask")
+        if (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.dim() == 2
+                and mask.shape != ids.shape):
+            what = (f"batch size {mask.shape[0]}, input_ids has {ids.shape[0]}" if mask.shape[0] != ids.shape[0]
+                    else f"shape {list(mask.shape)}, input_ids {list(ids.shape)}: one value per prompt token")
+            raise ValueError(f"attention_mask has {what}")
         if impl == "static" and self._plain_greedy(inputs, generation_config, kwargs):
             return self._static_greedy(inputs if inputs is not None else kwargs["input_ids"], config, kwargs)
         if (impl == "static" or chunked) and kwargs.get("past_key_values") is None:
             # Transformers' chunked prefill needs a cache object up front; ours is never built by generate()
             ids = inputs if inputs is not None else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
             max_new = kwargs.get("max_new_tokens") or getattr(config, "max_new_tokens", None) or 20
+            length = ids.shape[1] + self._expanded_positions(kwargs) + max_new
             kwargs["past_key_values"] = Kimi3Cache(self.config.get_text_config(),
-                                                   max_length=ids.shape[1] + max_new if impl == "static" else None)
+                                                   max_length=length if impl == "static" else None)
         if generation_config is not None and getattr(generation_config, "cache_implementation", None):
             generation_config = copy.deepcopy(generation_config)
             generation_config.cache_implementation = None
         return super().generate(inputs, generation_config=generation_config, **kwargs)
+
+    def _expanded_positions(self, kwargs):
+        """How many cache positions the prompt gains inside the model beyond its input_ids (image placeholders
+        expand to their images' rows); a static cache is sized for them."""
+        return 0
 
     def _plain_greedy(self, inputs, generation_config, kwargs):
         config = generation_config or self.generation_config

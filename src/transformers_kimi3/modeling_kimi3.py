@@ -286,6 +286,22 @@ def check_input_shapes(input_ids, inputs_embeds, attention_mask):
         raise ValueError(f"attention_mask has batch size {attention_mask.shape[0]}, {name} has {x.shape[0]}")
 
 
+def check_media_inputs(input_ids, pixel_values, placeholder):
+    """A prompt's media placeholders need pixels, and pixels must be finite (a NaN pixel reaches every logit)."""
+    if pixel_values is None:
+        if input_ids is not None and bool((input_ids == placeholder).any()):
+            n = int((input_ids == placeholder).sum())
+            raise ValueError(f"input_ids hold {n} media placeholder(s) (id {placeholder}) but no pixel_values were "
+                             "given: pass the image's pixel_values and grid_thws (the processor makes both), or "
+                             "remove the placeholder")
+        return
+    if not pixel_values.is_floating_point():
+        raise ValueError(f"pixel_values must be a float tensor, got {pixel_values.dtype}")
+    if not bool(torch.isfinite(pixel_values).all()):
+        bad = int((~torch.isfinite(pixel_values)).sum())
+        raise ValueError(f"pixel_values hold {bad} NaN or infinite value(s) of {pixel_values.numel()}")
+
+
 def check_token_ids(input_ids, vocab_size):
     if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
         bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
@@ -385,6 +401,8 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
             return MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         n_source = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         cache_started = isinstance(past_key_values, Kimi3Cache) and past_key_values.seen_tokens > 0
+        if not cache_started:
+            check_media_inputs(input_ids, pixel_values, self.config.media_placeholder_token_id)
         if pixel_values is not None and not cache_started:
             if input_ids is None:
                 raise ValueError("Images need input_ids with media placeholders, not inputs_embeds")
@@ -405,11 +423,21 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
             out.past_key_values.source_tokens += n_source
         return lm._head(out, labels, logits_to_keep, **kwargs)
 
+    def _media_rows(self, grid_thws):
+        """Projector rows per image / video: h*w over the merge kernel's area."""
+        kh, kw = self.config.vision_config.merge_kernel_size
+        return [int(h * w // (kh * kw)) for _, h, w in grid_thws.tolist()]
+
+    def _expanded_positions(self, kwargs):
+        grid = kwargs.get("grid_thws", kwargs.get("image_grid_thw"))
+        if grid is None or kwargs.get("pixel_values") is None:
+            return 0
+        return sum(n - 1 for n in self._media_rows(grid))  # each placeholder becomes its image's rows
+
     def _merge_image_features(self, input_ids, features, grid_thws, attention_mask, labels):
         """Replace each placeholder by its image's rows; rows that grow by different amounts are left-padded."""
         token = self.config.media_placeholder_token_id
-        kh, kw = self.config.vision_config.merge_kernel_size
-        counts = [int(h * w // (kh * kw)) for _, h, w in grid_thws.tolist()]
+        counts = self._media_rows(grid_thws)
         n_placeholders = int((input_ids == token).sum())
         if n_placeholders != len(counts):
             raise ValueError(f"input_ids hold {n_placeholders} media placeholders (id {token}) but {len(counts)} "

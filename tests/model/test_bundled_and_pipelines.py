@@ -86,6 +86,26 @@ def test_image_text_to_text_pipeline_matches_generate(model):
     assert got == processor.decode(ref[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
+@pytest.mark.parametrize("sampling", [dict(do_sample=False), dict(do_sample=True, top_k=5)])
+def test_static_cache_generation_with_an_image_equals_dynamic(model, sampling):
+    """The static cache is sized for the prompt as the model sees it: the image placeholder expands to the image's
+    rows inside the model, so a static cache sized from input_ids alone overflows at the first step."""
+    processor = AutoProcessor.from_pretrained(TINY)
+    y, x = np.mgrid[0:56, 0:84]
+    image = np.stack([x * 5, y * 2, (x * y) % 255], -1).astype(np.uint8)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Hi"}]}]
+    inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    outs = []
+    with torch.no_grad():
+        for impl in (None, "static"):
+            torch.manual_seed(0)
+            outs.append(model.generate(**inputs, max_new_tokens=4, pad_token_id=511, cache_implementation=impl,
+                                       **sampling))
+    assert outs[0].shape[1] == inputs["input_ids"].shape[1] + 4
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_demo_runs():
     proc = subprocess.run([sys.executable, "-m", "transformers_kimi3", "demo", "--model", TINY,
                            "--max-new-tokens", "4"], capture_output=True, text=True, timeout=300)

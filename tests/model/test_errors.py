@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kimi3_testing import ORACLE_A, needs_oracle, tiny_k3_text_config, tiny_model
+from kimi3_testing import ORACLE_A, ROOT, needs_oracle, tiny_k3_text_config, tiny_model
 from transformers_kimi3 import Kimi3Config, Kimi3ForCausalLM, Kimi3TextConfig
 from transformers_kimi3.checkpoint import CheckpointError
 
@@ -187,4 +187,31 @@ def test_input_shapes_are_checked_at_the_entry():
                 model(**kwargs)
         with pytest.raises(ValueError, match="attention_mask has batch size 3"):
             model.generate(input_ids=ids, attention_mask=padded, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        for impl in (None, "static"):  # a mask of another length is refused, not ignored
+            with pytest.raises(ValueError, match=r"attention_mask has shape \[2, 5\], input_ids \[2, 6\]"):
+                model.generate(input_ids=ids, attention_mask=torch.ones(2, 5, dtype=torch.long), max_new_tokens=2,
+                               do_sample=False, pad_token_id=0, cache_implementation=impl)
         assert model(input_ids=ids, attention_mask=torch.ones(2, 6, dtype=torch.long)).logits.shape == (2, 6, 96)
+
+
+def test_media_inputs_are_checked_at_the_entry():
+    """A media placeholder without pixels, and NaN / infinite pixels, are ValueErrors at the model's entry."""
+    from transformers_kimi3 import Kimi3ForConditionalGeneration
+
+    model = Kimi3ForConditionalGeneration.from_pretrained(os.path.join(ROOT, "assets", "kimi-k3-tiny")).eval()
+    token = model.config.media_placeholder_token_id
+    ids = torch.tensor([[5, 6, token, 7]])
+    vision = model.config.vision_config
+    grid = torch.tensor([[1, 2 * vision.merge_kernel_size[0], 2 * vision.merge_kernel_size[1]]])
+    pixels = torch.rand(int(grid.prod()), 3, vision.patch_size, vision.patch_size)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=f"1 media placeholder.*id {token}.*no pixel_values"):
+            model(input_ids=ids)
+        with pytest.raises(ValueError, match="no pixel_values"):
+            model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        for bad in (float("nan"), float("inf")):
+            p = pixels.clone()
+            p[0, 0, 0, 0] = bad
+            with pytest.raises(ValueError, match="pixel_values hold 1 NaN or infinite value"):
+                model(input_ids=ids, pixel_values=p, grid_thws=grid)
+        assert torch.isfinite(model(input_ids=ids, pixel_values=pixels, grid_thws=grid).logits).all()
