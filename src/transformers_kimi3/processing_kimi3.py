@@ -16,8 +16,14 @@ are declared in a leading system message (``type="tool-declare"``, compact JSON 
 ``h * w / 4`` features.
 
 Template variables (``apply_chat_template(..., name=value)``): ``thinking`` (or ``enable_thinking``; default true),
-``thinking_effort`` ("low" | "high" | "max" | None; default "max"), ``tool_choice`` ("required" | "none"),
-``response_format`` ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}).
+``thinking_effort`` ("low" | "high" | "max" | None; default "max"), ``tool_choice`` ("auto" | "required" | "none"),
+``response_format`` ({"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
+...}}). ``tools`` are ``{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}``
+(or Python functions, which Transformers turns into that); ``description`` and ``parameters`` are optional. The
+template refuses, with a ``jinja2.TemplateError`` naming the argument and field, a tool whose ``function`` is not
+an object with a non-empty string ``name`` (and, where given, a string ``description`` and an object
+``parameters``), and any other ``tool_choice``, ``response_format`` or ``thinking_effort`` value; that includes a
+``tool_choice`` dict naming one tool, which the format cannot express.
 ``apply_chat_template(..., sanitize_control_tokens=True)`` makes the control tokens found in the inputs plain text;
 Transformers releases that lack the option (5.17) pass it to the template, which then breaks those tokens with a
 zero-width space (U+200B after their first character) so that they still cannot act as control tokens.

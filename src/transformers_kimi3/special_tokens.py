@@ -228,6 +228,69 @@ _CHAT_TEMPLATE_BODY = r"""{%- if thinking is defined and thinking is not none -%
     {%- endif -%}
     {{- note('tool-declare', head ~ '```json\n' ~ user_text(tool_list | tojson(separators=(',', ':'), sort_keys=true)) ~ '\n```') -}}
 {%- endmacro -%}
+{#- ---- request checks: the template renders only what it understands, so a malformed tool schema or an unknown
+    tool_choice / response_format is refused (raise_exception) rather than written verbatim or dropped ---- -#}
+{%- macro shown(value) -%}
+    {%- if value is string -%}{{ value | tojson }}{%- elif value is boolean -%}bool{%- elif value is none -%}None
+    {%- elif value is integer -%}int{%- elif value is float -%}float{%- elif value is mapping -%}dict
+    {%- elif value is iterable -%}list{%- else -%}{{ value }}{%- endif -%}
+{%- endmacro -%}
+{%- macro check_tools(tool_list, where) -%}
+    {%- set TOOL_FORM = '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}' -%}
+    {%- if tool_list is string or tool_list is mapping or tool_list is not iterable -%}
+        {{- raise_exception(where ~ ' must be a list of tools such as ' ~ TOOL_FORM ~ ', got ' ~ shown(tool_list)) -}}
+    {%- endif -%}
+    {%- for tool in tool_list -%}
+        {%- set at = where ~ '[' ~ loop.index0 ~ ']' -%}
+        {%- if tool is not mapping -%}
+            {{- raise_exception(at ~ ' must be a JSON object (dict) such as ' ~ TOOL_FORM ~ ', got ' ~ shown(tool)) -}}
+        {%- elif tool['function'] is not defined -%}
+            {{- raise_exception(at ~ ': no "function"; a tool is ' ~ TOOL_FORM) -}}
+        {%- elif tool['function'] is not mapping -%}
+            {{- raise_exception(at ~ '.function must be a JSON object (dict), got ' ~ shown(tool['function'])) -}}
+        {%- endif -%}
+        {%- set fn = tool['function'] -%}
+        {%- if fn['name'] is not defined or fn['name'] is not string or not fn['name'] | trim -%}
+            {{- raise_exception(at ~ '.function: "name" must be a non-empty string, got ' ~ (shown(fn['name']) if fn['name'] is defined else 'nothing')) -}}
+        {%- elif fn['description'] is defined and fn['description'] is not none and fn['description'] is not string -%}
+            {{- raise_exception(at ~ '.function.description must be a string, got ' ~ shown(fn['description'])) -}}
+        {%- elif fn['parameters'] is defined and fn['parameters'] is not none and fn['parameters'] is not mapping -%}
+            {{- raise_exception(at ~ '.function.parameters must be a JSON object (dict), got ' ~ shown(fn['parameters'])) -}}
+        {%- endif -%}
+    {%- endfor -%}
+{%- endmacro -%}
+{%- if tools is defined and tools is not none -%}
+    {{- check_tools(tools, 'tools') -}}
+{%- endif -%}
+{%- if tool_choice is defined and tool_choice is not none -%}
+    {%- if tool_choice is mapping -%}
+        {{- raise_exception('Unsupported tool_choice=' ~ tool_choice ~ ": the template cannot force a named tool; supported values are ['auto', 'none', 'required'] (to force one tool, declare only that tool and pass tool_choice='required').") -}}
+    {%- elif tool_choice is not string or tool_choice not in ('auto', 'none', 'required') -%}
+        {{- raise_exception('Unsupported tool_choice=' ~ (tool_choice | tojson if tool_choice is string else tool_choice) ~ "; supported values are ['auto', 'none', 'required'].") -}}
+    {%- endif -%}
+{%- endif -%}
+{%- if response_format is defined and response_format is not none -%}
+    {%- set RF_TYPES = "['json_object', 'json_schema', 'text']" -%}
+    {%- if response_format is mapping and response_format['type'] is not defined -%}
+        {{- raise_exception('response_format: no "type"; supported types are ' ~ RF_TYPES ~ ', e.g. {"type": "json_object"}.') -}}
+    {%- elif response_format is not mapping and response_format is not string -%}
+        {{- raise_exception('response_format must be a dict such as {"type": "json_object"} or a type name, got ' ~ shown(response_format)) -}}
+    {%- endif -%}
+    {%- set rf_check = response_format['type'] if response_format is mapping else response_format -%}
+    {%- if rf_check is not string or rf_check not in ('json_object', 'json_schema', 'text') -%}
+        {{- raise_exception('Unsupported response_format type ' ~ shown(rf_check) ~ '; supported types are ' ~ RF_TYPES ~ '.') -}}
+    {%- endif -%}
+    {%- if rf_check == 'json_schema' -%}
+        {%- set js_check = response_format['json_schema'] if response_format is mapping and response_format['json_schema'] is defined else none -%}
+        {%- if js_check is not mapping -%}
+            {{- raise_exception('response_format type "json_schema" needs "json_schema": a JSON object (dict) such as {"name": ..., "schema": {...}}, got ' ~ shown(js_check)) -}}
+        {%- elif js_check['schema'] is defined and js_check['schema'] is not mapping -%}
+            {{- raise_exception('response_format.json_schema.schema must be a JSON object (dict), got ' ~ shown(js_check['schema'])) -}}
+        {%- elif js_check['schema'] is not defined and js_check['json_schema'] is defined and js_check['json_schema'] is not mapping -%}
+            {{- raise_exception('response_format.json_schema.json_schema must be a JSON object (dict), got ' ~ shown(js_check['json_schema'])) -}}
+        {%- endif -%}
+    {%- endif -%}
+{%- endif -%}
 {#- ---- synthesized system notes ---- -#}
 {%- if tools -%}
     {{- tool_declare(tools, false) -}}
@@ -243,6 +306,7 @@ _CHAT_TEMPLATE_BODY = r"""{%- if thinking is defined and thinking is not none -%
 {%- for message in messages -%}
     {%- set role = message['role'] -%}
     {%- if role == 'system' and message['tools'] is defined and message['tools'] -%}
+        {{- check_tools(message['tools'], 'messages[' ~ loop.index0 ~ '].tools') -}}
         {{- tool_declare(message['tools'], true) -}}
     {%- elif role in ('user', 'system') -%}
         {{- OPEN }}message role="{{ role }}"
