@@ -13,7 +13,8 @@ What it does, in order:
      shape and dtype against what the config implies (our model built on the meta device, in the official layout;
      routed experts either bf16 `weight` or MXFP4 `weight_packed` [out, in/2] + `weight_scale` [out, in/32] U8,
      decided per expert). Every problem is listed with the tensor and the file. Nothing is written before this
-     passes;
+     passes, nor before the output path is found free (or, with --overwrite, an earlier output of these
+     converters) and its file system has room for the planned shards and the other files;
   2. streams the tensors shard by shard (one tensor in memory at a time) into a hidden `.<output>.partial` folder
      next to the output, checking values on the way (finite floats, no E8M0 scale 0xFF = NaN, zero `A_log`
      padding). A manifest there records every finished shard with its sha256, for --resume;
@@ -25,7 +26,11 @@ What it does, in order:
      (with --dequantize: with the exact dequantisation of the source's MXFP4 bytes), and, when two fp32 copies of
      the model fit in --forward-check-max-gb, the logits of source and output on random tokens are compared;
   5. writes the index and config.json (auto_map -> configuration_kimi3 / modeling_kimi3; with --dequantize the
-     quantization_config is dropped) and renames the folder into place.
+     quantization_config is dropped) and renames the folder into place, its manifest kept as the mark that
+     --overwrite looks for.
+
+A file-system error (disk full, no permission) ends in one line, 'error: <what>: <path>: <reason>', with exit
+status 1; the partial folder is kept and --resume continues it.
 
 The source folder is only ever opened for reading. Pickled weights (.bin/.pt) are never loaded. The source's own
 remote code (Moonshot's .py files) and README are not carried over: our code and card replace them.

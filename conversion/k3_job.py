@@ -17,6 +17,7 @@ from kimi3_conversion.extra_files import (
     write_tokenizer_and_processor,
 )
 from kimi3_conversion.plan import Job, OutTensor, Producer, shard_plan, unpacked_params
+from kimi3_conversion.resume import MANIFEST
 from kimi3_conversion.tensor_io import INDEX, Source, dump_json
 from kimi3_conversion.verify import make_forward_check, value_checks_for
 
@@ -82,7 +83,7 @@ def _notes(source, match, dequantize):
             "dequantised to bf16" if dequantize else "kept packed, byte for byte"))
     if match.extra:
         notes.append(f"{len(match.extra)} multi-token-prediction tensors copied unchecked")
-    known = TOKENIZER_FILES + PROCESSOR_FILES + LICENSE_FILES + ("config.json", INDEX)
+    known = TOKENIZER_FILES + PROCESSOR_FILES + LICENSE_FILES + ("config.json", INDEX, MANIFEST)
     skipped = sorted(f for f in os.listdir(source.folder) if os.path.isfile(os.path.join(source.folder, f))
                      and f not in known and os.path.join(source.folder, f) not in source.files)
     if skipped:

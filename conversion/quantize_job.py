@@ -12,6 +12,7 @@ from transformers_kimi3.mxfp4 import GROUP_SIZE, dequantize_mxfp4, quantize_mxfp
 from kimi3_conversion.config_check import EXPERT_WEIGHT, load_config, match_source
 from kimi3_conversion.extra_files import auto_map_modules, copy_code
 from kimi3_conversion.plan import Job, OutTensor, Producer, shard_plan, unpacked_params
+from kimi3_conversion.resume import MANIFEST
 from kimi3_conversion.tensor_io import FLOATS, INDEX, Source, dump_json
 from kimi3_conversion.verify import make_forward_check, value_checks_for
 
@@ -53,7 +54,7 @@ def build_job(args):
     notes = [f"{len(match.unpacked)} expert matrices quantised to MXFP4"
              + (f"; {len(match.packed)} already MXFP4, copied" if match.packed else "")]
     carried = sorted(f for f in os.listdir(source.folder) if os.path.isfile(os.path.join(source.folder, f))
-                     and f not in ("config.json", INDEX) and not f.endswith((".safetensors",) + _PICKLES))
+                     and f not in ("config.json", INDEX, MANIFEST) and not f.endswith((".safetensors",) + _PICKLES))
     return Job(tool="quantize_mxfp4", source=source, output=args.output, shards=shards,
                producer=Producer(source),
                write_extras=lambda folder: _write_extras(folder, source.folder, carried, raw),

@@ -1,9 +1,12 @@
-"""The partial output folder that makes a conversion resumable.
+"""The partial output folder that makes a conversion resumable, and the mark of a finished output.
 
 A run writes into a hidden `.<name>.partial` folder next to the output path. Its manifest (`MANIFEST`) holds the
-plan's fingerprint and the sha256 of every finished shard. With `--resume` a later run keeps the finished shards
-whose bytes still match the same fingerprint; otherwise the partial folder is discarded. A folder in that place
-without a manifest was not made by this tool and is never touched.
+tool, the plan's fingerprint and the sha256 of every finished shard. With `--resume` a later run keeps the finished
+shards whose bytes still match the same fingerprint; otherwise the partial folder is discarded. A folder in that
+place without a manifest was not made by this tool and is never touched.
+
+The manifest stays in the published output: it marks the folder as written by these converters (and records each
+shard's sha256), and `--overwrite` replaces only a folder that carries it.
 """
 
 import json
@@ -20,6 +23,12 @@ MANIFEST = ".kimi3-conversion.json"
 def partial_dir(output):
     out = os.path.abspath(output)
     return os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.partial")
+
+
+def is_conversion_output(folder):
+    """Whether `folder` carries the manifest these converters write (a finished output or a partial one)."""
+    manifest = load_manifest(folder)
+    return isinstance(manifest, dict) and "tool" in manifest and "shards" in manifest
 
 
 def load_manifest(folder):
@@ -74,16 +83,20 @@ def record_finished(folder, manifest, fname, digest):
 
 
 def publish(folder, output):
-    """Drop the manifest and rename the complete folder to `output`. An existing output (the user passed
-    --overwrite) is moved aside first and deleted only once the new folder is in place."""
-    os.remove(os.path.join(folder, MANIFEST))
+    """Rename the complete folder (its manifest kept, as the mark of a converter's output) to `output`. An existing
+    output (the user passed --overwrite; `runner.check_paths` allows only a converter's output or an empty folder)
+    is moved aside first and deleted only once the new folder is in place; it is moved back when that fails."""
     out = os.path.abspath(output)
-    if not os.path.exists(out):
+    if not os.path.lexists(out):
         os.rename(folder, out)
         return
     old = f"{out}.old-{os.getpid()}"
     os.rename(out, old)
-    os.rename(folder, out)
+    try:
+        os.rename(folder, out)
+    except OSError:
+        os.rename(old, out)
+        raise
     if os.path.isdir(old) and not os.path.islink(old):
         shutil.rmtree(old)
     else:

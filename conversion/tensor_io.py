@@ -6,6 +6,8 @@ range) and its errors are re-raised naming the file, or the tensor and the file.
 one tensor at a time (see `write_shard`), then read back by `safe_open` for verification.
 """
 
+import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -155,6 +157,11 @@ def _header(specs):
     return len(blob).to_bytes(8, "little") + blob
 
 
+def shard_file_size(specs):
+    """Bytes of the safetensors file holding the planned tensors `specs`: header and data."""
+    return len(_header(specs)) + sum(t.nbytes for t in specs)
+
+
 def _tensor_bytes(t):
     t = t.detach().contiguous().reshape(-1)
     return t.view(torch.uint8).numpy() if t.numel() else b""
@@ -166,11 +173,26 @@ def write_shard(path, specs, produce, progress):
 
     safetensors' `save_file` needs every tensor of a file in memory at once, and an output shard can be tens of
     GB; this writer takes the header from the plan and streams one tensor at a time. The file appears at `path`
-    only when complete (`path + ".tmp"` until then)."""
+    only when complete (`path + ".tmp"` until then); a write that fails removes its `.tmp` file, whose space a
+    full disk needs back (a resumed run writes the whole shard again)."""
     if sys.byteorder != "little":
         raise RuntimeError("safetensors is little-endian; this machine is not")
-    h = hashlib.sha256()
     tmp = path + ".tmp"
+    try:
+        digest = _stream(tmp, specs, produce, progress)
+        if sha256_file(tmp) != digest:
+            raise OSError(errno.EIO, "the bytes on disk differ from the bytes written", tmp)
+    except Exception:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    os.replace(tmp, path)
+    return digest
+
+
+def _stream(tmp, specs, produce, progress):
+    """The header and each tensor of `specs` written to `tmp`, synced to disk. Returns the sha256 written."""
+    h = hashlib.sha256()
     with open(tmp, "wb") as f:
         head = _header(specs)
         f.write(head)
@@ -186,11 +208,7 @@ def write_shard(path, specs, produce, progress):
             progress.update(t.nbytes)
         f.flush()
         os.fsync(f.fileno())
-    digest = h.hexdigest()
-    if sha256_file(tmp) != digest:
-        raise OSError(f"{tmp}: the bytes on disk differ from the bytes written")
-    os.replace(tmp, path)
-    return digest
+    return h.hexdigest()
 
 
 def sha256_file(path, bufsize=1 << 24):

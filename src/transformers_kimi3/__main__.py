@@ -1,10 +1,50 @@
-"""`python -m transformers_kimi3 demo --model FOLDER`: load, generate, report the KDA backend and speed.
+"""`python -m transformers_kimi3 demo [--model FOLDER]`: load a Kimi K3 folder (default: the bundled tiny
+checkpoint), generate, report the KDA backend and speed.
 `python -m transformers_kimi3 bench`: a quick timing of the model on this machine (see benchmark.py)."""
 
 import argparse
+import os
 import time
 
 import torch
+
+BUNDLED_MODEL = os.path.join("assets", "kimi-k3-tiny")
+# the repository checkout this module lies in: src/transformers_kimi3/__main__.py -> the checkout's root
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def bundled_model_candidates():
+    """Where the bundled tiny checkpoint is looked for: the checkout this package runs from (an editable install),
+    then the working folder (a wheel installed elsewhere, run from a checkout)."""
+    return list(dict.fromkeys([os.path.join(REPO_ROOT, BUNDLED_MODEL), os.path.abspath(BUNDLED_MODEL)]))
+
+
+def resolve_model(model):
+    """The folder or Hub id the demo loads: `model` as given, or for None the bundled tiny checkpoint, found
+    whatever the working folder and never looked up on the Hub."""
+    if model is not None:
+        return model
+    places = bundled_model_candidates()
+    for folder in places:
+        if os.path.isfile(os.path.join(folder, "config.json")):
+            return folder
+    raise SystemExit(f"error: the bundled tiny checkpoint {BUNDLED_MODEL} is not in {' or '.join(places)} (it ships "
+                     "with a repository checkout, not with an installed wheel); pass --model with a local folder "
+                     "or a Hub id")
+
+
+def parameter_count(model):
+    """Parameters of `model` as its model card states them: every element of `model.parameters()`, plus each packed
+    MXFP4 expert weight at its logical size, 2 values per packed byte. The E8M0 scales and the other buffers (the
+    router's correction bias) are not counted. This equals the `model.parameters()` count of the same model with
+    float experts, so a checkpoint has one number whether its experts are packed or not."""
+    from .mxfp4_experts import PackedMXFP4Experts
+
+    n = sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, PackedMXFP4Experts):
+            n += 2 * sum(getattr(module, f"{w}_packed").numel() for w in ("w1", "w2", "w3"))
+    return n
 
 
 def demo(args):
@@ -12,11 +52,12 @@ def demo(args):
 
     import transformers_kimi3
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    print(f"model: {type(model).__name__} from {args.model} "
-          f"({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters)")
+    path = resolve_model(args.model)
+    local = {"local_files_only": True} if args.model is None else {}  # the bundled model: never the network
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **local).eval()
+    print(f"model: {type(model).__name__} from {path} ({parameter_count(model) / 1e6:.2f}M parameters)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(path, **local)
     except Exception as e:  # noqa: BLE001 - a folder without tokenizer still demos on ids
         tokenizer = None
         print(f"no tokenizer ({type(e).__name__}); printing ids only")
@@ -37,14 +78,14 @@ def demo(args):
     print(f"KDA backend: {kda['backend']} on {ids.device.type}")
     print(f"speed: {new.numel() / seconds:.1f} tokens/s ({new.numel()} tokens in {seconds:.2f} s, prefill included)")
     if hasattr(model, "vision_tower"):
-        image_question(args, model, pad)
+        image_question(path, model, pad, local)
 
 
-def image_question(args, model, pad):
+def image_question(path, model, pad, local):
     import numpy as np
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(args.model)
+    processor = AutoProcessor.from_pretrained(path, **local)
     y, x = np.mgrid[0:56, 0:84]
     image = np.stack([x * 3, y * 4, (x + y) * 2], -1).astype(np.uint8)  # a synthetic 84x56 gradient
     messages = [{"role": "user", "content": [{"type": "image", "image": image},
@@ -60,19 +101,33 @@ def image_question(args, model, pad):
     print(f"answer text: {processor.decode(new, skip_special_tokens=False)!r}")
 
 
-def main():
-    ap = argparse.ArgumentParser(prog="python -m transformers_kimi3")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="generate with a (tiny) Kimi K3 folder")
-    d.add_argument("--model", default="assets/kimi-k3-tiny")
-    d.add_argument("--prompt", default="Kimi K3 is a model that")
-    d.add_argument("--max-new-tokens", type=int, default=24)
-    b = sub.add_parser("bench", help="a quick timing of the model on this machine (prefill, decode); writes nothing")
+def build_parser():
+    ap = argparse.ArgumentParser(prog="python -m transformers_kimi3", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{demo,bench}", help="what to run")
+    d = sub.add_parser("demo", help="generate with a (tiny) Kimi K3 folder",
+                       description="Load a Kimi K3 folder, generate greedily, print the ids, text, KDA backend and "
+                                   "tokens/s, and answer one question about a synthetic image (vision models).")
+    d.add_argument("--model", default=None, metavar="FOLDER_OR_HUB_ID",
+                   help=f"a model folder or Hub id (default: the bundled {BUNDLED_MODEL} of this package's "
+                        "repository checkout, found from any working folder, never downloaded)")
+    d.add_argument("--prompt", default="Kimi K3 is a model that", help="text to continue (default: %(default)r)")
+    d.add_argument("--max-new-tokens", type=int, default=24, metavar="N",
+                   help="tokens generated after the prompt (default: %(default)s)")
+    b = sub.add_parser("bench", help="a quick timing of the model on this machine (prefill, decode); writes nothing",
+                       description="Time a model with random weights built in memory: prefill tokens/s, and decode "
+                                   "tokens/s with the dynamic and the static cache. Nothing is written to disk.")
     b.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    b.add_argument("--prefill", default=None, help="prompt lengths, e.g. 2048,8192")
-    b.add_argument("--batches", default=None, help="decode batch sizes, e.g. 1,8")
-    b.add_argument("--new-tokens", type=int, default=None, help="decode steps timed per batch")
-    args = ap.parse_args()
+    b.add_argument("--prefill", default=None, help="prompt lengths, e.g. 2048,8192 (default: 2048,8192 on "
+                                                   "cuda, 32 on cpu)")
+    b.add_argument("--batches", default=None, help="decode batch sizes, e.g. 1,8 (default: 1,8 on cuda, 1 on cpu)")
+    b.add_argument("--new-tokens", type=int, default=None, metavar="N",
+                   help="decode steps timed per batch (default: 32 on cuda, 4 on cpu)")
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.cmd == "demo":
         demo(args)
     else:
