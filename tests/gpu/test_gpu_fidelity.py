@@ -199,3 +199,83 @@ def test_oracle_a_strict_on_gpu(tmp_path, record):
             record(f"oracle A {name}", res["rel"], 1e-5)
         if "tokens_match" in res:
             assert res["tokens_match"] is True, name
+
+
+def _to(x, device):
+    if torch.is_tensor(x):
+        return x.to(device)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to(y, device) for y in x)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    return x
+
+
+def _first_tensor(o):
+    while isinstance(o, (tuple, list)):
+        o = o[0]
+    return o if torch.is_tensor(o) else getattr(o, "logits", getattr(o, "last_hidden_state", None))
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_each_module_alone_in_fp32(layout, record):
+    """Every submodule run on the GPU on the exact inputs the CPU model gave it (left-padded batch, no cache): its
+    own error, not the accumulated one, so a logits error above the bound points at the module that makes it."""
+    model = cpu_model(layout)
+    ids, mask = padded_batch(model.config.vocab_size)
+    calls, hooks = {}, []
+    for name, mod in model.named_modules():
+        if name and not isinstance(mod, torch.nn.ModuleList):
+            hooks.append(mod.register_forward_hook(
+                lambda m, args, kwargs, out, name=name: calls.setdefault(name, copy.deepcopy((args, kwargs, out))),
+                with_kwargs=True))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    for h in hooks:
+        h.remove()
+    modules = dict(model.named_modules())
+    errors = {}
+    for name, (args, kwargs, out) in calls.items():
+        want = _first_tensor(out)
+        if want is None or not want.is_floating_point():
+            continue
+        with torch.no_grad():
+            got = _first_tensor(copy.deepcopy(modules[name]).cuda()(*_to(args, "cuda"), **_to(kwargs, "cuda")))
+        errors[name] = rel_err(got.float().cpu(), want.float())
+    worst = sorted(errors, key=errors.get, reverse=True)[:5]
+    print({n: f"{errors[n]:.2e}" for n in worst})  # the five largest, in the log whatever the outcome
+    for name in worst:
+        record(f"{layout} {name} ({type(modules[name]).__name__}) alone", errors[name], FP32)
+
+
+KDA_BWD_CASE = r"""
+import sys, torch
+from kimi3_kernels.kda import chunk_kda, naive_chunk_kda
+K, dtype = int(sys.argv[1]), getattr(torch, sys.argv[2])
+DEV = sys.argv[3] if len(sys.argv) > 3 else "cuda"
+g = torch.Generator().manual_seed(3)
+T, H = 280, 3
+x = [torch.randn(1, T, H, d, generator=g) for d in (K, K, K, K)] + [torch.randn(1, T, H, generator=g)]
+A_log, dt_bias = torch.randn(H, generator=g) * 0.5, torch.randn(H * K, generator=g) * 0.3
+cu = torch.tensor([0, 60, 140, 200, 280], dtype=torch.int32)  # two rows of two packed documents
+res = []
+for fn, dev, dt in ((naive_chunk_kda, "cpu", torch.float64), (chunk_kda, DEV, dtype)):
+    xs = [t.to(dev, dt).requires_grad_() for t in x]
+    o, _ = fn(*xs, A_log=A_log.to(dev), dt_bias=dt_bias.to(dev), lower_bound=-3.0, cu_seqlens=cu.to(dev))
+    o.float().pow(2).sum().backward()
+    res.append([o.detach().double().cpu()] + [t.grad.double().cpu() for t in xs])
+print(max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(res[1], res[0])))
+"""
+
+
+@pytest.mark.parametrize("K", [16, 64])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kda_backward_of_packed_documents(K, dtype, record):
+    """Chunked KDA forward and backward over packed documents (varlen, 3 heads) against the fp64 reference, each case
+    in its own process so a kernel fault is reported as this case's failure and leaves the other tests' GPU intact."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", KDA_BWD_CASE, str(K), dtype], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record(f"KDA varlen forward+backward K={K} {dtype}", float(proc.stdout.split()[-1]),
+           FP32_GRAD if dtype == "float32" else BF16["component"])

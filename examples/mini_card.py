@@ -1,0 +1,123 @@
+"""Model cards of kimi-k3-mini and its draft, filled in from the run's summary."""
+
+import json
+import textwrap
+
+from mini_corpus import PACKAGES
+
+MINI_USE = """import transformers_kimi3  # registers kimi_k3 with the Auto classes
+from transformers import AutoModelForCausalLM, AutoProcessor
+
+model = AutoModelForCausalLM.from_pretrained("assets/kimi-k3-mini")
+processor = AutoProcessor.from_pretrained("assets/kimi-k3-mini")
+messages = [{"role": "user", "content": "What does json.dumps do?"}]
+inputs = processor.apply_chat_template(messages, add_generation_prompt=True, thinking=False, tokenize=True,
+                                       return_tensors="pt", return_dict=True)
+out = model.generate(**inputs, max_new_tokens=64)
+print(processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))"""
+
+DRAFT_USE = """from transformers import AutoTokenizer
+from transformers_kimi3 import Kimi3ForCausalLM  # a text folder: Transformers maps "kimi_linear" to its own class
+
+model = Kimi3ForCausalLM.from_pretrained("assets/kimi-k3-mini-draft")
+tokenizer = AutoTokenizer.from_pretrained("assets/kimi-k3-mini-draft")
+ids = tokenizer("The json module", return_tensors="pt")
+print(tokenizer.decode(model.generate(**ids, max_new_tokens=20)[0]))"""
+
+
+def _fill(text):
+    return "\n\n".join(textwrap.fill(" ".join(p.split()), 116) for p in text.strip().split("\n\n"))
+
+
+def _table(rows):
+    lines = ["| " + " | ".join(map(str, rows[0])) + " |", "|" + "---|" * len(rows[0])]
+    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows[1:]])
+
+
+def _sources_table(summary):
+    rows = [("source", "Debian package", "license", "train characters", "held-out characters")]
+    for source, license_name in summary["corpus"].get("licenses", {}).items():
+        rows.append((source, PACKAGES.get(source, {}).get("package", "(the Python standard library)"), license_name,
+                     f"{summary['corpus'].get(f'{source}/train', {}).get('characters', 0):,}",
+                     f"{summary['corpus'].get(f'{source}/eval', {}).get('characters', 0):,}"))
+    return _table(rows)
+
+
+def _phases_table(summary, model):
+    rows = [("phase", "steps", "batch", "learning rate", "final train loss", "held-out loss")]
+    for name, phase in summary["phases"].items():
+        if phase.get("model") == model:
+            rows.append((name, phase["steps"], phase.get("batch", "-"), phase["lr"], phase.get("train_loss", "-"),
+                         phase.get("eval_loss", "-")))
+    return _table(rows)
+
+
+def model_card(summary, draft=False):
+    name, model = ("kimi-k3-mini-draft", "draft") if draft else ("kimi-k3-mini", "mini")
+    n = summary["parameters"][model]
+    ratio = summary["parameters"]["mini"]["total"] / summary["parameters"]["draft"]["total"]
+    role = (f"the draft model of kimi-k3-mini: text only, the same tokenizer, {ratio:.1f}x fewer parameters" if draft
+            else "text, then pictures, then chat")
+    intro = f"""{name} is a small Kimi K3 trained from scratch with `examples/train_kimi3_mini.py` of
+    transformers-kimi3 ({role}). It has {n['total'] / 1e6:.2f} M parameters, {n['routed_experts'] / 1e6:.2f} M of
+    them in routed experts stored as MXFP4, {n['active_per_token'] / 1e6:.2f} M active per token. It holds no
+    Moonshot weights. It answers short questions about the documentation it read{"" if draft else
+    " and describes simple synthetic pictures"}, often wrongly, and knows little else: it exists to exercise the
+    K3 stack end to end, from training to generation."""
+    architecture = f"""Every Kimi K3 component at a small size: KDA with the lower-bounded gate and the full-rank output
+    gate; gated MLA without positional encoding at every fourth layer and the last; Block Attention Residuals; a dense
+    first layer, then Stable LatentMoE (SiTU-GLU experts in a latent width, a shared expert, a sigmoid router whose
+    bias Quantile Balancing keeps balanced){"" if draft else "; the MoonViT-V2 vision tower and its projector"}.
+    The tokenizer is a byte-level BPE in the K3 format: {summary['tokenizer']['num_ranks']:,} ranks in
+    `tiktoken.model`, then K3's 256 special ids ({summary['tokenizer']['vocab_size']:,} ids), trained on the corpus
+    below."""
+    data = f"""Text: {summary['tokens']['train']:,} training tokens and {summary['tokens']['eval']:,} held-out tokens
+    (2 % of the documents, chosen by a hash of their id), the prose of documentation packages of Debian and the
+    docstrings of the Python standard library; code blocks, navigation and repeated paragraphs left out."""
+    other = """Chat: conversations in the K3 chat format built from the same documentation (API questions answered
+    from docstrings, section summaries, one `python_docs` tool-call pattern, greetings), thinking on in 40 %."""
+    if not draft:
+        other = """Pictures: shapes, digits and letters drawn with PIL in named colours on varied backgrounds and
+        non-square sizes, each with one question (what is in it, colours, counts, positions, digits, letters) and a
+        one-sentence answer. """ + other
+    return f"""---
+library_name: transformers
+license: other
+pipeline_tag: {"text-generation" if draft else "image-text-to-text"}
+tags:
+- kimi_k3
+- kimi-k3
+- mxfp4
+- transformers-kimi3
+---
+
+# {name}
+
+{_fill(intro)}
+
+```python
+{DRAFT_USE if draft else MINI_USE}
+```
+
+## Architecture
+
+{_fill(architecture)}
+
+`{json.dumps(summary["sizes"][model])}`
+
+## Data
+
+{_fill(data)}
+
+{_sources_table(summary)}
+
+{_fill(other)}
+
+## Training
+
+{_phases_table(summary, model)}
+
+{_fill(f'''bf16 autocast with fp32 master weights, AdamW (beta2 0.95, weight decay 0.1), warm-up then cosine,
+packed padding-free rows of {summary.get("seq_len", 1024)} tokens for the text, Quantile Balancing on every
+router, seed {summary["seed"]}. `docs/training_mini.md` of transformers-kimi3 describes the run.''')}
+"""
