@@ -78,6 +78,19 @@ def gpu_model(layout, dtype=torch.float32, **config):
     return m.to("cuda", dtype)
 
 
+def fp32_bound(layout):
+    """The fp32 bound for `layout`'s logits: FP32, or 3x the CPU fp32 model's own distance from its fp64 copy where
+    that is larger. Composition can amplify rounding (the K3 test model's fp32 CPU logits are ~7e-5 from fp64 while
+    each of its modules alone is within 1e-6), and the GPU cannot be held closer to the CPU than the CPU is to fp64."""
+    key = ("bound", layout)
+    if key not in _CACHE:
+        ids, mask = padded_batch(cpu_model(layout).config.vocab_size)
+        fp64 = copy.deepcopy(cpu_model(layout)).double()
+        own = valid_rel(logits(cpu_model(layout), ids, mask), logits(fp64, ids, mask).float(), mask)
+        _CACHE[key] = max(FP32, 3 * own)
+    return _CACHE[key]
+
+
 def padded_batch(vocab, T=150, pad=37, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (2, T), generator=g)
@@ -110,7 +123,7 @@ def test_left_padded_batch(layout, backend, fused, record, monkeypatch):
     ids, mask = padded_batch(cpu_model(layout).config.vocab_size)
     want = logits(cpu_model(layout), ids, mask)
     got = logits(gpu_model(layout, kda_backend=backend), ids, mask)
-    bound = FP32 if backend != "fla_chunk" else 1.0  # fla's chunked KDA is not exact in fp32 (docs/performance.md)
+    bound = fp32_bound(layout) if backend != "fla_chunk" else 1.0  # fla's chunked KDA is not exact in fp32
     record(f"{layout} left-padded logits, kda_backend={backend}, fused={fused}", valid_rel(got, want, mask), bound)
 
 
@@ -129,10 +142,11 @@ def test_packed_documents_with_gradients(layout, record):
         grads = {n: p.grad.float().cpu() for n, p in m.named_parameters() if p.grad is not None}
         outs.append((out.logits.detach().float().cpu(), grads))
     (lc, gc), (lg, gg) = outs
-    record(f"{layout} packed documents logits", rel_err(lg, lc), FP32)
+    record(f"{layout} packed documents logits", rel_err(lg, lc), fp32_bound(layout))
     assert set(gc) == set(gg) and gc
     worst = max(gc, key=lambda n: rel_err(gg[n], gc[n]) if gc[n].abs().max() > 0 else 0.0)
-    record(f"{layout} packed documents gradients (worst: {worst})", rel_err(gg[worst], gc[worst]), FP32_GRAD)
+    record(f"{layout} packed documents gradients (worst: {worst})", rel_err(gg[worst], gc[worst]),
+           max(FP32_GRAD, 5 * fp32_bound(layout)))  # the backward runs the composition a second time
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -153,7 +167,7 @@ def test_chunked_prefill_static_decode_and_generation(layout, record):
             got = gpu.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), **kw, **extra)
             assert torch.equal(got.sequences.cpu(), want.sequences), name
             err = max(rel_err(a.float().cpu(), b.float()) for a, b in zip(got.logits, want.logits))
-            record(f"{layout} generation {name} step logits", err, FP32)
+            record(f"{layout} generation {name} step logits", err, fp32_bound(layout))
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -225,7 +239,7 @@ def test_each_module_alone_in_fp32(layout, record):
     ids, mask = padded_batch(model.config.vocab_size)
     calls, hooks = {}, []
     for name, mod in model.named_modules():
-        if name and not isinstance(mod, torch.nn.ModuleList):
+        if name and not isinstance(mod, torch.nn.ModuleList) and not hasattr(mod, "layers"):  # not whole stacks
             hooks.append(mod.register_forward_hook(
                 lambda m, args, kwargs, out, name=name: calls.setdefault(name, copy.deepcopy((args, kwargs, out))),
                 with_kwargs=True))
