@@ -9,6 +9,7 @@ from torch import nn
 from . import kernels
 from .activations import GLUActivation
 from .mxfp4_experts import PackedMXFP4Experts
+from .mxfp8 import check_activation_format, fake_quantize_mxfp8
 from .norms import Kimi3RMSNorm
 
 # Up to this many routes (tokens x top_k) the router runs as two launches and SiLU experts as per-route GEMVs, no
@@ -84,6 +85,11 @@ class Kimi3Experts(nn.Module):
     matmul; `torch._grouped_mm` does all experts in one launch on CUDA (bf16). At decode sizes on CUDA (SiLU
     experts, up to GEMV_MAX_ROUTES routes) per-route Triton GEMVs skip the sort; elsewhere small batches gather the
     chosen experts' weights. Neither synchronises with the host.
+
+    Hook points: `_weights()` gives the (w1, w3, w2) every path computes with (`qat.QATExperts` returns them
+    fake-quantised to MXFP4; an adapter would return them with its update added) and `_gemm_input` the activations
+    as the GEMMs read them: as given, or fake-quantised to MXFP8 with `config.moe_activation_format` "mxfp8" (then
+    the fused decode GEMVs, which compute the GLU between their GEMMs, are skipped).
     """
 
     GATHER_MAX_ASSIGNMENTS = 32  # copying the chosen experts' weights only pays for a handful of tokens
@@ -96,33 +102,41 @@ class Kimi3Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(E, inter, input_size))
         self.w2 = nn.Parameter(torch.empty(E, input_size, inter))
         self.act_fn = GLUActivation.from_config(config)
+        self.activation_format = check_activation_format(config.moe_activation_format)
+
+    def _weights(self):
+        return self.w1, self.w3, self.w2
+
+    def _gemm_input(self, a):
+        return fake_quantize_mxfp8(a, "routed expert activations") if self.activation_format == "mxfp8" else a
 
     def forward(self, x, topk_idx, topk_weights):
         """Under expert parallelism (Transformers' `ep_router` / `ep_dispatch_experts`) `num_experts` is this rank's
         count and a route to another rank's expert arrives as index `num_experts` with weight 0: it is skipped."""
         T, k = topk_idx.shape
-        weights = (self.w1, self.w3, self.w2)
-        if (self.act_fn.kind == "silu" and all(w.is_contiguous() for w in weights)
+        weights = self._weights()
+        if (self.act_fn.kind == "silu" and self.activation_format == "bf16" and all(w.is_contiguous() for w in weights)
                 and _decode_kernels(x, weights, T * k)):
             with kernels.on_device(x):
-                return kernels.moe_ops.expert_gemv(x, self.w1, self.w3, self.w2, topk_idx, topk_weights)
+                return kernels.moe_ops.expert_gemv(x, *weights, topk_idx, topk_weights)
         if kernels.kernel_device(x) and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16:
-            out, order, offs = self._grouped_mm(x, topk_idx)
+            out, order, offs = self._grouped_mm(x, topk_idx, weights)
             if _decode_kernels(x, weights):  # inference: the weighted sum straight from the sorted rows, one launch
                 with kernels.on_device(x):
                     return kernels.moe_ops.combine_sorted(out, order, topk_idx, topk_weights, self.num_experts)
             y = self._unsort(out, order, offs)
         elif T * k <= self.GATHER_MAX_ASSIGNMENTS or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            y = self._gathered(x, topk_idx)  # no host synchronisation (a graph capture has no other way)
+            y = self._gathered(x, topk_idx, weights)  # no host synchronisation (a graph capture has no other way)
         else:
-            y = self._segments(x, topk_idx)
+            y = self._segments(x, topk_idx, weights)
         return (y.float().view(T, k, -1) * topk_weights.float()[..., None]).sum(1)
 
-    def _gathered(self, x, topk_idx):
+    def _gathered(self, x, topk_idx, weights=None):
+        w1, w3, w2 = weights if weights is not None else self._weights()
         flat = topk_idx.reshape(-1).clamp(max=self.num_experts - 1)  # off-rank routes (weight 0) read any expert
-        xs = x.repeat_interleave(topk_idx.shape[1], dim=0)[:, :, None]
-        h = self.act_fn(torch.bmm(self.w1[flat], xs)[..., 0], torch.bmm(self.w3[flat], xs)[..., 0])
-        return torch.bmm(self.w2[flat], h[:, :, None])[..., 0]
+        xs = self._gemm_input(x).repeat_interleave(topk_idx.shape[1], dim=0)[:, :, None]
+        h = self._gemm_input(self.act_fn(torch.bmm(w1[flat], xs)[..., 0], torch.bmm(w3[flat], xs)[..., 0]))
+        return torch.bmm(w2[flat], h[:, :, None])[..., 0]
 
     def _sorted(self, x, topk_idx):
         flat = topk_idx.reshape(-1)
@@ -132,24 +146,27 @@ class Kimi3Experts(nn.Module):
             0, flat, torch.ones_like(flat))[: self.num_experts]  # off-rank routes (index num_experts) sort last
         return order, counts, x[order // topk_idx.shape[1]]
 
-    def _segments(self, x, topk_idx):
-        order, counts, xs = self._sorted(x, topk_idx)
-        out = torch.zeros(xs.shape[0], self.w2.shape[1], dtype=x.dtype, device=x.device)  # off-rank rows stay 0
+    def _segments(self, x, topk_idx, weights=None):
+        w1, w3, w2 = weights if weights is not None else self._weights()
+        order, counts, xs = self._sorted(self._gemm_input(x), topk_idx)
+        out = torch.zeros(xs.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)  # off-rank rows stay 0
         start = 0
         for e, n in enumerate(counts.tolist()):  # one host sync; experts with no token are skipped
             if n:
                 seg = xs[start:start + n]
-                h = self.act_fn(seg @ self.w1[e].T, seg @ self.w3[e].T)
-                out[start:start + n] = h @ self.w2[e].T
+                h = self._gemm_input(self.act_fn(seg @ w1[e].T, seg @ w3[e].T))
+                out[start:start + n] = h @ w2[e].T
                 start += n
         return out.new_empty(out.shape).index_copy_(0, order, out)
 
-    def _grouped_mm(self, x, topk_idx):
-        order, counts, xs = self._sorted(x, topk_idx)
+    def _grouped_mm(self, x, topk_idx, weights=None):
+        w1, w3, w2 = weights if weights is not None else self._weights()
+        order, counts, xs = self._sorted(self._gemm_input(x), topk_idx)
         offs = counts.cumsum(0).to(torch.int32)
-        g = torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)
-        u = torch._grouped_mm(xs, self.w3.transpose(1, 2), offs=offs)
-        return torch._grouped_mm(self.act_fn(g, u), self.w2.transpose(1, 2), offs=offs), order, offs
+        g = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)
+        u = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs)
+        h = self._gemm_input(self.act_fn(g, u))
+        return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs), order, offs
 
     @staticmethod
     def _unsort(out, order, offs):
@@ -175,7 +192,8 @@ class Kimi3SparseMoeBlock(nn.Module):
             self.routed_expert_norm = Kimi3RMSNorm(config.expert_input_size, eps=config.rms_norm_eps)
         if config.checkpoint_quantization_config:  # routed experts stay MXFP4 as on disk (4x less memory)
             self.experts = PackedMXFP4Experts(config.num_experts, config.expert_input_size,
-                                              config.moe_intermediate_size, glu_act=GLUActivation.from_config(config))
+                                              config.moe_intermediate_size, glu_act=GLUActivation.from_config(config),
+                                              activation_format=config.moe_activation_format)
         else:
             self.experts = Kimi3Experts(config, config.expert_input_size)
         if config.num_shared_experts:

@@ -21,6 +21,7 @@ from torch import nn
 from . import kernels
 from .activations import GLUActivation
 from .mxfp4 import E8M0_BIAS, GROUP_SIZE, check_mxfp4, decode_mxfp4, quantize_mxfp4
+from .mxfp8 import check_activation_format, fake_quantize_mxfp8
 
 _PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
 
@@ -104,6 +105,8 @@ class PackedMXFP4Experts(nn.Module):
     into the gate+up GEMM from its `spec`, or any other callable, which runs in PyTorch between the GEMMs. The GLU
     output is rounded to x's dtype before the down projection; expert outputs and the weighted sum are fp32; the
     result has x's dtype. Gradients flow to x and to the routing weights; the packed weights are frozen.
+    With `activation_format` "mxfp8" (W4A8) the GEMMs read x and the rounded GLU output fake-quantised to MXFP8
+    (`mxfp8.py`, gradients straight through) on the exact fp32 paths: the kernels have no MXFP8 operands.
     """
 
     # Without autograd, up to this many routes (2 tokens at K3's top-16) skip sorting: the packed GEMM runs one route
@@ -120,13 +123,15 @@ class PackedMXFP4Experts(nn.Module):
     DEQUANT_MIN_ROWS_PER_EXPERT = 384
     DEQUANT_CHUNK_BYTES = 2 << 30  # bf16 weights decoded at a time (a chunk of experts)
 
-    def __init__(self, num_experts, hidden_size, intermediate_size, glu_act=None, device=None):
+    def __init__(self, num_experts, hidden_size, intermediate_size, glu_act=None, device=None,
+                 activation_format="bf16"):
         super().__init__()
         E, D, I = num_experts, hidden_size, intermediate_size
         if D % GROUP_SIZE or I % GROUP_SIZE:
             raise ValueError(f"MXFP4 experts need hidden ({D}) and intermediate ({I}) sizes divisible by {GROUP_SIZE}")
         self.num_experts, self.hidden_size, self.intermediate_size = E, D, I
         self.glu_act = glu_act if glu_act is not None else GLUActivation("silu")
+        self.activation_format = check_activation_format(activation_format)
         self._fused = self.glu_act.spec if isinstance(self.glu_act, GLUActivation) else None
         self._table_free_key, self._table_free = None, False  # `_table_free_ok`'s answer and the buffers it is for
         self._tiles = {}  # `_mlp_tiles`
@@ -177,6 +182,12 @@ class PackedMXFP4Experts(nn.Module):
                               error_msgs):
         for n in _PROJECTIONS:  # refuse corrupt tensors (wrong dtype/shape, NaN scales) by name
             p, s = state_dict.get(f"{prefix}{n}_packed"), state_dict.get(f"{prefix}{n}_scale")
+            for key, t in ((f"{prefix}{n}_packed", p), (f"{prefix}{n}_scale", s)):
+                want = tuple(self._buffers[key[len(prefix):]].shape)
+                if t is not None and tuple(t.shape) != want:
+                    raise ValueError(f"{key}: shape {list(t.shape)} but these experts hold {list(want)} "
+                                     f"({self.num_experts} experts, hidden {self.hidden_size}, intermediate "
+                                     f"{self.intermediate_size})")
             if p is not None and s is not None:
                 check_mxfp4(p, s, f"{prefix}{n}_packed/{prefix}{n}_scale")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -199,7 +210,7 @@ class PackedMXFP4Experts(nn.Module):
         activations on a kernel device that holds the buffers. fp32 takes the exact paths: the GEMMs' operands
         are bf16."""
         if (x.dtype not in (torch.bfloat16, torch.float16) or x.device != self.w1_packed.device
-                or not kernels.kernel_device(x)):
+                or not kernels.kernel_device(x) or self.activation_format != "bf16"):
             return None
         ops = kernels.mxfp4_ops()
         return ops if ops is not None and ops.available(x.device) else None
@@ -228,6 +239,12 @@ class PackedMXFP4Experts(nn.Module):
     def _act(self, g, u):
         return self.glu_act(g, u).float()
 
+    def _gemm_input(self, a):
+        """An activation as the GEMMs read it, in fp32: as given, or its MXFP8 values (`activation_format`)."""
+        if self.activation_format == "mxfp8":
+            a = fake_quantize_mxfp8(a, "routed expert activations")
+        return a.float()
+
     def _expert(self, e, name, dtype=torch.float32):
         return decode_mxfp4(getattr(self, f"{name}_packed")[e], getattr(self, f"{name}_scale")[e], dtype)
 
@@ -242,8 +259,8 @@ class PackedMXFP4Experts(nn.Module):
     def _forward_torch(self, x, order, offsets, k):
         o = torch.empty(order.numel(), self.hidden_size, dtype=torch.float32, device=x.device)
         for e, pairs in self._segments(order, offsets):
-            xe = x[pairs // k].float()
-            h = self._act(xe @ self._expert(e, "w1").T, xe @ self._expert(e, "w3").T).to(x.dtype).float()
+            xe = self._gemm_input(x[pairs // k])
+            h = self._gemm_input(self._act(xe @ self._expert(e, "w1").T, xe @ self._expert(e, "w3").T).to(x.dtype))
             o[pairs] = h @ self._expert(e, "w2").T
         return o
 
@@ -255,14 +272,14 @@ class PackedMXFP4Experts(nn.Module):
         flat = topk_idx.reshape(-1)
         _check_routes(flat, self.num_experts, sync_ok=not x.is_cuda)
         flat = flat.clamp(0, self.num_experts - 1)  # the check above reports a bad id; no index fault before it
-        xs = x.float()[:, None].expand(T, k, self.hidden_size).reshape(T * k, self.hidden_size)
+        xs = self._gemm_input(x)[:, None].expand(T, k, self.hidden_size).reshape(T * k, self.hidden_size)
         out = torch.empty(flat.numel(), self.hidden_size, dtype=torch.float32, device=x.device)
         per = max(1, self.GATHER_CHUNK_BYTES // (3 * self.intermediate_size * self.hidden_size * 4))
         for m0 in range(0, flat.numel(), per):
             e, xe = flat[m0:m0 + per], xs[m0:m0 + per, :, None]
             w1, w3, w2 = (decode_mxfp4(getattr(self, f"{n}_packed")[e], getattr(self, f"{n}_scale")[e])
                           for n in _PROJECTIONS)
-            h = self._act(torch.bmm(w1, xe)[..., 0], torch.bmm(w3, xe)[..., 0]).to(x.dtype).float()
+            h = self._gemm_input(self._act(torch.bmm(w1, xe)[..., 0], torch.bmm(w3, xe)[..., 0]).to(x.dtype))
             out[m0:m0 + per] = torch.bmm(w2, h[:, :, None])[..., 0]
         return _combine(out, topk_w, T, k, x.dtype)
 
@@ -274,14 +291,14 @@ class PackedMXFP4Experts(nn.Module):
         w_flat = topk_w.reshape(-1).float()
         for e, pairs in self._segments(order, offsets):
             tok = pairs // k
-            xe = x[tok].float()
+            xe = self._gemm_input(x[tok])
             w1, w3, w2 = self._expert(e, "w1"), self._expert(e, "w3"), self._expert(e, "w2")
             with torch.enable_grad():
                 g = (xe @ w1.T).requires_grad_()
                 u = (xe @ w3.T).requires_grad_()
                 h = self._act(g, u)
             dh_unw = dy[tok].float() @ w2  # d out_pair / d h, before the routing weight
-            dw[pairs] = (dh_unw * h.detach().to(x.dtype).float()).sum(-1)
+            dw[pairs] = (dh_unw * self._gemm_input(h.detach().to(x.dtype))).sum(-1)
             if need_dx:
                 dg, du = torch.autograd.grad(h, (g, u), dh_unw * w_flat[pairs, None])
                 dx[pairs] = dg @ w1 + du @ w3
