@@ -1,7 +1,21 @@
 """The hybrid cache: per KDA layer the short-conv inputs and the fp32 recurrent state, per MLA layer the
-compressed latent (normalised c_kv | k_pe, 576 values per token for K3) and nothing else."""
+compressed latent (normalised c_kv | k_pe, 576 values per token for K3) and nothing else.
+
+Going back to an earlier position (`crop`) is trivial for MLA (the latents are cut) but not for KDA: a recurrent
+state cannot be un-applied. The cache therefore keeps KDA states where they may be needed again:
+
+- `checkpoint()` copies every KDA state at the current position; `crop()` can return there any time later (a shared
+  prompt prefix, a conversation turn).
+- While recording (`activate_past_recording()`, which Transformers' assisted decoding calls), each KDA layer keeps
+  its state at the last crop (the rollback base) and the kernel inputs of every position fed since. `crop()` to one
+  of those positions restores the base state and reruns the recurrence over the accepted positions' stored inputs
+  (conv states are windows of the stored conv inputs). Nothing is recomputed when every position is kept, a rejected
+  candidate costs one recurrent kernel call per KDA layer, and the memory is one state per layer plus a few vectors
+  per position, instead of one state per position.
+"""
 
 import contextlib
+import copy
 
 import torch
 from transformers.cache_utils import Cache
@@ -13,16 +27,23 @@ class Kimi3Cache(Cache):
     KDA layer l: `conv_states[l]` = (q, k, v) tensors [B, D, W] holding the last W conv inputs (W = kernel size;
     the official code keeps W too), `recurrent_states[l]` [B, H, K, V] float32.
     MLA layer l: `latents[l]` [B, T_seen, kv_lora_rank + qk_rope_head_dim].
-    `seen_tokens` counts every position fed so far, padding included (it is the length of the 2-D mask).
+    `seen_tokens` counts every position fed so far, padding included (it is the length of the 2-D mask);
+    `source_tokens` counts the input ids consumed (an image placeholder counts once although its image fills many
+    positions). `get_seq_length()` is `source_tokens`: Transformers compares it with input_ids and the attention mask.
 
     Static mode (`max_length` given, `generate(..., cache_implementation="static")`): latents live in buffers of
     `max_length` positions and every state is updated in place, so a decode step has fixed shapes and fixed
     addresses. Inside `addressed_by(position)` the write position is a device tensor instead of `seen_tokens`, so
     one recorded decode step (a CUDA graph, see generation.py) serves every position. `storage_version` changes
     whenever a state tensor is replaced rather than written in place: whatever holds the old addresses is stale.
+
+    Going back (module docstring): `checkpoint()`, `crop(n)`, `activate_past_recording(window)`,
+    `stop_past_recording()`; `copy()` (or `copy.deepcopy`) gives an independent cache, `batch_repeat_interleave(r)`
+    turns each row into r rows (one prefix, several continuations).
     """
 
     is_compileable = False
+    ROLLBACK_WINDOW = 64  # positions a recording cache can go back by default (assisted decoding raises it to fit)
 
     def __init__(self, config, max_length=None, **kwargs):
         super().__init__(layers=[])
@@ -37,6 +58,13 @@ class Kimi3Cache(Cache):
         self.attention_mask = None  # 2-D padding mask over the seen positions, None while there is no padding
         self.position = None  # inside addressed_by(): the write position as a device tensor [1]
         self.storage_version = 0
+        self.media_end = 0  # source_tokens at the end of the last forward that expanded media placeholders
+        self.checkpoints = {}  # source_tokens -> {"position", "conv", "recurrent"}: states kept by checkpoint()
+        self.record_past = False
+        self.rollback_window = self.ROLLBACK_WINDOW
+        self._base = None  # position of the rollback base while recording (None: nothing recorded yet)
+        self._records = [None] * n  # KDA layer -> {"gate", "conv", "recurrent", "inputs"} since the base
+        self._plan = None  # (seen_tokens, T, kind): how the current forward is recorded, decided once for all layers
 
     def __len__(self):
         return len(self.layer_types)
@@ -109,9 +137,151 @@ class Kimi3Cache(Cache):
             if lat is not None:
                 self.latents[i].copy_(lat)
 
+    # --- going back: checkpoints, recording, crop
+    def checkpoint(self):
+        """Keep a copy of every KDA state at the current position, so that `crop()` can come back here however many
+        tokens are fed later (a prompt prefix shared by several continuations, the end of a conversation turn).
+        Returns the position in input ids (`get_seq_length()`), the argument `crop` takes. A checkpoint lives until
+        a crop goes below it or `reset()`; each costs one recurrent state per KDA layer."""
+        kda = [i for i, c in enumerate(self.conv_states) if c is not None]
+        self.checkpoints[self.source_tokens] = {
+            "position": self.seen_tokens,
+            "conv": {i: tuple(t.clone() for t in self.conv_states[i]) for i in kda},
+            "recurrent": {i: self.recurrent_states[i].clone() for i in kda}}
+        return self.source_tokens
+
+    def activate_past_recording(self, window=None):
+        """Record from here on what `crop()` needs to go back to any position fed since the last crop (or since this
+        call), as long as those are at most `window` positions (default: the current `rollback_window`). A forward
+        that would exceed it starts the record again at its own start; a forward longer than `window`, or one with
+        padding among its tokens, keeps only its end. Transformers' assisted decoding calls this on the cache."""
+        if window is not None:
+            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                raise ValueError(f"window must be a positive number of positions, not {window!r}")
+            self.rollback_window = window
+        self.record_past = True
+        self._restart_record(self.seen_tokens)
+
+    def stop_past_recording(self):
+        """Stop recording and free what was recorded (checkpoints stay)."""
+        self.record_past = False
+        self._restart_record(None)
+
+    def is_recording_past(self, layer_idx=0):
+        return self.record_past
+
+    def _restart_record(self, base):
+        self._base, self._plan = base, None
+        self._records = [None] * len(self.layer_types)
+
+    def record_kda(self, layer_idx, gate, conv_states, recurrent_state, conv_inputs, kernel_inputs, padded):
+        """Called by a KDA layer of a recording cache before it updates its state: `gate` (A_log, dt_bias,
+        lower_bound, backend) to rerun the recurrence (`kda.kda_state_after`), the layer's states before this
+        forward ((q, k, v) conv states [B, D, W] and the recurrent state, zeros where it has none yet), its conv
+        inputs (q, k, v projections [B, T, D]) and the recurrence inputs (k, v, g [B, T, H, K], beta [B, T, H]) of
+        this forward's T positions. `padded`: some of this forward's tokens are padding."""
+        T = conv_inputs[0].shape[1]
+        if self._plan is None or self._plan[:2] != (self.seen_tokens, T):
+            if padded or T > self.rollback_window:
+                kind, base = "end", self.seen_tokens + T
+            elif self._base is None or self.seen_tokens - self._base + T > self.rollback_window:
+                kind, base = "restart", self.seen_tokens
+            else:
+                kind, base = "append", self._base
+            self._plan, self._base = (self.seen_tokens, T, kind), base
+        kind = self._plan[2]
+        if kind == "end":  # the base is this forward's end: the live state is the base state
+            self._records[layer_idx] = None
+            return
+        rec = self._records[layer_idx]
+        if rec is None or kind == "restart":
+            rec = self._records[layer_idx] = {"gate": gate, "conv": None, "recurrent": None, "inputs": []}
+        if rec["recurrent"] is None:  # the base state is the live one, which this forward is about to change
+            rec["conv"] = tuple(c.clone() for c in conv_states)
+            rec["recurrent"] = recurrent_state.clone()
+        rec["inputs"].append(tuple(t.detach() for t in conv_inputs + kernel_inputs))
+
+    @property
+    def is_croppable(self):
+        """Whether `crop()` can remove the last positions fed: always without KDA layers, else while recording."""
+        return self.record_past or "linear_attention" not in self.layer_types
+
+    def crop(self, max_length):
+        """Go back to an earlier position. `max_length` <= 0 removes -max_length input ids (Transformers' convention:
+        crop(0) only frees what recording kept); `max_length` > 0 keeps the first max_length input ids
+        (`get_seq_length()` before the crop, or what `checkpoint()` returned).
+
+        MLA latents are cut. The KDA states come from a checkpoint at that position, from the record kept while
+        recording (the positions fed since the last crop, up to `rollback_window`), or are zeros at position 0;
+        any other position raises ValueError before anything changes. Positions inside a prompt's media (before
+        the end of the forward that expanded them) can be reached only through a checkpoint."""
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise ValueError(f"max_length must be an int (<= 0: input ids to remove, > 0: input ids to keep), "
+                             f"not {max_length!r}")
+        keep = self.source_tokens + max_length if max_length <= 0 else max_length
+        if not 0 <= keep <= self.source_tokens:
+            raise ValueError(f"crop(max_length={max_length}): the cache holds {self.source_tokens} input ids, so it "
+                             f"can keep between 0 and {self.source_tokens}")
+        if keep == self.source_tokens:
+            self._restart_record(self.seen_tokens if self.record_past else None)
+            return
+        point = self.checkpoints.get(keep)
+        if point is not None:
+            position = point["position"]
+        elif keep == 0:
+            position = 0
+        elif keep >= self.media_end:
+            position = keep + self.seen_tokens - self.source_tokens
+        else:
+            raise ValueError(f"crop(max_length={max_length}) would keep {keep} input ids, inside the media of the prompt "
+                             f"(they end at {self.media_end}): crop to {self.media_end} or later, or to a checkpoint "
+                             f"({sorted(self.checkpoints)})")
+        states = {i: self._kda_state_at(i, keep, position, point, max_length)
+                  for i, c in enumerate(self.conv_states) if c is not None}
+        for i, (conv, rec) in states.items():  # in place: a static cache keeps its addresses
+            for live, new in zip(self.conv_states[i], conv):
+                live.copy_(new)
+            self.recurrent_states[i].copy_(rec)
+        if self.max_length is None:
+            for i, lat in enumerate(self.latents):
+                if lat is not None:
+                    self.latents[i] = lat[:, :position]
+            self.storage_version += 1
+        if self.attention_mask is not None:
+            self.attention_mask = self.attention_mask[:, :position]
+            if bool(self.attention_mask.all()):
+                self.attention_mask = None
+        self.seen_tokens, self.source_tokens = position, keep
+        self.checkpoints = {k: v for k, v in self.checkpoints.items() if k <= keep}
+        self._restart_record(position if self.record_past else None)
+
+    def _kda_state_at(self, i, keep, position, point, max_length):
+        """((q, k, v) conv states, recurrent state) of KDA layer i at `position`."""
+        if point is not None and i in point["conv"]:
+            return point["conv"][i], point["recurrent"][i]
+        live_conv, live_rec = self.conv_states[i], self.recurrent_states[i]
+        if position == 0:
+            return tuple(torch.zeros_like(c) for c in live_conv), torch.zeros_like(live_rec)
+        rec = self._records[i]
+        m = None if rec is None or self._base is None else position - self._base
+        n_recorded = 0 if rec is None else sum(x[0].shape[1] for x in rec["inputs"])
+        if m is None or not 0 <= m <= n_recorded:
+            reach = (f"positions {self._base}..{self._base + n_recorded} (recorded since the last crop)"
+                     if rec is not None and self._base is not None else
+                     "no recorded positions (activate_past_recording() records them)")
+            raise ValueError(f"crop(max_length={max_length}): no KDA state at position {position} (input id {keep}); "
+                             f"reachable are {reach}, checkpoints {sorted(self.checkpoints)} and 0")
+        from .kda import kda_state_after  # the recurrence the layer runs, on the stored inputs
+
+        inputs = [torch.cat(parts, dim=1)[:, :m] for parts in zip(*rec["inputs"])]
+        conv = tuple(torch.cat([c0, x.transpose(1, 2).to(c0.dtype)], dim=-1)[..., m:m + c0.shape[-1]]
+                     for c0, x in zip(rec["conv"], inputs[:3]))
+        recurrent = kda_state_after(rec["gate"], rec["recurrent"], *inputs[3:]) if m else rec["recurrent"]
+        return conv, recurrent
+
     # --- Transformers' Cache interface
     def get_seq_length(self, layer_idx=0):
-        return self.seen_tokens
+        return self.source_tokens
 
     def get_mask_sizes(self, query_length, layer_idx=0):
         return self.seen_tokens + query_length, 0
@@ -144,7 +314,8 @@ class Kimi3Cache(Cache):
             yield from (t for t in (r, lat) if t is not None)
 
     def _map(self, fn):
-        """Replace every state tensor t by fn(t) (new tensors: storage_version changes)."""
+        """Replace every per-row tensor t (states, checkpoints, records, the mask) by fn(t) (new tensors:
+        storage_version changes)."""
         for i in range(len(self.layer_types)):
             if self.conv_states[i] is not None:
                 self.conv_states[i] = tuple(fn(c) for c in self.conv_states[i])
@@ -152,6 +323,14 @@ class Kimi3Cache(Cache):
                 self.recurrent_states[i] = fn(self.recurrent_states[i])
             if self.latents[i] is not None:
                 self.latents[i] = fn(self.latents[i])
+            rec = self._records[i]
+            if rec is not None and rec["recurrent"] is not None:
+                rec["conv"] = tuple(fn(c) for c in rec["conv"])
+                rec["recurrent"] = fn(rec["recurrent"])
+                rec["inputs"] = [tuple(fn(t) for t in x) for x in rec["inputs"]]
+        for point in self.checkpoints.values():
+            point["conv"] = {i: tuple(fn(t) for t in c) for i, c in point["conv"].items()}
+            point["recurrent"] = {i: fn(r) for i, r in point["recurrent"].items()}
         if self.attention_mask is not None:
             self.attention_mask = fn(self.attention_mask)
         self.storage_version += 1
@@ -163,11 +342,30 @@ class Kimi3Cache(Cache):
         self._map(lambda t: t[indices.to(t.device)])
 
     def batch_repeat_interleave(self, repeats):
+        """Each row becomes `repeats` consecutive rows (checkpoints and records too): one prefix, several
+        continuations in one batch."""
         self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def copy(self):
+        """An independent copy (every tensor cloned): continue it without touching this one. Same as
+        copy.deepcopy(cache)."""
+        return copy.deepcopy(self)
+
+    def __deepcopy__(self, memo):
+        for rec in self._records:  # the model's gate parameters a record reruns the recurrence with: shared
+            if rec is not None:
+                for t in rec["gate"]:
+                    memo[id(t)] = t
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            setattr(new, key, copy.deepcopy(value, memo))
+        return new
 
     def reset(self, keep_buffers=False):
         """Back to no tokens seen. keep_buffers=True zeroes the state tensors in place, so their addresses stay
-        valid (a recorded decode step keeps working); otherwise they are dropped and the next call allocates."""
+        valid (a recorded decode step keeps working); otherwise they are dropped and the next call allocates.
+        Checkpoints and records are dropped."""
         if keep_buffers:
             for t in self._tensors():
                 t.zero_()
@@ -175,16 +373,10 @@ class Kimi3Cache(Cache):
             n = len(self.layer_types)
             self.conv_states, self.recurrent_states, self.latents = [None] * n, [None] * n, [None] * n
             self.storage_version += 1
-        self.seen_tokens = self.source_tokens = 0
+        self.seen_tokens = self.source_tokens = self.media_end = 0
         self.attention_mask = None
-
-    @property
-    def is_croppable(self):
-        return False
-
-    def crop(self, max_length):
-        raise NotImplementedError("A recurrent (KDA) state cannot be rolled back to an earlier position; "
-                                  "re-prefill instead, or keep states at chunk boundaries.")
+        self.checkpoints = {}
+        self._restart_record(0 if self.record_past else None)
 
     @property
     def batch_size(self):

@@ -1,6 +1,10 @@
 """Generation for Kimi3 models: the generate() entry point, the greedy loop over a static cache, decode steps
 replayed as CUDA graphs, and the pool that keeps static caches and their graphs between calls.
 
+Speculative decoding (`generate(..., assistant_model=draft)`, `prompt_lookup_num_tokens=k`,
+`assistant_early_exit=n`) runs Transformers' assisted-decoding loop on a recording `Kimi3Cache` whose `crop` rolls the
+KDA states back (cache.py); `Kimi3GenerationMixin._speculative_generate` prepares that cache.
+
 `generate(..., cache_implementation="static")` decodes into a fixed-size `Kimi3Cache` (state only). On CUDA each
 decode step (one new token per row of an unpadded batch) is recorded once as a `DecodeGraph` and replayed: no
 Python per layer, no host synchronisation. For plain greedy decoding `Kimi3GenerationMixin._static_greedy` replaces
@@ -12,6 +16,7 @@ step eagerly.
 
 import collections
 import copy
+import inspect
 import weakref
 from typing import NamedTuple, Optional
 
@@ -35,8 +40,8 @@ def graph_device(t):
 def graph_decodable(cache, input_ids, labels, output_hidden_states, output_router_logits):
     """A forward call a recorded decode step serves: one new token per row of an unpadded batch, on a static cache
     that holds a prompt and has room for the token, on CUDA, for inference, asking for logits only."""
-    return (isinstance(cache, Kimi3Cache) and cache.max_length is not None and input_ids is not None
-            and input_ids.shape[1] == 1 and graph_device(input_ids)
+    return (isinstance(cache, Kimi3Cache) and cache.max_length is not None and not cache.record_past
+            and input_ids is not None and input_ids.shape[1] == 1 and graph_device(input_ids)
             and 0 < cache.seen_tokens < cache.max_length and cache.attention_mask is None
             and labels is None and not output_hidden_states and not output_router_logits
             and not torch.is_grad_enabled())
@@ -91,7 +96,7 @@ class DecodeGraph:
         counters = (cache.seen_tokens, cache.source_tokens)
         try:
             with cache.addressed_by(self.position):
-                out = lm.model(input_ids=self.ids, past_key_values=cache, use_cache=True)
+                out = lm.model(input_ids=self.ids, past_key_values=cache, use_cache=True, return_dict=True)
                 return lm.lm_head(out.last_hidden_state)
         finally:  # recording runs the step without consuming a position
             cache.seen_tokens, cache.source_tokens = counters
@@ -248,6 +253,8 @@ class Kimi3GenerationMixin(GenerationMixin):
             what = (f"batch size {mask.shape[0]}, input_ids has {ids.shape[0]}" if mask.shape[0] != ids.shape[0]
                     else f"shape {list(mask.shape)}, input_ids {list(ids.shape)}: one value per prompt token")
             raise ValueError(f"attention_mask has {what}")
+        if self._speculative(config, kwargs):
+            return self._speculative_generate(inputs, generation_config, config, impl, kwargs)
         if impl == "static" and self._plain_greedy(inputs, generation_config, kwargs):
             return self._static_greedy(inputs if inputs is not None else kwargs["input_ids"], config, kwargs)
         if (impl == "static" or chunked) and kwargs.get("past_key_values") is None:
@@ -261,6 +268,87 @@ class Kimi3GenerationMixin(GenerationMixin):
             generation_config = copy.deepcopy(generation_config)
             generation_config.cache_implementation = None
         return super().generate(inputs, generation_config=generation_config, **kwargs)
+
+    # ---- speculative decoding: Transformers' assisted-decoding loop over a cache that rolls back
+    _MEDIA_KWARGS = ("pixel_values", "grid_thws", "image_grid_thw")
+
+    @staticmethod
+    def _speculative(config, kwargs):
+        """Whether this generate() call runs Transformers' assisted decoding: as the target (an assistant model,
+        prompt lookup or early exit) or as the draft of another model's call (`is_assistant`)."""
+        def get(name):
+            return kwargs[name] if name in kwargs else getattr(config, name, None)
+        return (kwargs.get("assistant_model") is not None or get("prompt_lookup_num_tokens") is not None
+                or get("assistant_early_exit") is not None or bool(get("is_assistant")))
+
+    def _speculative_generate(self, inputs, generation_config, config, impl, kwargs):
+        """Assisted decoding as target or draft, on a dynamic Kimi3Cache that records what `crop` needs. The prompt
+        but its last token is prefilled first, outside the record: every recorded forward is then a short one (the
+        target's verification of k candidates, the draft's steps), so the record holds a few positions and never a
+        prompt. The target's cache stops recording when the call returns; a draft's keeps recording for the next
+        round (Transformers crops it between rounds)."""
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        cache = kwargs.get("past_key_values")
+        what = "assisted generation (assistant_model, prompt_lookup_num_tokens or assistant_early_exit)"
+        if impl == "static" or (isinstance(cache, Kimi3Cache) and cache.max_length is not None):
+            raise ValueError(f"{what} runs on the dynamic cache: its verification forwards have varying lengths and "
+                             "its rollbacks would bypass the recorded CUDA-graph decode step; drop "
+                             "cache_implementation='static' / pass a Kimi3Cache without max_length")
+        if cache is not None and not isinstance(cache, Kimi3Cache):
+            raise ValueError(f"past_key_values must be a Kimi3Cache for {what}, got {type(cache).__name__}")
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] != 1:
+            raise ValueError(f"{what} decodes one sequence at a time (Transformers' assisted decoding supports batch "
+                             f"size 1): input_ids has {ids.shape[0]} rows; call generate() once per row")
+        early_exit = kwargs.get("assistant_early_exit", getattr(config, "assistant_early_exit", None))
+        if early_exit is not None and not hasattr(self, "model"):
+            raise ValueError("assistant_early_exit runs the first layers of the text model as the draft; call it on "
+                             "the text model (Kimi3ForCausalLM, `model.language_model`) with a text prompt")
+        draft = bool(getattr(config, "is_assistant", False))
+        if draft and "pixel_values" not in inspect.signature(self.forward).parameters:
+            for key in self._MEDIA_KWARGS:  # a text draft reads a media placeholder as an ordinary token
+                kwargs.pop(key, None)
+        if cache is None:
+            cache = kwargs["past_key_values"] = Kimi3Cache(self.config.get_text_config())
+        if not cache.record_past:
+            self._prefill_prompt_head(ids, cache, config, kwargs)
+        max_new = kwargs.get("max_new_tokens") or getattr(config, "max_new_tokens", None)
+        if max_new is None and getattr(config, "max_length", None) and isinstance(ids, torch.Tensor):
+            max_new = config.max_length - ids.shape[-1]
+        # a round can roll back every candidate it verified: at most the tokens still to generate
+        cache.rollback_window = max(cache.rollback_window, (max_new or 0) + 2)
+        if draft and not cache.record_past:
+            cache.activate_past_recording()  # Transformers activates the target's cache itself
+        try:
+            return super().generate(inputs, generation_config=generation_config, **kwargs)
+        finally:
+            if not draft:
+                cache.stop_past_recording()
+
+    @torch.no_grad()
+    def _prefill_prompt_head(self, ids, cache, config, kwargs):
+        """Feed `ids` but its last token into `cache` (the part the cache has not consumed yet), with the attention
+        mask and, on an empty cache, the media. Nothing when the prompt is given as embeddings, or as the new ids
+        only (an attention mask longer than the ids): Transformers' loop then feeds it as usual."""
+        mask = kwargs.get("attention_mask")
+        if (not isinstance(ids, torch.Tensor) or ids.dim() != 2 or kwargs.get("inputs_embeds") is not None
+                or (mask is not None and mask.shape[-1] != ids.shape[1])):
+            return
+        history = cache.source_tokens if cache.seen_tokens else 0
+        end = ids.shape[1] - 1
+        if end <= history:
+            return
+        media = {k: kwargs[k] for k in self._MEDIA_KWARGS if kwargs.get(k) is not None} if history == 0 else {}
+        if media.get("pixel_values") is not None and bool((ids[:, -1] == self.config.media_placeholder_token_id).any()):
+            raise ValueError("input_ids end with a media placeholder: assisted generation feeds the prompt's last "
+                             "token together with the first candidates, after the media are encoded; end the "
+                             "prompt with text (a chat template's assistant header does)")
+        chunk = kwargs.get("prefill_chunk_size") or getattr(config, "prefill_chunk_size", None) or end
+        chunk = end if media else chunk  # the media go in with their placeholders, in one forward
+        for start in range(history, end, chunk):
+            stop = min(start + chunk, end)
+            self(input_ids=ids[:, start:stop], attention_mask=None if mask is None else mask[:, start:stop],
+                 past_key_values=cache, use_cache=True, logits_to_keep=1, return_dict=True,
+                 **(media if start == history else {}))
 
     def _expanded_positions(self, kwargs):
         """How many cache positions the prompt gains inside the model beyond its input_ids (image placeholders
@@ -298,10 +386,10 @@ class Kimi3GenerationMixin(GenerationMixin):
         chunk = kwargs.get("prefill_chunk_size") or getattr(config, "prefill_chunk_size", None) or L
         for start in range(0, L, chunk):  # peak memory bounded by the chunk, not the prompt
             logits = self(input_ids=input_ids[:, start:start + chunk], past_key_values=cache, use_cache=True,
-                          logits_to_keep=1).logits[:, -1]
+                          logits_to_keep=1, return_dict=True).logits[:, -1]
 
         def next_logits(tok):
-            return self(input_ids=tok[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+            return self(input_ids=tok[:, None], past_key_values=cache, use_cache=True, return_dict=True).logits[:, -1]
 
         return torch.cat([input_ids, greedy_tokens(next_logits, logits, limits)], dim=1)
 
@@ -330,23 +418,40 @@ class Kimi3GenerationMixin(GenerationMixin):
         # attention layers makes its get_seq_length raise); our forward creates a Kimi3Cache instead.
         return False
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
-                                      inputs_embeds=None, **kwargs):
-        for k in ("cache_position", "position_ids"):
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None,
+                                      attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
+        """The inputs of one forward call of generate(), by the rules of Transformers' GenerationMixin method of
+        the same name, with the history counted in the cache's `source_tokens` (the ids and embedding rows it has
+        consumed; an image placeholder counts once although its image fills many cache positions):
+
+        - `inputs_embeds` feed the first forward of a generate() call (`is_first_iteration`, or a cache that has
+          consumed nothing); every later step feeds `input_ids`, which then end with the generated tokens.
+        - On a cache that has consumed tokens only the rest is fed. A decode step feeds the last
+          `next_sequence_length` ids. The first forward of a call continuing on a returned cache takes the whole
+          conversation (ids or embeddings, whose first `source_tokens` positions the cache holds) or only its new
+          part: the new part when the input is not longer than the history, or when `attention_mask` is longer
+          than the input (it spans the history too), as Transformers reads input_ids.
+        - The attention mask is cut to the fed positions; the model puts the cache's history in front of it.
+        """
+        for k in ("cache_position", "position_ids", "labels"):
             kwargs.pop(k, None)
-        started = isinstance(past_key_values, Kimi3Cache) and past_key_values.seen_tokens > 0
-        if started:
-            new = input_ids.shape[1] - past_key_values.source_tokens
-            if new <= 0:  # chunked prefill hands over only the next chunk of ids
-                new = input_ids.shape[1]
-            inputs = {"input_ids": input_ids[:, -new:],
-                      "attention_mask": None if attention_mask is None else attention_mask[:, -new:]}
+        cache = past_key_values if isinstance(past_key_values, Kimi3Cache) else None
+        history = cache.source_tokens if cache is not None and cache.seen_tokens > 0 else 0
+        if inputs_embeds is not None and (is_first_iteration or history == 0):
+            name, x = "inputs_embeds", inputs_embeds
+        else:
+            name, x = "input_ids", input_ids
+        new = x.shape[1]
+        if history:
+            if not is_first_iteration and next_sequence_length is not None:  # a decode step
+                new = next_sequence_length
+            elif new > history and (attention_mask is None or attention_mask.shape[1] == new):
+                new -= history  # the whole conversation
+            x = x[:, x.shape[1] - new:]
+            if attention_mask is not None:
+                attention_mask = attention_mask[:, attention_mask.shape[1] - new:]
             for k in self._mm_keys:  # media is encoded once, at prefill
                 kwargs.pop(k, None)
-        elif inputs_embeds is not None:
-            inputs = {"inputs_embeds": inputs_embeds, "attention_mask": attention_mask}
-        else:
-            inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        inputs["past_key_values"] = past_key_values
+        inputs = {name: x, "attention_mask": attention_mask, "past_key_values": past_key_values}
         inputs.update(kwargs)
         return inputs

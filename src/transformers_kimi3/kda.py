@@ -71,6 +71,18 @@ def causal_conv(x, weight, state=None, seq_idx=None):
     return F.silu(y.to(weight.dtype)).to(x.dtype).transpose(1, 2), full[..., -W:].contiguous()
 
 
+def kda_state_after(gate, state, k, v, g, beta):
+    """The recurrent state [B, H, K, V] (fp32) after the gated delta rule runs from `state` over k, v, g [B, T, H, K]
+    and beta [B, T, H] (the recurrence inputs a KDA layer computed; `gate` = its A_log, dt_bias, lower_bound and
+    backend): the state a layer reaches after those T tokens, for `Kimi3Cache.crop`. The outputs depend on q, which
+    the state does not: k stands in for it."""
+    A_log, dt_bias, lower_bound, backend = gate
+    _, final = kernels.kda_recurrent(k, k, v, g, beta, backend, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                     initial_state=state.clone(), output_final_state=True,
+                                     use_qk_l2norm_in_kernel=True)
+    return final.float()
+
+
 class Kimi3ShortConv(nn.Conv1d):
     """Depthwise causal conv (checkpoint shape [D, 1, W]); its weight is read only in its own forward, so
     Accelerate's offload hooks see every use."""
@@ -152,19 +164,27 @@ class Kimi3DeltaAttention(nn.Module):
                              "they cannot be combined with a cache")
         states = cache.conv_states[self.layer_idx] if cache is not None else None
         h0 = cache.recurrent_states[self.layer_idx] if cache is not None else None
+        record = cache is not None and cache.record_past  # keep what a rollback (cache.crop) needs
         backend = resolve_kda_backend(x.device, self.requested_backend)
         ours = backend in ("triton", "fla_chunk") and not torch.is_grad_enabled() and kernels.inference_kernels_enabled()
-        if (ours and states is not None and h0 is not None and T <= 4 and attention_mask is None
+        if (ours and not record and states is not None and h0 is not None and T <= 4 and attention_mask is None
                 and all(s.is_contiguous() for s in states)):  # updated in place by the conv kernel
             return self._fused_decode(x, states, h0)
         states = states or (None, None, None)
         kernel = ours and seq_idx is None
-        q, sq = self.q_conv1d(self.q_proj(x), states[0], seq_idx, kernel)
-        k, sk = self.k_conv1d(self.k_proj(x), states[1], seq_idx, kernel)
-        v, sv = self.v_conv1d(self.v_proj(x), states[2], seq_idx, kernel)
+        xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, sq = self.q_conv1d(xq, states[0], seq_idx, kernel)
+        k, sk = self.k_conv1d(xk, states[1], seq_idx, kernel)
+        v, sv = self.v_conv1d(xv, states[2], seq_idx, kernel)
         q, k, v = (t.view(B, T, H, K) for t in (q, k, v))
         g = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         beta = self.b_proj(x)
+        if record:
+            W = self.q_conv1d.weight.shape[-1]
+            before = tuple(s if s is not None else t.new_zeros(B, H * K, W) for s, t in zip(states, (xq, xk, xv)))
+            h_before = h0 if h0 is not None else torch.zeros(B, H, K, K, dtype=torch.float32, device=x.device)
+            cache.record_kda(self.layer_idx, (self.A_log, self.dt_bias, self.lower_bound, backend), before, h_before,
+                             (xq, xk, xv), (k, v, g, beta), padded=attention_mask is not None)
 
         kw = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
                   initial_state=h0, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
