@@ -28,7 +28,9 @@ from .modeling_kimi3 import (
     KimiK3ForConditionalGeneration,
     KimiLinearForCausalLM,
 )
+from .muon import PerHeadMuon, build_per_head_muon
 from .processing_kimi3 import Kimi3Processor, kimi3_output_to_message, parse_kimi3_output
+from .qat import prepare_qat
 from .tiny_tokenizer import build_tiny_tokenizer
 from .tokenization_kimi3 import Kimi3Tokenizer, Kimi3TokenizerFast
 
@@ -71,4 +73,5 @@ Kimi3ImageProcessor.register_for_auto_class()
 __all__ = ["Kimi3Cache", "Kimi3Config", "Kimi3TextConfig", "Kimi3VisionConfig", "KimiK3Config", "Kimi3Model",
            "Kimi3ForCausalLM", "Kimi3ForConditionalGeneration", "KimiK3ForConditionalGeneration", "KimiLinearForCausalLM",
            "Kimi3PreTrainedModel", "Kimi3ImageProcessor", "Kimi3Processor", "Kimi3Tokenizer", "Kimi3TokenizerFast",
-           "build_tiny_tokenizer", "kimi3_output_to_message", "parse_kimi3_output", "kernel_status"]
+           "build_tiny_tokenizer", "kimi3_output_to_message", "parse_kimi3_output", "kernel_status",
+           "PerHeadMuon", "build_per_head_muon", "prepare_qat"]

@@ -9,8 +9,12 @@ serialized.
 
 import copy
 import importlib.util
+import inspect
+import math
 
 from transformers import PretrainedConfig
+
+from .mxfp8 import check_activation_format
 
 SUPPORTED_ACTIVATIONS = ("situ", "silu", "swish")
 
@@ -27,8 +31,60 @@ _NATIVE_ALIASES = {
 _NATIVE_DERIVED = ("qk_head_dim", "head_dim", "pretraining_tp", "attention_bias", "attention_dropout")
 
 
+# field -> "int" or "float" (any number); "?": null allowed. Checked before anything is derived from the fields.
+_TEXT_FIELD_TYPES = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                     "num_experts_per_token", "num_shared_experts", "first_k_dense_replace", "moe_layer_freq",
+                     "num_expert_group", "topk_group", "max_position_embeddings"), "int"),
+    **dict.fromkeys(("num_key_value_heads", "q_lora_rank", "attn_res_block_size", "routed_expert_hidden_size",
+                     "num_experts", "num_nextn_predict_layers"), "int?"),
+    **dict.fromkeys(("rms_norm_eps", "initializer_range", "routed_scaling_factor"), "float"),
+    **dict.fromkeys(("activation_situ_beta", "activation_situ_linear_beta"), "float?"),
+}
+_VISION_SIZES = ("patch_size", "init_pos_emb_height", "init_pos_emb_width", "init_pos_emb_time", "vt_hidden_size",
+                 "vt_intermediate_size", "vt_num_attention_heads", "vt_num_hidden_layers", "qkv_hidden_size",
+                 "mm_hidden_size", "text_hidden_size")
+_VISION_FIELD_TYPES = {**dict.fromkeys(_VISION_SIZES, "int"), **dict.fromkeys(("projector_ln_eps", "rope_theta"),
+                                                                              "float")}
+# Sizes a config file must state: left out, they would take the full-size K3 defaults (right for `Kimi3TextConfig()`
+# in Python, never for a file) and the checkpoint would then mismatch nearly every tensor.
+_REQUIRED_TEXT_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts")
+
+
 def _fail(field, msg):
     raise ValueError(f"Kimi3 config: `{field}` {msg}")
+
+
+def _check_types(values, types, prefix=""):
+    """Each field of `types` in `values` against its kind; a bool (JSON true/false) is not a number here."""
+    for field, kind in types.items():
+        v = values.get(field)
+        if v is None and kind.endswith("?"):
+            continue
+        number = (int,) if kind.startswith("int") else (int, float)
+        if isinstance(v, bool) or not isinstance(v, number):
+            _fail(prefix + field, f"= {v!r} must be {'an integer' if number == (int,) else 'a number'}"
+                  + (" or null" if kind.endswith("?") else ""))
+
+
+def _check_eps(field, eps):
+    if not (math.isfinite(eps) and eps > 0):
+        _fail(field, f"= {eps!r} must be a positive number (the norm divides by sqrt(mean + eps))")
+
+
+def _require_sizes(config_dict, prefix=""):
+    """A text config read from a file must state its sizes (`_REQUIRED_TEXT_SIZES`, or the native aliases)."""
+    native = {new: old for old, new in _NATIVE_ALIASES.items()}
+    defaults = inspect.signature(Kimi3TextConfig.__init__).parameters
+    required = _REQUIRED_TEXT_SIZES
+    if config_dict.get("num_experts", config_dict.get("num_local_experts")):
+        required += ("moe_intermediate_size",)
+    for field in required:
+        if field not in config_dict and native.get(field) not in config_dict:
+            _fail(prefix + field, f"is missing from the config file; a config read from a file must state it (left "
+                  f"out it would become the full-size K3 value {defaults[field].default})")
 
 
 def _expert_parallel_plan():
@@ -135,6 +191,9 @@ class Kimi3TextConfig(PretrainedConfig):
                     max_position_embeddings = value
         for k in _NATIVE_DERIVED:
             kwargs.pop(k, None)
+        _check_types(locals(), _TEXT_FIELD_TYPES)
+        if linear_attn_config is not None and not isinstance(linear_attn_config, dict):
+            _fail("linear_attn_config", f"= {linear_attn_config!r} must be a mapping (or null)")
         # The native config flattens linear_attn_config and stores the schedule as type lists.
         native_layer_types = kwargs.pop("layer_types", None)
         native_mlp_types = kwargs.pop("mlp_layer_types", None)
@@ -206,6 +265,7 @@ class Kimi3TextConfig(PretrainedConfig):
         self.num_nextn_predict_layers = num_nextn_predict_layers
         self.output_router_logits = output_router_logits
         self.kda_backend = kda_backend
+        self.moe_activation_format = kwargs.pop("moe_activation_format", "bf16")  # routed experts' inputs: mxfp8.py
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -230,12 +290,23 @@ class Kimi3TextConfig(PretrainedConfig):
         return cls(**base)
 
     @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """Also the entry of every config read from a file (`from_pretrained`, AutoConfig), whose sizes must be
+        stated (`_require_sizes`)."""
+        if config_dict.get("model_type") == Kimi3Config.model_type:  # a K3 config has its text model nested
+            _fail("text_config", "is missing from the kimi_k3 config file")
+        _require_sizes(config_dict)
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
     def get_config_dict(cls, *args, **kwargs):
         config_dict, kwargs = super().get_config_dict(*args, **kwargs)
         # Official text configs (nested or Kimi Linear) say "kimi_linear": ours on purpose, not a mismatch.
         for d in (config_dict, config_dict.get("text_config") or {}):
             if d.get("model_type") == "kimi_linear":
                 d["model_type"] = cls.model_type
+        if isinstance(config_dict.get("text_config"), dict):  # a K3 file: missing sizes named by their path in it
+            _require_sizes(config_dict["text_config"], "text_config.")
         return config_dict, kwargs
 
     # ------------------------------------------------------------------ derived views
@@ -295,8 +366,15 @@ class Kimi3TextConfig(PretrainedConfig):
 
     # ------------------------------------------------------------------ validation
     def validate_kimi3(self):
+        _check_types({k: getattr(self, k) for k in _TEXT_FIELD_TYPES}, _TEXT_FIELD_TYPES)
+        _check_eps("rms_norm_eps", self.rms_norm_eps)
+        check_activation_format(self.moe_activation_format)
         L = self.num_hidden_layers
         lac = self.linear_attn_config
+        _check_types(lac, {"gate_lower_bound": "float?"}, "linear_attn_config.")
+        for name in ("kda_layers", "full_attn_layers"):
+            if not isinstance(lac.get(name, []), (list, tuple)):
+                _fail(f"linear_attn_config.{name}", f"= {lac[name]!r} must be a list of 1-indexed layers")
         kda, full = list(lac.get("kda_layers", [])), list(lac.get("full_attn_layers", []))
         for name, layers in (("kda_layers", kda), ("full_attn_layers", full)):
             bad = [x for x in layers if not isinstance(x, int) or not 1 <= x <= L]
@@ -400,6 +478,12 @@ class Kimi3VisionConfig(PretrainedConfig):
         **kwargs,
     ):
         kwargs.pop("_attn_implementation", None)  # the official file pins flash_attention_2; we choose at runtime
+        values = {k: v for k, v in locals().items() if k in _VISION_FIELD_TYPES}
+        _check_types(values, _VISION_FIELD_TYPES, "vision_config.")
+        for name in _VISION_SIZES:
+            if values[name] < 1:
+                _fail(f"vision_config.{name}", f"= {values[name]} must be a positive integer")
+        _check_eps("vision_config.projector_ln_eps", projector_ln_eps)
         self.patch_size = patch_size
         self.init_pos_emb_height = init_pos_emb_height
         self.init_pos_emb_width = init_pos_emb_width
@@ -445,6 +529,7 @@ class Kimi3Config(PretrainedConfig):
     def __init__(self, text_config=None, vision_config=None, media_placeholder_token_id=163605,
                  image_placeholder="<|kimi_image_placeholder|>", ignore_index=-100, tie_word_embeddings=False,
                  **kwargs):
+        _check_types(locals(), {"media_placeholder_token_id": "int", "ignore_index": "int"})
         if text_config is None:
             text_config = Kimi3TextConfig()
         elif isinstance(text_config, dict):
@@ -464,6 +549,18 @@ class Kimi3Config(PretrainedConfig):
         if not 0 <= media_placeholder_token_id < text_config.vocab_size:
             _fail("media_placeholder_token_id", f"= {media_placeholder_token_id} is outside the vocabulary "
                   f"(0..{text_config.vocab_size - 1})")
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """Also the entry of every config read from a file (`from_pretrained`, AutoConfig): the text and vision
+        configs and the text sizes must be stated, never filled in with the full-size K3 defaults."""
+        for key in ("text_config", "vision_config"):
+            if config_dict.get(key) is None:
+                _fail(key, "is missing from the kimi_k3 config file; a config read from a file must state it (left "
+                      "out it would become the full-size K3 one)")
+        if isinstance(config_dict["text_config"], dict):
+            _require_sizes(config_dict["text_config"], "text_config.")
+        return super().from_dict(config_dict, **kwargs)
 
     def get_text_config(self, *args, **kwargs):
         return self.text_config

@@ -58,8 +58,9 @@ class Kimi3MLAAttention(nn.Module):
             self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
 
-    def forward(self, x, mask=None, cache=None):
-        """x [B,T,d]; mask: bool [B,1,T,T_total] (True = attend) or None for full attention over the cache."""
+    def forward(self, x, mask=None, cache=None, output_attentions=False):
+        """x [B,T,d]; mask: bool [B,1,T,T_total] (True = attend) or None for causal attention over the cache.
+        Returns the output [B,T,d]; with output_attentions, (output, probabilities [B,H,T,T_total] in x's dtype)."""
         B, T, _ = x.shape
         H = self.num_heads
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -69,15 +70,31 @@ class Kimi3MLAAttention(nn.Module):
         if cache is not None:
             latent = cache.update_latent(latent, self.layer_idx)
         Tk = latent.shape[1]
+        probs = None
+        if output_attentions:
+            o, probs = self._with_probs(q, latent, mask, T)
         # an adapter-wrapped kv_b_proj (PEFT) cannot be folded: it decodes in the expanded form
-        if cache is not None and T <= self.ABSORB_MAX_QUERIES and Tk > T and type(self.kv_b_proj) is Kimi3KVBProj:
+        elif cache is not None and T <= self.ABSORB_MAX_QUERIES and Tk > T and type(self.kv_b_proj) is Kimi3KVBProj:
             o = self._absorbed(q, latent, mask)
         else:
             o = self._expanded(q, latent, mask, T)
         o = o.transpose(1, 2).reshape(B, T, H * self.v_dim)
         if hasattr(self, "g_proj"):
             o = o * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o)
+        return self.o_proj(o) if probs is None else (self.o_proj(o), probs.to(x.dtype))
+
+    def _with_probs(self, q, latent, mask, T):
+        """(output, probabilities [B,H,T,Tk]) for output_attentions: keys and values expanded over the whole cache,
+        scores and softmax in fp32, so masked keys get exactly 0 and the output is the probabilities times v."""
+        k, v = self._expand(latent)
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scaling
+        mask = _causal(mask, T, latent.shape[1])
+        if isinstance(mask, CausalBias):
+            mask = mask._materialize(q.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(-1)
+        return torch.matmul(probs, v.float()).to(v.dtype), probs
 
     def _expanded(self, q, latent, mask, T):
         """Keys and values expanded per head from the latent (prefill: every position is queried). A long cache
@@ -176,3 +193,31 @@ def mla_mask(attention_mask, query_length, past_length, device, seq_idx=None):
     allowed = (kpos <= qpos)[None] & attention_mask.bool()[:, None, :]
     allowed = allowed | (kpos == qpos)[None]
     return allowed[:, None]
+
+
+def custom_mla_mask(attention_mask, query_length, past_length, device):
+    """A caller's 4-D mask [B,1,T,past+T] as MLA's boolean mask (True = attend). Boolean masks are read as they are;
+    float masks are additive, as Transformers' mask functions make them: 0 attends, a large negative value (the
+    dtype's minimum, -inf, -1e4 or below) blocks. A query row that attends nothing attends itself, so it never turns
+    into NaN (its output has no valid keys and means nothing)."""
+    total = past_length + query_length
+    B = attention_mask.shape[0]
+    if attention_mask.shape[1:] != (1, query_length, total):
+        raise ValueError(f"attention_mask is 4-D with shape {list(attention_mask.shape)}; a 4-D mask must be "
+                         f"[batch, 1, query_length, key_length] = [{B}, 1, {query_length}, {total}] (the cache holds "
+                         f"{past_length} positions and this call adds {query_length})")
+    if attention_mask.dtype == torch.bool:
+        allowed = attention_mask
+    elif attention_mask.is_floating_point():
+        allowed = attention_mask == 0
+        if not bool((allowed | (attention_mask <= -1e4)).all()):
+            raise ValueError("attention_mask is a 4-D float mask holding values other than 0 (attend) and a large "
+                             "negative value (block): additive biases are not supported; pass a boolean mask "
+                             "(True = attend) or 0 / dtype-minimum values")
+    else:
+        raise ValueError(f"attention_mask is a 4-D {attention_mask.dtype} mask: pass booleans (True = attend) or "
+                         "an additive float mask (0 = attend, the dtype's minimum = blocked)")
+    allowed = allowed.to(device)
+    qpos = torch.arange(past_length, total, device=device)[:, None]
+    diag = torch.arange(total, device=device)[None, :] == qpos
+    return allowed | (diag & ~allowed.any(-1, keepdim=True))

@@ -23,7 +23,7 @@ from .cache import Kimi3Cache
 from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig
 from .generation import Kimi3GenerationMixin
 from .kda import Kimi3DeltaAttention
-from .mla import Kimi3MLAAttention, mla_mask
+from .mla import Kimi3MLAAttention, custom_mla_mask, mla_mask
 from .moe import Kimi3Experts, Kimi3MLP, Kimi3SparseMoeBlock, Kimi3TopkRouter
 from .norms import Kimi3GatedRMSNorm, Kimi3RMSNorm
 from .vision import Kimi3MultiModalProjector, Kimi3VisionModel, Kimi3VisionPositionEmbedding
@@ -44,43 +44,57 @@ class Kimi3DecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = Kimi3RMSNorm(d, eps=eps)
         self.attn_res_block_size = config.attn_res_block_size
         if config.use_attn_res:
-            self.self_attention_res_proj = Kimi3AttnResProj(d)
-            self.self_attention_res_norm = Kimi3AttnResNorm(d, eps=eps)
+            # Layer 0's attention-side mix never runs: its bank is still empty (the embedding joins it at this
+            # layer's block boundary), so attention reads the embedding itself, as in Moonshot's code. The two
+            # tensors are in the official checkpoint and load and save like any other, but nothing depends on them:
+            # frozen, so DistributedDataParallel needs no find_unused_parameters and optimizers skip them.
+            used = layer_idx > 0
+            self.self_attention_res_proj = Kimi3AttnResProj(d, trainable=used)
+            self.self_attention_res_norm = Kimi3AttnResNorm(d, eps=eps, trainable=used)
             self.mlp_res_proj = Kimi3AttnResProj(d)
             self.mlp_res_norm = Kimi3AttnResNorm(d, eps=eps)
 
-    def _attn(self, x, kda_mask, attn_mask, past_key_values, seq_idx):
+    def _attn(self, x, kda_mask, attn_mask, past_key_values, seq_idx, output_attentions):
+        """(output, attention probabilities): the probabilities only from an MLA layer asked for them, else None
+        (a KDA layer has no pairwise attention map)."""
         if self.is_kda:
-            return self.self_attn(x, attention_mask=kda_mask, cache=past_key_values, seq_idx=seq_idx)
-        return self.self_attn(x, mask=attn_mask, cache=past_key_values)
+            return self.self_attn(x, attention_mask=kda_mask, cache=past_key_values, seq_idx=seq_idx), None
+        if output_attentions:
+            return self.self_attn(x, mask=attn_mask, cache=past_key_values, output_attentions=True)
+        return self.self_attn(x, mask=attn_mask, cache=past_key_values), None
 
     def _ffn(self, x):
         if hasattr(self, "block_sparse_moe"):
             return self.block_sparse_moe(x)
         return self.mlp(x), None
 
-    def forward(self, hidden_states, bank=None, kda_mask=None, attn_mask=None, past_key_values=None, seq_idx=None):
+    def forward(self, hidden_states, bank=None, kda_mask=None, attn_mask=None, past_key_values=None, seq_idx=None,
+                output_attentions=False):
         """Kimi Linear: hidden_states is the residual stream. K3 (AttnRes): hidden_states is the partial sum of the
-        current block and `bank` [B,T,n,d] the completed blocks (embedding first). Returns (hidden, bank, router)."""
+        current block and `bank` [B,T,n,d] the completed blocks (embedding first). Returns (hidden, bank, router,
+        attention probabilities [B,H,T,T_total] of an MLA layer with output_attentions, else None)."""
         # With device_map the layers live on different devices: the bank and the masks follow the layer.
         dev = hidden_states.device
         bank, kda_mask, attn_mask, seq_idx = (None if t is None else t.to(dev)
                                               for t in (bank, kda_mask, attn_mask, seq_idx))
         if self.attn_res_block_size is None:
             h = hidden_states
-            h = h + self._attn(self.input_layernorm(h), kda_mask, attn_mask, past_key_values, seq_idx)
+            a, probs = self._attn(self.input_layernorm(h), kda_mask, attn_mask, past_key_values, seq_idx,
+                                  output_attentions)
+            h = h + a
             m, router_logits = self._ffn(self.post_attention_layernorm(h))
-            return h + m, bank, router_logits
+            return h + m, bank, router_logits, probs
         p = hidden_states
         x = p if bank is None else attn_res_mix(bank, p, self.self_attention_res_proj, self.self_attention_res_norm)
         if self.layer_idx % self.attn_res_block_size == 0:  # block boundary: the finished block joins the bank
             bank = p[:, :, None] if bank is None else torch.cat([bank, p[:, :, None]], dim=2)
             p = None
-        a = self._attn(self.input_layernorm(x), kda_mask, attn_mask, past_key_values, seq_idx)
+        a, probs = self._attn(self.input_layernorm(x), kda_mask, attn_mask, past_key_values, seq_idx,
+                              output_attentions)
         p = a if p is None else p + a
         x = attn_res_mix(bank, p, self.mlp_res_proj, self.mlp_res_norm)
         m, router_logits = self._ffn(self.post_attention_layernorm(x))
-        return p + m, bank, router_logits
+        return p + m, bank, router_logits, probs
 
 
 class Kimi3PreTrainedModel(PreTrainedModel):
@@ -92,7 +106,9 @@ class Kimi3PreTrainedModel(PreTrainedModel):
     _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "o_norm",
                              "e_score_correction_bias"]
     _supports_sdpa = True
-    _is_stateful = True
+    # Transformers refuses assisted decoding for stateful models: their state cannot go back to a prefix. Kimi3Cache
+    # can (crop() reruns the KDA recurrence from a kept state; cache.py), so speculative decoding is allowed.
+    _is_stateful = False
     _can_compile_fullgraph = False
 
     @torch.no_grad()
@@ -134,6 +150,8 @@ class Kimi3PreTrainedModel(PreTrainedModel):
     # ---- one on-disk format: the official layout, whatever the layout in memory
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Transformers' `from_pretrained` for the official layout; also takes `dequantize=True` (MXFP4 experts to
+        bf16) and `check_finite=False` (skip the NaN / Inf check of every tensor: `checkpoint.load_pretrained`)."""
         if kwargs.get("state_dict") is not None or pretrained_model_name_or_path is None:
             return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         return load_pretrained(cls, pretrained_model_name_or_path, super().from_pretrained, *model_args,
@@ -170,13 +188,25 @@ class Kimi3Model(Kimi3PreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, output_hidden_states=None, output_router_logits=None,
-                return_dict=None, **kwargs):
+                return_dict=None, output_attentions=None, **kwargs):
+        """`attention_mask`: 2-D [batch, length] padding mask (1 = token), or, in a model without KDA layers, a 4-D
+        mask [batch, 1, query_length, key_length] that is the whole attention pattern (position_ids and
+        cu_seq_lens_q are then not read). With output_attentions, `attentions` holds one [B, heads, T, T_total]
+        probability map per MLA layer, in layer order; KDA layers have none (as Transformers' Kimi Linear)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds")
         check_input_shapes(input_ids, inputs_embeds, attention_mask)
+        custom_mask = attention_mask is not None and attention_mask.dim() == 4
+        if custom_mask and "linear_attention" in self.config.layer_types:
+            n = self.config.layer_types.count("linear_attention")
+            raise ValueError(
+                f"attention_mask is 4-D (shape {list(attention_mask.shape)}), but {n} of this model's "
+                f"{len(self.config.layer_types)} layers are KDA (linear attention): each carries one recurrent state "
+                "per sequence and cannot apply a pairwise mask. Pass a 2-D padding mask [batch, length] (1 = token); "
+                "to keep documents packed in one row apart, restart position_ids at 0 for each (or pass cu_seq_lens_q)")
         if inputs_embeds is None:
             if not (input_ids.is_cuda and input_ids.shape[1] == 1):  # a CUDA decode step must not sync the host
-                check_token_ids(input_ids, self.vocab_size)
+                check_token_ids(input_ids, self.embed_tokens)
             inputs_embeds = self.embed_tokens(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
@@ -185,10 +215,13 @@ class Kimi3Model(Kimi3PreTrainedModel):
                                 else output_hidden_states)
         output_router_logits = (self.config.output_router_logits if output_router_logits is None
                                 else output_router_logits)
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
         cache = self._resolve_cache(past_key_values, use_cache)
         B, T = inputs_embeds.shape[:2]
         past = cache.seen_tokens if cache is not None else 0
-        full_mask = self._full_mask(attention_mask, cache, B, T, past, inputs_embeds.device)
+        # a 4-D mask governs this call only: the cache's 2-D padding history continues with this call's positions
+        full_mask = self._full_mask(None if custom_mask else attention_mask, cache, B, T, past, inputs_embeds.device)
         kda_mask = None if full_mask is None else full_mask[:, -T:]
         # the KDA layers take None for "every token of this call is valid", decided here once rather than in every
         # layer (each check waits for the GPU). Without past tokens _full_mask has already checked; with them (a decode
@@ -198,30 +231,38 @@ class Kimi3Model(Kimi3PreTrainedModel):
         # Packed documents (a training layout) are read from position_ids only without a cache: the model has no
         # positional encoding, so during generation position_ids carry no information.
         seq_idx = None
-        if cache is None or (self.training and past == 0):
+        if not custom_mask and (cache is None or (self.training and past == 0)):
             seq_idx = packed_sequence_ids(position_ids, kwargs.get("cu_seq_lens_q"), B, T, inputs_embeds.device)
             cache = None if seq_idx is not None else cache
-        attn_mask = mla_mask(full_mask, T, past, inputs_embeds.device, seq_idx)
+        if custom_mask:
+            attn_mask = custom_mla_mask(attention_mask, T, past, inputs_embeds.device)
+        else:
+            attn_mask = mla_mask(full_mask, T, past, inputs_embeds.device, seq_idx)
         if cache is not None and cache.position is not None:  # a recorded decode step: the whole static buffer
             attn_mask = cache.position_mask(inputs_embeds.device)
 
         h, bank = inputs_embeds, None
         all_hidden = (h,) if output_hidden_states else None
         routers = () if output_router_logits else None
-        for layer in self.layers:
-            h, bank, router_logits = layer(h, bank, kda_mask, attn_mask, past_key_values=cache, seq_idx=seq_idx)
+        attentions = () if output_attentions else None
+        for layer in self.layers[:self.config.num_hidden_layers]:  # fewer while an early-exit draft runs
+            h, bank, router_logits, probs = layer(h, bank, kda_mask, attn_mask, past_key_values=cache,
+                                                  seq_idx=seq_idx, output_attentions=output_attentions)
             if output_hidden_states:
                 all_hidden += (h,)
             if output_router_logits and router_logits is not None:
                 routers += (router_logits,)
+            if output_attentions and probs is not None:
+                attentions += (probs,)
         if cache is not None:
             cache.seen_tokens += T
             cache.attention_mask = full_mask
         if self.config.use_attn_res:
             h = attn_res_mix(bank.to(h.device), h, self.output_attn_res_proj, self.output_attn_res_norm)
         h = self.norm(h)
-        return MoeModelOutputWithPast(last_hidden_state=h, past_key_values=cache, hidden_states=all_hidden,
-                                      router_logits=routers)
+        out = MoeModelOutputWithPast(last_hidden_state=h, past_key_values=cache, hidden_states=all_hidden,
+                                     attentions=attentions, router_logits=routers)
+        return out if return_dict else out.to_tuple()
 
     def _resolve_cache(self, past_key_values, use_cache):
         if isinstance(past_key_values, Kimi3Cache):
@@ -241,7 +282,8 @@ class Kimi3Model(Kimi3PreTrainedModel):
                 return None
             attention_mask = torch.ones(B, T, dtype=history.dtype, device=device)
         if attention_mask.dim() != 2:
-            raise ValueError(f"attention_mask must be 2-D [batch, length], got shape {tuple(attention_mask.shape)}")
+            raise ValueError(f"attention_mask must be 2-D [batch, length] (or, without KDA layers, 4-D [batch, 1, "
+                             f"query_length, key_length]), got shape {tuple(attention_mask.shape)}")
         if attention_mask.shape[1] == T and past > 0:  # only this call's positions: prepend the history
             prev = history if history is not None else torch.ones(B, past, dtype=attention_mask.dtype,
                                                                    device=device)
@@ -302,10 +344,21 @@ def check_media_inputs(input_ids, pixel_values, placeholder):
         raise ValueError(f"pixel_values hold {bad} NaN or infinite value(s) of {pixel_values.numel()}")
 
 
-def check_token_ids(input_ids, vocab_size):
+def check_token_ids(input_ids, embedding):
+    """The ids must index rows of the current input embedding: its row count, not a size fixed at init, so ids
+    added by `resize_token_embeddings` (new special tokens) are accepted and ids cut by it are not."""
+    vocab_size = embedding_rows(embedding)
     if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
         bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
-        raise ValueError(f"input_ids hold {bad.unique()[:8].tolist()} outside the vocabulary 0..{vocab_size - 1}")
+        raise ValueError(f"input_ids hold {bad.unique()[:8].tolist()} outside the vocabulary 0..{vocab_size - 1} "
+                         f"(the input embedding has {vocab_size} rows)")
+
+
+def embedding_rows(embedding):
+    """The vocabulary size of an input embedding: `num_embeddings` (kept by wrappers that delegate attributes, and
+    by ZeRO-3 / FSDP, whose local weight is a shard), else the weight's row count."""
+    rows = getattr(embedding, "num_embeddings", None)
+    return rows if rows is not None else embedding.weight.shape[0]
 
 
 class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
@@ -333,20 +386,26 @@ class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
-                output_router_logits=None, logits_to_keep=0, return_dict=None, **kwargs):
-        logits = self._replayed_logits(self, past_key_values, input_ids, labels, output_hidden_states,
-                                       output_router_logits)
+                output_router_logits=None, logits_to_keep=0, return_dict=None, output_attentions=None, **kwargs):
+        """Returns a MoeCausalLMOutputWithPast, or with return_dict=False (argument, else config.return_dict) its
+        to_tuple(): the fields that are set, in order (loss first when labels are given)."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        logits = None if output_attentions else self._replayed_logits(
+            self, past_key_values, input_ids, labels, output_hidden_states, output_router_logits)
         if logits is not None:  # a static-cache decode step on CUDA (generation.py)
-            return MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+            out = MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+            return out if return_dict else out.to_tuple()
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          output_hidden_states=output_hidden_states, output_router_logits=output_router_logits,
-                         cu_seq_lens_q=kwargs.get("cu_seq_lens_q"))
+                         output_attentions=output_attentions, cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
+                         return_dict=True)
         if out.past_key_values is not None:
             out.past_key_values.source_tokens += (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        return self._head(out, labels, logits_to_keep, **kwargs)
+        return self._head(out, labels, logits_to_keep, return_dict, **kwargs)
 
-    def _head(self, out, labels, logits_to_keep, **kwargs):
+    def _head(self, out, labels, logits_to_keep, return_dict=True, **kwargs):
         h = out.last_hidden_state
         if isinstance(logits_to_keep, int):
             h = h[:, -logits_to_keep:] if logits_to_keep else h
@@ -356,8 +415,10 @@ class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return MoeCausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
-                                         hidden_states=out.hidden_states, router_logits=out.router_logits)
+        out = MoeCausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                        hidden_states=out.hidden_states, attentions=out.attentions,
+                                        router_logits=out.router_logits)
+        return out if return_dict else out.to_tuple()
 
 
 class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
@@ -386,6 +447,9 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
     def get_output_embeddings(self):
         return self.language_model.lm_head
 
+    def set_output_embeddings(self, value):  # resize_token_embeddings replaces the head through this
+        self.language_model.lm_head = value
+
     def get_image_features(self, pixel_values, grid_thws):
         """[sum_i h_i*w_i/4, text hidden] projector rows for the packed images / videos."""
         dtype = self.mm_projector.proj[0].weight.dtype
@@ -393,12 +457,18 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, pixel_values=None, grid_thws=None, position_ids=None,
                 past_key_values=None, inputs_embeds=None, labels=None, use_cache=None, output_hidden_states=None,
-                output_router_logits=None, logits_to_keep=0, return_dict=None, image_grid_thw=None, **kwargs):
+                output_router_logits=None, logits_to_keep=0, return_dict=None, image_grid_thw=None,
+                output_attentions=None, **kwargs):
+        """Returns a MoeCausalLMOutputWithPast (attentions: the text model's MLA layers), or with return_dict=False
+        (argument, else config.return_dict) its to_tuple()."""
         grid_thws = grid_thws if grid_thws is not None else image_grid_thw
-        logits = self._replayed_logits(self.language_model, past_key_values, input_ids, labels,
-                                       output_hidden_states, output_router_logits)
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        logits = None if output_attentions else self._replayed_logits(
+            self.language_model, past_key_values, input_ids, labels, output_hidden_states, output_router_logits)
         if logits is not None:  # a static-cache decode step on CUDA (generation.py)
-            return MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+            out = MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+            return out if return_dict else out.to_tuple()
         n_source = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         cache_started = isinstance(past_key_values, Kimi3Cache) and past_key_values.seen_tokens > 0
         if not cache_started:
@@ -408,7 +478,10 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
                 raise ValueError("Images need input_ids with media placeholders, not inputs_embeds")
             if grid_thws is None:
                 raise ValueError("pixel_values were given without grid_thws")
-            check_token_ids(input_ids, self.config.text_config.vocab_size)
+            if attention_mask is not None and attention_mask.dim() != 2:
+                raise ValueError(f"attention_mask must be 2-D [batch, length] with pixel_values (each placeholder "
+                                 f"expands to its image's rows), got shape {list(attention_mask.shape)}")
+            check_token_ids(input_ids, self.get_input_embeddings())
             features = self.get_image_features(pixel_values, grid_thws)
             inputs_embeds, attention_mask, labels = self._merge_image_features(
                 input_ids, features, grid_thws, attention_mask, labels)
@@ -416,12 +489,14 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
         lm = self.language_model
         out = lm.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
                        inputs_embeds=inputs_embeds, use_cache=use_cache, output_hidden_states=output_hidden_states,
-                       output_router_logits=output_router_logits,
+                       output_router_logits=output_router_logits, output_attentions=output_attentions,
                        position_ids=position_ids if pixel_values is None else None,
-                       cu_seq_lens_q=kwargs.get("cu_seq_lens_q"))
+                       cu_seq_lens_q=kwargs.get("cu_seq_lens_q"), return_dict=True)
         if out.past_key_values is not None:
             out.past_key_values.source_tokens += n_source
-        return lm._head(out, labels, logits_to_keep, **kwargs)
+            if pixel_values is not None and not cache_started:  # crop() cannot land inside the expanded media
+                out.past_key_values.media_end = out.past_key_values.source_tokens
+        return lm._head(out, labels, logits_to_keep, return_dict, **kwargs)
 
     def _media_rows(self, grid_thws):
         """Projector rows per image / video: h*w over the merge kernel's area."""
