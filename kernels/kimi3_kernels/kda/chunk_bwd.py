@@ -360,6 +360,10 @@ def chunk_bwd_core(qn, kn, v, gc, bs, scale, lower_bound, h0, do, dht, info, sav
     if info.N > 0:
         bv, warps, stages, regs = launch_config("state_bwd")
         BV = min(bv or state_scan_tile(cdiv(V, 64) * info.N * H, dev)[0], next_pow2(V))
+        if min(BK, BV) < 32:
+            # the [BK, BV] state products of heads narrower than 32 at 8 warps: Triton on sm_90 reads shared memory
+            # out of bounds with 2 stages (compute-sanitizer) and returns wrong gradients with 1; 4 warps are exact
+            warps = min(warps, 4)
         _state_bwd_kernel[(cdiv(V, BV) * info.N * H,)](
             I["W"], I["Qg"], I["Kd"], I["Aqk"], gc, do, dht if dht is not None else do,
             dh0 if dh0 is not None else do, dhs, dvn, info.cu, info.chunk_off,
