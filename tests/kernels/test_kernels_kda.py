@@ -10,11 +10,15 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_triton_kda_kernels_under_the_interpreter():
+SHARDS = 4  # the interpreter runs the cases slowly; four processes let pytest-xdist spread them over the workers
+
+
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_triton_kda_kernels_under_the_interpreter(shard):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           os.path.join(HERE, "kernels_kda_cases.py")], capture_output=True, text=True, env=env,
-                          cwd=HERE, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "shard_plugin",
+                           f"--shard={shard}/{SHARDS}", os.path.join(HERE, "kernels_kda_cases.py")],
+                          capture_output=True, text=True, env=env, cwd=HERE, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout
