@@ -46,9 +46,12 @@ DRAFT_CHAT_MIX = {"api": 3, "section": 2, "tool": 1, "talk": 1}
 SMOKE_MODULES = ("json", "textwrap", "string", "shlex", "fnmatch", "bisect", "heapq", "colorsys")
 
 
-def phase_plan(smoke):
+def phase_plan(smoke, steps_scale=1.0):
     """[(name, model, data, steps, batch, lr)]: the phases in run order. The batch counts packed rows of `seq_len`
-    tokens (text) or conversations (vision, chat)."""
+    tokens (text) or conversations (vision, chat). `steps_scale` multiplies every phase's steps (the learning-rate
+    schedule follows), to fit a run into a fixed GPU time."""
+    if steps_scale != 1.0:
+        return [(n, m, d, max(1, round(steps * steps_scale)), b, lr) for n, m, d, steps, b, lr in phase_plan(smoke)]
     if smoke:
         return [("text", "mini", "text", 6, 2, 3e-3), ("vision", "mini", "vision", 1, 2, 1e-3),
                 ("chat", "mini", "chat", 1, 2, 1e-3), ("draft-text", "draft", "text", 1, 2, 3e-3),
@@ -227,7 +230,7 @@ def train(args):
     work = args.work
     with open(os.path.join(work, "inputs", "prepare.json")) as f:
         info = json.load(f)
-    plan = phase_plan(args.smoke)
+    plan = phase_plan(args.smoke, args.steps_scale)
     chosen = args.phases.split(",") if args.phases else [p[0] for p in plan]
     unknown = set(chosen) - {p[0] for p in plan}
     if unknown:
@@ -267,6 +270,8 @@ def main(argv=None):
     ap.add_argument("--reserve-minutes", type=float, default=1.0, help="part of the budget kept for saving")
     ap.add_argument("--max-steps-per-call", type=int, default=None, help="optimizer steps per phase per invocation")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in the backward")
+    ap.add_argument("--steps-scale", type=float, default=1.0,
+                    help="multiply every phase's steps (and so its schedule), e.g. 0.5 to fit a shorter GPU run")
     ap.add_argument("--phases", default=None, help="comma-separated phases to run (default: all, then the export)")
     args = ap.parse_args(argv)
     if args.command == "sizes":
