@@ -23,6 +23,7 @@ from kimi3_conversion.config_check import (
     unquantized,
 )
 from kimi3_conversion.extra_files import LICENSE_FILES, TOKENIZER_FILES, auto_map_modules, copy_if_present
+from kimi3_conversion.k3_job import TEXT_AUTO_MAP
 from kimi3_conversion.plan import Job, OutTensor, Producer, shard_plan, unpacked_params
 from kimi3_conversion.tensor_io import Source, st_dtype, torch_dtype
 from kimi3_conversion.verify import make_forward_check, value_checks_for
@@ -148,6 +149,7 @@ def _write_extras(folder, src, config, text):
     with torch.device("meta"):
         meta_model = Kimi3ForCausalLM(text)
     written += [str(p) for p in custom_object_save(meta_model, folder, config=config) or []]
+    config.auto_map = dict(TEXT_AUTO_MAP)  # as Kimi3ForCausalLM.save_pretrained: AutoModel gives the base model
     try:
         gen = GenerationConfig.from_pretrained(src)
     except OSError:

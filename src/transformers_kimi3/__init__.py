@@ -65,6 +65,7 @@ _register(Kimi3Config.model_type, Kimi3Config,
 # `save_pretrained` writes auto_map and copies the flat modules, so saved folders load without this package.
 Kimi3TextConfig.register_for_auto_class()
 Kimi3Config.register_for_auto_class()
+Kimi3Model.register_for_auto_class("AutoModel")
 Kimi3ForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 Kimi3ForConditionalGeneration.register_for_auto_class("AutoModelForImageTextToText")
 Kimi3Processor.register_for_auto_class()

@@ -21,6 +21,7 @@ from .mxfp4 import GROUP_SIZE, check_mxfp4, dequantize_mxfp4, quantize_mxfp4
 logger = logging.getLogger("transformers_kimi3")
 
 TEXT_PREFIX = "language_model."
+HEAD = "lm_head."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|"
                      r"weight_scale)$")
@@ -263,13 +264,25 @@ def load_pretrained(cls, name_or_path, base_from_pretrained, *model_args, **kwar
     NaN / Inf check of every floating-point tensor. The check reads every byte at load: on a 1.4 GB bf16 checkpoint
     on a 2-core CPU it adds 0.4-0.8 s with the file in the page cache and 1.2-1.4 s from disk, to a
     `from_pretrained` of 0.1-0.4 s that maps the safetensors lazily (the first forward reads those pages anyway:
-    load plus a first read of every weight takes 5.5-7 s either way)."""
+    load plus a first read of every weight takes 5.5-7 s either way).
+
+    With `output_loading_info=True` returns `(model, loading_info)` as Transformers does; which tensors may be
+    missing or left over is `_match`'s rule."""
     hub_kwargs = {k: kwargs.get(k) for k in ("cache_dir", "force_download", "local_files_only", "token",
                                              "revision")}
     folder = resolve_folder(name_or_path, **hub_kwargs)
     config = kwargs.pop("config", None)
     dequantize = kwargs.pop("dequantize", False)
     check_finite = kwargs.pop("check_finite", True)
+    output_loading_info = kwargs.pop("output_loading_info", False)
+    saved = _saved_config(folder)
+    if config is None and "vision_config" in getattr(cls.config_class, "sub_configs", {}) and \
+            saved.get("model_type") not in (None, cls.config_class.model_type) and "text_config" not in saved:
+        raise CheckpointError(
+            f"{os.path.join(folder, 'config.json')} describes a text-only model (model_type "
+            f"{saved.get('model_type')!r}, architectures {saved.get('architectures')}): load it with Kimi3ForCausalLM "
+            f"or Kimi3Model; {cls.__name__} needs a K3 folder (model_type {cls.config_class.model_type!r}) with its "
+            "vision tower")
     if config is None or isinstance(config, (str, os.PathLike)):
         config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ("kda_backend", "moe_activation_format")}
         config = cls.config_class.from_pretrained(config if config is not None else folder)
@@ -282,13 +295,28 @@ def load_pretrained(cls, name_or_path, base_from_pretrained, *model_args, **kwar
     # MXFP4 experts stay packed in memory unless asked otherwise; what is packed is read off the tensors
     if dequantize or not any(name.endswith(".weight_packed") for name in tensors):
         _text_config(config).checkpoint_quantization_config = None
-    state_dict = build_state_dict(cls, config, tensors)
+    state_dict, skipped = _match(cls, config, tensors, saved.get("architectures"),
+                                 ignore_mismatched_sizes=kwargs.get("ignore_mismatched_sizes", False))
     for k in ("cache_dir", "force_download", "local_files_only", "token", "revision", "use_safetensors",
               "trust_remote_code"):
         kwargs.pop(k, None)
-    model = base_from_pretrained(None, *model_args, config=config, state_dict=state_dict, **kwargs)
+    model, info = base_from_pretrained(None, *model_args, config=config, state_dict=state_dict,
+                                       output_loading_info=True, **kwargs)
+    # Transformers saw only the converted state dict: the tensors left out of it are the checkpoint's unexpected ones
+    info["unexpected_keys"] = set(info["unexpected_keys"]) | skipped
     model.config._name_or_path = model.name_or_path = str(name_or_path)  # PEFT records it in adapters
-    return model
+    return (model, info) if output_loading_info else model
+
+
+def _saved_config(folder):
+    """The folder's config.json as saved (a dict; empty where there is none or it is unreadable, which the config
+    classes report themselves)."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 def _load_dtype(config, kwargs):
@@ -325,21 +353,38 @@ def convert_float_dtypes(tensors, load_dtype, fp32_names=(), where="checkpoint")
 
 
 def _convert(cls, config, tensors, expected):
-    """name -> (tensor, file) in any supported layout -> the state dict of `cls` (keys of `expected`)."""
-    text, vision = {}, {}
+    """name -> (tensor, file) in any supported layout -> (the state dict of `cls` (keys of `expected`), the checkpoint
+    names of the tensors that belong to a part `cls` does not have: the language-model head of a folder loaded into
+    the bare `Kimi3Model`, the vision tower and projector of a K3 folder loaded into a text-only class).
+
+    The text model may be stored under `language_model.` (K3), under `model.` (Kimi Linear, our text classes) or
+    without a prefix (what a Transformers base model such as the native `KimiLinearModel` writes); each class takes
+    each layout, as `base_model_prefix` lets Transformers' base models and heads load each other's folders."""
+    text, vision, origin = {}, {}, {}
     for name, value in tensors.items():
         if name.startswith(VISION_PREFIXES):
             vision[name] = value
-        else:
-            text[name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name] = value
+            continue
+        short = name[len(TEXT_PREFIX):] if name.startswith(TEXT_PREFIX) else name
+        text[short], origin[short] = value, name
+    if text and not any(k.startswith("model.") for k in text):  # a base model's own names: no `model.` prefix
+        renamed = {k: k if k.startswith(HEAD) else "model." + k for k in text}
+        text = {renamed[k]: v for k, v in text.items()}
+        origin = {renamed[k]: v for k, v in origin.items()}
     prefix = _text_prefix(expected)
+    skipped = set()
+    if prefix is None:  # the bare Kimi3Model: no `model.` prefix and no head
+        skipped |= {origin[k] for k in text if k.startswith(HEAD)}
+        text = {k: v for k, v in text.items() if not k.startswith(HEAD)}
+        if skipped:
+            logger.warning(f"{cls.__name__} has no language-model head: skipped {sorted(skipped)}")
     state_dict = {_place(k, prefix): v for k, v in to_memory_layout(text, _text_config(config)).items()}
-    state_dict = {k: v for k, v in state_dict.items() if k is not None}
     if any(k.startswith(VISION_PREFIXES) for k in expected):
         state_dict.update({k: v for k, (v, _) in vision.items()})
     elif vision:
+        skipped |= set(vision)
         logger.warning(f"{cls.__name__} is text-only: skipped {len(vision)} vision tower / projector tensors")
-    return state_dict
+    return state_dict, skipped
 
 
 def state_dict_for_model(model, state_dict):
@@ -348,25 +393,64 @@ def state_dict_for_model(model, state_dict):
     own = model.state_dict()
     if set(state_dict) <= set(own) and all(state_dict[k].shape == own[k].shape for k in state_dict):
         return state_dict
-    return _convert(type(model), model.config, {k: (v, "<state_dict>") for k, v in state_dict.items()}, own)
+    return _convert(type(model), model.config, {k: (v, "<state_dict>") for k, v in state_dict.items()}, own)[0]
 
 
 def build_state_dict(cls, config, tensors):
-    expected = _expected_shapes(cls, config)
-    state_dict = _convert(cls, config, tensors, expected)
+    """The state dict of `cls` from name -> (tensor, file), by `_match`'s rule without a folder: every tensor of
+    the class is required but a tied head (a conversion's check)."""
+    return _match(cls, config, tensors)[0]
+
+
+def _match(cls, config, tensors, architectures=None, ignore_mismatched_sizes=False):
+    """(state dict of `cls`, checkpoint names of the tensors left out) from name -> (tensor, file).
+
+    Every tensor of the official layout is required, with its shape and dtype, except where Transformers itself
+    initialises a weight on purpose:
+      - a tied head (`tie_word_embeddings`): Transformers ties it to the input embedding after loading;
+      - the language-model head, when the folder's config.json names only base models (`architectures`
+        ["Kimi3Model"], as `Kimi3Model.save_pretrained` writes): Transformers initialises it and lists it in
+        `loading_info["missing_keys"]`;
+      - with `ignore_mismatched_sizes=True`, a tensor whose shape differs from the config's: Transformers
+        initialises it and lists it in `loading_info["mismatched_keys"]`.
+    Tensors of a part the class does not have (the head in `Kimi3Model`, the vision tower in a text-only class) are
+    left out and returned for `loading_info["unexpected_keys"]`; any other unexpected tensor is an error."""
+    expected, tied = _expected_shapes(cls, config)
+    state_dict, skipped = _convert(cls, config, tensors, expected)
     missing = sorted(set(expected) - set(state_dict))
+    initialised = {k for k in missing if k in tied and tied[k] in state_dict}
+    if _holds_base_model(architectures):
+        initialised |= {k for k in missing if _is_head(k)}
+    required = [k for k in missing if k not in initialised]
     unexpected = sorted(set(state_dict) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(f"Checkpoint does not match {cls.__name__}: {len(missing)} missing tensors "
-                              f"{_short(missing)}; {len(unexpected)} unexpected tensors {_short(unexpected)}")
+    if required or unexpected:
+        hint = ""
+        if required and all(_is_head(k) for k in required) and not unexpected:
+            hint = (f" (the head may be absent only from a base model's folder, whose config.json names it in "
+                    f"`architectures`, e.g. ['Kimi3Model']; this one names {architectures})")
+        raise CheckpointError(f"Checkpoint does not match {cls.__name__}: {len(required)} missing tensors "
+                              f"{_short(required)}; {len(unexpected)} unexpected tensors {_short(unexpected)}{hint}")
     for k, shape in expected.items():
-        if tuple(state_dict[k].shape) != shape:
-            raise CheckpointError(f"{k}: checkpoint shape {tuple(state_dict[k].shape)} != {shape} from the config")
+        if k not in state_dict:
+            continue
+        if tuple(state_dict[k].shape) != shape and not ignore_mismatched_sizes:
+            raise CheckpointError(f"{k}: checkpoint shape {tuple(state_dict[k].shape)} != {shape} from the config "
+                                  "(ignore_mismatched_sizes=True initialises it instead, as Transformers does)")
         packed = k.endswith(("_packed", "_scale"))
         if packed != (state_dict[k].dtype == torch.uint8) or not (packed or state_dict[k].is_floating_point()):
             raise CheckpointError(f"{k}: stored as {state_dict[k].dtype}, expected "
                                   f"{'uint8 (MXFP4)' if packed else 'a floating-point tensor'}")
-    return state_dict
+    return state_dict, skipped
+
+
+def _is_head(name):
+    return name == "lm_head.weight" or name.endswith(".lm_head.weight")
+
+
+def _holds_base_model(architectures):
+    """Whether config.json's `architectures` names only base models (no head): `Kimi3Model`, `KimiLinearModel`."""
+    return isinstance(architectures, list) and bool(architectures) and all(
+        isinstance(a, str) and a.endswith("Model") and "For" not in a and "LMHead" not in a for a in architectures)
 
 
 def _short(names, n=12):
@@ -374,9 +458,11 @@ def _short(names, n=12):
 
 
 def _expected_shapes(cls, config):
+    """(name -> shape of every tensor of `cls`, tied target -> source: the weights Transformers ties after loading)."""
     with torch.device("meta"):
         model = cls(config)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return ({k: tuple(v.shape) for k, v in model.state_dict().items()},
+            dict(getattr(model, "all_tied_weights_keys", None) or {}))
 
 
 def _text_prefix(expected):
@@ -390,7 +476,7 @@ def _text_prefix(expected):
 
 def _place(name, prefix):
     if prefix is None:
-        return name[len("model."):] if name.startswith("model.") else None
+        return name[len("model."):] if name.startswith("model.") else name
     return prefix + name
 
 
@@ -402,7 +488,7 @@ def save_pretrained(model, save_directory, base_save_pretrained, *args, state_di
     prefix = _text_prefix({k: None for k in state_dict})
     text, other = {}, {}
     for k, v in state_dict.items():
-        if prefix is None:
+        if prefix is None:  # the bare Kimi3Model writes the official text layout too: `model.*`, as a head's body
             text["model." + k] = v
         elif k.startswith(prefix):
             text[k[len(prefix):]] = v
@@ -412,7 +498,7 @@ def save_pretrained(model, save_directory, base_save_pretrained, *args, state_di
     official = to_official_layout(text, text_config, pack_experts=bool(text_config.checkpoint_quantization_config))
     out = dict(other)
     for k, v in official.items():
-        out[(prefix or "") + (k[len("model."):] if prefix is None else k)] = v
+        out[(prefix or "") + k] = v
     # unpacked experts must not travel with the compressed-tensors description of packed ones
     saved_q = text_config.checkpoint_quantization_config
     if not any(k.endswith("weight_packed") for k in out):
@@ -437,8 +523,7 @@ def _auto_map(model):
     if hasattr(model, "language_model"):  # one class serves text and images, as for the official release
         auto.update({k: f"modeling_kimi3.{cls}" for k in ("AutoModel", "AutoModelForCausalLM",
                                                           "AutoModelForImageTextToText")})
-    elif hasattr(model, "lm_head"):
-        auto["AutoModelForCausalLM"] = f"modeling_kimi3.{cls}"
-    else:
-        auto["AutoModel"] = f"modeling_kimi3.{cls}"
+    else:  # a text folder: AutoModel gives the base model, AutoModelForCausalLM the head, from either folder
+        auto.update({"AutoModel": "modeling_kimi3.Kimi3Model",
+                     "AutoModelForCausalLM": "modeling_kimi3.Kimi3ForCausalLM"})
     return auto

@@ -431,9 +431,25 @@ class Kimi3TextConfig(PretrainedConfig):
                 if width % 32:
                     _fail(name, f"= {width} is not a multiple of the MXFP4 group size 32")
 
+    def k3_only_fields(self):
+        """The fields set here that Transformers' native Kimi Linear does not implement (AttnRes, SiTU, latent MoE,
+        the gated MLA output, the K3 KDA gate). The native class builds from such a config a model that fails
+        (`KeyError: 'situ'`) or computes something else."""
+        lac = self.linear_attn_config
+        found = {"attn_res_block_size": self.attn_res_block_size is not None, "hidden_act": self.hidden_act == "situ",
+                 "routed_expert_hidden_size": self.routed_expert_hidden_size is not None,
+                 "mla_use_output_gate": bool(self.mla_use_output_gate),
+                 "linear_attn_config.gate_lower_bound": lac.get("gate_lower_bound") is not None,
+                 "linear_attn_config.use_full_rank_gate": bool(lac.get("use_full_rank_gate"))}
+        return [field for field, used in found.items() if used]
+
     def to_dict(self):
         out = super().to_dict()
-        out["model_type"] = "kimi_linear"  # the official text model type: Moonshot's code and the engines read it
+        # "kimi_linear", the official text model type, where Transformers' native Kimi Linear and the engines build
+        # this model; a config with K3-only fields says "kimi_k3_text", so that the Auto classes take our classes
+        # (this package imported) or the folder's remote code (trust_remote_code=True) and never the native one.
+        # Nested in a K3 config it is "kimi_linear" either way, as in the release (Kimi3Config.to_dict).
+        out["model_type"] = self.model_type if self.k3_only_fields() else "kimi_linear"
         q = out.pop("checkpoint_quantization_config", None)
         if q:
             out["quantization_config"] = q
@@ -518,6 +534,13 @@ class Kimi3VisionConfig(PretrainedConfig):
     def head_dim(self):
         return self.qkv_hidden_size // self.vt_num_attention_heads
 
+    def to_dict(self):
+        # no model_type, as in the official file's vision_config: read on its own (Kimi3VisionConfig.from_pretrained
+        # of a K3 folder) or nested in Kimi3Config, the same dict
+        out = super().to_dict()
+        out.pop("model_type", None)
+        return out
+
 
 class Kimi3Config(PretrainedConfig):
     """Top-level Kimi K3 config (`model_type` "kimi_k3"): a text config, a vision config and the media token."""
@@ -567,7 +590,7 @@ class Kimi3Config(PretrainedConfig):
 
     def to_dict(self):
         out = super().to_dict()
-        out["vision_config"].pop("model_type", None)
+        out["text_config"]["model_type"] = "kimi_linear"  # the release's nested text type: Moonshot's code reads it
         return out
 
 

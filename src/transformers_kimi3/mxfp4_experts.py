@@ -135,6 +135,7 @@ class PackedMXFP4Experts(nn.Module):
         self._fused = self.glu_act.spec if isinstance(self.glu_act, GLUActivation) else None
         self._table_free_key, self._table_free = None, False  # `_table_free_ok`'s answer and the buffers it is for
         self._tiles = {}  # `_mlp_tiles`
+        self.merge_error = None  # the requantisation error of a LoRA merge (`expert_lora.merge_into_packed`)
         u8 = dict(dtype=torch.uint8, device=device)
         for name, (rows, cols) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
             self.register_buffer(f"{name}_packed", torch.zeros(E, rows, cols // 2, **u8))
@@ -196,6 +197,12 @@ class PackedMXFP4Experts(nn.Module):
     @property
     def weight_bytes(self):
         return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    @property
+    def qweight(self):
+        """The gate projection's packed bytes (`w1_packed`): PEFT reads a quantised layer's device from its `qweight`
+        when it places adapters (`expert_lora.PackedExpertsLoraLayer`); the module has no parameter to read it from."""
+        return self.w1_packed
 
     # ---- path selection
     @property

@@ -46,8 +46,22 @@ class QATExperts(Kimi3Experts):
     forward fake-quantises to MXFP4 (`fake_quantize_mxfp4`); the activations follow `moe_activation_format` as in
     `Kimi3Experts`. Built by `prepare_qat`."""
 
+    _activation_dtype = None  # set by `forward` for `_weights`
+
+    def forward(self, x, topk_idx, topk_weights):
+        # masters in another dtype than the activations (bf16 masters in an fp32 model, fp32 masters under bf16
+        # activations) compute in the activations' dtype: every MXFP4 value is a bf16 and an fp32 number, so the
+        # cast of the quantised weights is exact and the forward does not depend on the masters' dtype
+        self._activation_dtype = x.dtype
+        try:
+            return super().forward(x, topk_idx, topk_weights)
+        finally:
+            self._activation_dtype = None
+
     def _weights(self):
-        return tuple(fake_quantize_mxfp4(getattr(self, n), f"experts.{n}") for n in _PROJECTIONS)
+        dtype = self._activation_dtype
+        return tuple(fake_quantize_mxfp4(getattr(self, n), f"experts.{n}").to(dtype or getattr(self, n).dtype)
+                     for n in _PROJECTIONS)
 
     @classmethod
     def from_experts(cls, experts, config, dtype=None):

@@ -1,5 +1,7 @@
 """Quantisation-aware fine-tuning (`prepare_qat`): the fake-quantised forward, straight-through gradients, the packed
-model saved after QAT computing the QAT model's forward, gradient checkpointing and a few Trainer steps."""
+model saved after QAT computing the QAT model's forward, masters in another dtype than the activations, gradient
+checkpointing, and Trainer steps with gradient checkpointing and Quantile Balancing whose saved folder reloads to the
+trained model's logits."""
 
 import dataclasses
 
@@ -14,6 +16,7 @@ from transformers_kimi3.moe import Kimi3Experts, Kimi3SparseMoeBlock
 from transformers_kimi3.mxfp4 import decode_mxfp4, quantize_mxfp4
 from transformers_kimi3.mxfp4_experts import PackedMXFP4Experts
 from transformers_kimi3.qat import QATExperts, fake_quantize_mxfp4
+from transformers_kimi3.training import QuantileBalancingCallback, find_routers
 
 # two MLA layers, both MoE: every QAT mechanism at the smallest cost
 MICRO = dict(num_hidden_layers=2, first_k_dense_replace=0, attn_res_block_size=1,
@@ -136,16 +139,86 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         assert a.abs().sum() > 0 and torch.equal(a, b)
 
 
-def test_trainer_steps_reduce_the_loss(tmp_path):
+def test_master_dtype_does_not_change_the_forward():
+    """bf16 masters in an fp32 model compute in fp32 (every MXFP4 value is exact in both dtypes): the logits of fp32
+    masters holding the same values, and their gradients rounded to bf16; fp32 masters under bf16 activations train."""
+    bf16_masters = prepare_qat(tiny_model(**MICRO), master_dtype=torch.bfloat16)
+    fp32_masters = prepare_qat(tiny_model(**MICRO))
+    with torch.no_grad():
+        for a, b in zip(_experts(bf16_masters), _experts(fp32_masters)):
+            for n in ("w1", "w3", "w2"):
+                assert getattr(a, n).dtype == torch.bfloat16
+                getattr(b, n).copy_(getattr(a, n))
+    out_a = bf16_masters(input_ids=_ids(), labels=_ids())
+    out_b = fp32_masters(input_ids=_ids(), labels=_ids())
+    assert out_a.logits.dtype == torch.float32 and torch.equal(out_a.logits, out_b.logits)
+    out_a.loss.backward()
+    out_b.loss.backward()
+    for a, b in zip(_experts(bf16_masters), _experts(fp32_masters)):
+        assert a.w2.grad.dtype == torch.bfloat16 and torch.equal(a.w2.grad, b.w2.grad.to(torch.bfloat16))
+
+    bf16_model = prepare_qat(tiny_model(**MICRO).to(torch.bfloat16), master_dtype=torch.float32)
+    loss = bf16_model(input_ids=_ids(), labels=_ids()).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(e.w1.dtype == torch.float32 and e.w1.grad.abs().sum() > 0 for e in _experts(bf16_model))
+
+
+@pytest.mark.parametrize("activations", [None, "mxfp8"])
+def test_trainer_with_checkpointing_and_quantile_balancing(tmp_path, activations):
+    """Trainer steps on a QAT model with gradient checkpointing and Quantile Balancing: the loss falls, the masters and
+    the router biases move, and the folder `Trainer.save_model` writes (packed MXFP4) reloads to the trained QAT
+    model's eval logits (fp32, relative error below 1e-6)."""
     starts = torch.randint(0, 93, (32,), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": ids, "labels": ids} for ids in ((s + torch.arange(12)) % 93 + 3 for s in starts)]
-    model = prepare_qat(tiny_model(**MICRO), activations="mxfp8").train()
+    model = prepare_qat(tiny_model(**MICRO), activations=activations).train()
     before = [e.w1.detach().clone() for e in _experts(model)]
+    biases = [r.e_score_correction_bias.clone() for _, _, r in find_routers(model)]
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=8, learning_rate=1e-2,
                              lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
                              use_cpu=True, seed=0, disable_tqdm=True, **{_CKPT_ARG: True})
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+    balancing = QuantileBalancingCallback()
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[balancing])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses
     assert all(isinstance(e, QATExperts) and not torch.equal(e.w1, w) for e, w in zip(_experts(model), before))
+    assert len(balancing.history) == 8
+    assert all(not torch.equal(r.e_score_correction_bias, b) for (_, _, r), b in zip(find_routers(model), biases))
+
+    model.eval()
+    with torch.no_grad():
+        want = model(input_ids=_ids(5)).logits
+    trainer.save_model(str(tmp_path / "final"))
+    packed = Kimi3ForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32).eval()
+    assert all(isinstance(e, PackedMXFP4Experts) for e in _experts(packed))
+    with torch.no_grad():
+        got = packed(input_ids=_ids(5)).logits
+    assert rel_err(got, want) < 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_qat_trains_generates_and_reloads_on_gpu(tmp_path):
+    """bf16 QAT on the GPU with fp32 masters (the experts through torch._grouped_mm on the fake-quantised weights, the
+    decode kernels in generation): a training step moves the masters, and the packed reload (MXFP4 kernels) gives
+    the QAT model's logits within bf16 rounding."""
+    model = prepare_qat(tiny_model(**MICRO).to("cuda", torch.bfloat16), master_dtype=torch.float32).train()
+    before = [e.w1.detach().clone() for e in _experts(model)]
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ids = _ids().cuda()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+    assert all(e.w1.dtype == torch.float32 and not torch.equal(e.w1, w) for e, w in zip(_experts(model), before))
+    model.eval()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits.float()
+        generated = model.generate(ids[:, :4], max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert generated.shape == (2, 7)
+    model.save_pretrained(tmp_path)
+    packed = Kimi3ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).to("cuda").eval()
+    assert all(isinstance(e, PackedMXFP4Experts) for e in _experts(packed))
+    with torch.no_grad():
+        got = packed(input_ids=ids).logits.float()
+    assert rel_err(got, want) < 5e-2
