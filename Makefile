@@ -18,4 +18,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q tests
 
-.PHONY: install demo test
+test-all: $(STAMP)  # also the slow cases: the interpreter's launch-setting variants
+	$(PY) -m pytest -n 2 -q --run-slow tests
+
+.PHONY: install demo test test-all

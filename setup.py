@@ -27,6 +27,8 @@ setup(
         "vision": ["pillow>=10"],
         "tokenizer": ["tiktoken>=0.9"],
         "peft": ["peft>=0.17"],
-        "test": ["pytest>=8", "pytest-xdist>=3", "pillow>=10", "tiktoken>=0.9", "triton>=3.4", "peft>=0.17"],
+        # parameterized: Transformers' test_modeling_common imports it (tests/transformers_common)
+        "test": ["pytest>=8", "pytest-xdist>=3", "pillow>=10", "tiktoken>=0.9", "triton>=3.4", "peft>=0.17",
+                 "parameterized>=0.9"],
     },
 )

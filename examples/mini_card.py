@@ -17,7 +17,7 @@ out = model.generate(**inputs, max_new_tokens=64)
 print(processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))"""
 
 DRAFT_USE = """from transformers import AutoTokenizer
-from transformers_kimi3 import Kimi3ForCausalLM  # a text folder: Transformers maps "kimi_linear" to its own class
+from transformers_kimi3 import Kimi3ForCausalLM  # or AutoModelForCausalLM once transformers_kimi3 is imported
 
 model = Kimi3ForCausalLM.from_pretrained("assets/kimi-k3-mini-draft")
 tokenizer = AutoTokenizer.from_pretrained("assets/kimi-k3-mini-draft")

@@ -1,5 +1,6 @@
-"""`python -m transformers_kimi3 demo [--model FOLDER]`: load a Kimi K3 folder (default: the bundled tiny
-checkpoint), generate, report the KDA backend and speed.
+"""`python -m transformers_kimi3 demo [--model FOLDER]`: load a Kimi K3 folder (default: the bundled tiny checkpoint,
+random weights), continue a prompt, answer a question about a drawn picture and one chat turn, report the KDA backend
+and speed.
 `python -m transformers_kimi3 bench`: a quick timing of the model on this machine (see benchmark.py)."""
 
 import argparse
@@ -14,13 +15,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 def bundled_model_candidates():
-    """Where the bundled tiny checkpoint is looked for: the checkout this package runs from (an editable install),
+    """Where the bundled checkpoint is looked for: the checkout this package runs from (an editable install),
     then the working folder (a wheel installed elsewhere, run from a checkout)."""
     return list(dict.fromkeys([os.path.join(REPO_ROOT, BUNDLED_MODEL), os.path.abspath(BUNDLED_MODEL)]))
 
 
 def resolve_model(model):
-    """The folder or Hub id the demo loads: `model` as given, or for None the bundled tiny checkpoint, found
+    """The folder or Hub id the demo loads: `model` as given, or for None the bundled checkpoint, found
     whatever the working folder and never looked up on the Hub."""
     if model is not None:
         return model
@@ -28,7 +29,7 @@ def resolve_model(model):
     for folder in places:
         if os.path.isfile(os.path.join(folder, "config.json")):
             return folder
-    raise SystemExit(f"error: the bundled tiny checkpoint {BUNDLED_MODEL} is not in {' or '.join(places)} (it ships "
+    raise SystemExit(f"error: the bundled checkpoint {BUNDLED_MODEL} is not in {' or '.join(places)} (it ships "
                      "with a repository checkout, not with an installed wheel); pass --model with a local folder "
                      "or a Hub id")
 
@@ -78,42 +79,65 @@ def demo(args):
     print(f"KDA backend: {kda['backend']} on {ids.device.type}")
     print(f"speed: {new.numel() / seconds:.1f} tokens/s ({new.numel()} tokens in {seconds:.2f} s, prefill included)")
     if hasattr(model, "vision_tower"):
-        image_question(path, model, pad, local)
+        image_question(path, model, pad, local, args.max_new_tokens)
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        chat_turn(tokenizer, model, pad, args.question, args.max_new_tokens)
 
 
-def image_question(path, model, pad, local):
+def red_circle(width=160, height=120):
+    """A red circle on a white background (the kind of picture kimi-k3-mini was trained on), as an RGB array."""
     import numpy as np
+
+    y, x = np.mgrid[0:height, 0:width]
+    image = np.full((height, width, 3), 250, dtype=np.uint8)
+    image[(x - width * 0.4) ** 2 + (y - height * 0.5) ** 2 < (height * 0.3) ** 2] = (220, 30, 30)
+    return image
+
+
+def image_question(path, model, pad, local, max_new_tokens):
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path, **local)
-    y, x = np.mgrid[0:56, 0:84]
-    image = np.stack([x * 3, y * 4, (x + y) * 2], -1).astype(np.uint8)  # a synthetic 84x56 gradient
-    messages = [{"role": "user", "content": [{"type": "image", "image": image},
-                                             {"type": "text", "text": "What is in this picture?"}]}]
+    question = "What colour is the circle?"
+    messages = [{"role": "user", "content": [{"type": "image", "image": red_circle()},
+                                             {"type": "text", "text": question}]}]
     inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                           return_tensors="pt")
+                                           return_tensors="pt", thinking=False)
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=12, do_sample=False, pad_token_id=pad)
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
     new = out[0, inputs["input_ids"].shape[1]:]
-    print(f"image question: {messages[0]['content'][1]['text']!r} with an 84x56 image "
+    print(f"image question: {question!r} about a red circle on white, 160x120 "
           f"({int(inputs['grid_thws'][0, 1] * inputs['grid_thws'][0, 2] // 4)} image positions)")
-    print(f"answer ids: {new.tolist()}")
-    print(f"answer text: {processor.decode(new, skip_special_tokens=False)!r}")
+    print(f"answer: {processor.decode(new, skip_special_tokens=True)!r}")
+
+
+def chat_turn(tokenizer, model, pad, question, max_new_tokens):
+    messages = [{"role": "user", "content": question}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True,
+                                        thinking=False)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    print(f"chat: {question!r}")
+    print(f"reply: {tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)!r}")
 
 
 def build_parser():
     ap = argparse.ArgumentParser(prog="python -m transformers_kimi3", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="{demo,bench}", help="what to run")
-    d = sub.add_parser("demo", help="generate with a (tiny) Kimi K3 folder",
-                       description="Load a Kimi K3 folder, generate greedily, print the ids, text, KDA backend and "
-                                   "tokens/s, and answer one question about a synthetic image (vision models).")
+    d = sub.add_parser("demo", help="generate with a Kimi K3 folder",
+                       description="Load a Kimi K3 folder, continue a prompt greedily (ids, text, KDA backend, "
+                                   "tokens/s), answer a question about a drawn picture (vision models) and one chat "
+                                   "turn (folders with a chat template).")
     d.add_argument("--model", default=None, metavar="FOLDER_OR_HUB_ID",
                    help=f"a model folder or Hub id (default: the bundled {BUNDLED_MODEL} of this package's "
                         "repository checkout, found from any working folder, never downloaded)")
-    d.add_argument("--prompt", default="Kimi K3 is a model that", help="text to continue (default: %(default)r)")
+    d.add_argument("--prompt", default="The json module", help="text to continue (default: %(default)r)")
+    d.add_argument("--question", default="What does the json module do?",
+                   help="the chat turn's user message (default: %(default)r)")
     d.add_argument("--max-new-tokens", type=int, default=24, metavar="N",
-                   help="tokens generated after the prompt (default: %(default)s)")
+                   help="tokens generated for the prompt, the picture's answer and the chat reply each "
+                        "(default: %(default)s)")
     b = sub.add_parser("bench", help="a quick timing of the model on this machine (prefill, decode); writes nothing",
                        description="Time a model with random weights built in memory: prefill tokens/s, and decode "
                                    "tokens/s with the dynamic and the static cache. Nothing is written to disk.")

@@ -12,6 +12,12 @@ state cannot be un-applied. The cache therefore keeps KDA states where they may 
   (conv states are windows of the stored conv inputs). Nothing is recomputed when every position is kept, a rejected
   candidate costs one recurrent kernel call per KDA layer, and the memory is one state per layer plus a few vectors
   per position, instead of one state per position.
+- A speculation round (`begin_round()` ... `keep_rows(counts)`, what generate()'s speculative loop runs) is the same
+  record made explicit and per row: row b keeps the first counts[b] positions fed in the round. Each KDA layer reruns
+  the recurrence once from the round's base state over the round's stored inputs, the positions a row drops turned
+  into no-ops (raw gate and beta at -inf: decay 1, update 0), and takes its conv window at counts[b]. The rows' MLA
+  positions stay aligned: the positions a row drops become holes of the padding mask (`compact()` removes them).
+  Every step has fixed shapes, so the static cache's recorded CUDA graphs can hold the round's forwards.
 """
 
 import contextlib
@@ -34,12 +40,15 @@ class Kimi3Cache(Cache):
     Static mode (`max_length` given, `generate(..., cache_implementation="static")`): latents live in buffers of
     `max_length` positions and every state is updated in place, so a decode step has fixed shapes and fixed
     addresses. Inside `addressed_by(position)` the write position is a device tensor instead of `seen_tokens`, so
-    one recorded decode step (a CUDA graph, see generation.py) serves every position. `storage_version` changes
-    whenever a state tensor is replaced rather than written in place: whatever holds the old addresses is stale.
+    one recorded decode step (a CUDA graph, see generation.py) serves every position; with `track_valid()` the
+    padding mask is a buffer too, which addressed forwards read and extend (a speculative loop's padded batches).
+    `storage_version` changes whenever a state tensor is replaced rather than written in place: whatever holds the old
+    addresses is stale.
 
     Going back (module docstring): `checkpoint()`, `crop(n)`, `activate_past_recording(window)`,
-    `stop_past_recording()`; `copy()` (or `copy.deepcopy`) gives an independent cache, `batch_repeat_interleave(r)`
-    turns each row into r rows (one prefix, several continuations).
+    `stop_past_recording()`; per row: `begin_round(capacity)` ... `keep_rows(counts)`, then `compact()`. `copy()` (or
+    `copy.deepcopy`) gives an independent cache, `batch_repeat_interleave(r)` turns each row into r rows (one prefix,
+    several continuations).
     """
 
     is_compileable = False
@@ -65,6 +74,11 @@ class Kimi3Cache(Cache):
         self._base = None  # position of the rollback base while recording (None: nothing recorded yet)
         self._records = [None] * n  # KDA layer -> {"gate", "conv", "recurrent", "inputs"} since the base
         self._plan = None  # (seen_tokens, T, kind): how the current forward is recorded, decided once for all layers
+        self.valid = None  # static mode, while a speculative loop runs: the padding mask as a [B, max_length] buffer
+        self._valid_buffer = None
+        self._round = None  # during a speculation round: {"base": position, "capacity": positions, "layers": set()}
+        self._round_bufs = {}  # KDA layer -> {"conv", "recurrent": base states, "inputs": [B, capacity, ...], "gate"}
+        self._round_base_t = None  # the round's base position as a device tensor [1] (addressed forwards)
 
     def __len__(self):
         return len(self.layer_types)
@@ -77,14 +91,42 @@ class Kimi3Cache(Cache):
         if self.max_length is None:
             raise ValueError("Only a static cache (max_length given) can be addressed by a device position")
         self.position = position
+        if self.valid is not None:  # the new positions are tokens (a speculative loop's padding mask)
+            self.valid.index_fill_(1, position, True)
         try:
             yield self
         finally:
             self.position = None
 
     def position_mask(self, device):
-        """Inside addressed_by(): the static latent positions a decode query may attend, [1,1,1,max_length]."""
-        return (torch.arange(self.max_length, device=device) <= self.position).view(1, 1, 1, -1)
+        """Inside addressed_by(): the static latent positions each of the T new tokens may attend,
+        [1, 1, T, max_length] (up to its own position), or [B, 1, T, max_length] while `valid` holds a padding mask
+        (`track_valid()`)."""
+        allowed = torch.arange(self.max_length, device=device)[None, :] <= self.position.to(device)[:, None]
+        if self.valid is None:
+            return allowed[None, None]
+        return (allowed[None] & self.valid.to(device)[:, None, :])[:, None]
+
+    def track_valid(self, batch_size, device):
+        """Static mode: hold the padding mask in a [B, max_length] buffer, `valid`, that forwards inside
+        `addressed_by` read and extend in place (a recorded CUDA graph can serve a padded batch and a speculative
+        loop's holes); `attention_mask` is None meanwhile. `release_valid()` puts the mask back."""
+        if self.max_length is None:
+            raise ValueError("track_valid() is for a static cache (max_length given)")
+        B, buf, device = batch_size, self._valid_buffer, torch.device(device)
+        if buf is None or buf.shape[0] != B or buf.device != device:
+            buf = self._valid_buffer = torch.zeros(B, self.max_length, dtype=torch.bool, device=device)
+            self.storage_version += 1
+        buf.zero_()
+        buf[:, :self.seen_tokens] = True if self.attention_mask is None else self.attention_mask.bool()
+        self.valid, self.attention_mask = buf, None
+
+    def release_valid(self):
+        """End `track_valid()`: the mask goes back to `attention_mask` (None when every position is valid)."""
+        if self.valid is None:
+            return
+        mask, self.valid = self.valid[:, :self.seen_tokens], None
+        self.attention_mask = None if bool(mask.all()) else mask.long()
 
     # --- MLA
     def update_latent(self, latent, layer_idx):
@@ -279,6 +321,193 @@ class Kimi3Cache(Cache):
         recurrent = kda_state_after(rec["gate"], rec["recurrent"], *inputs[3:]) if m else rec["recurrent"]
         return conv, recurrent
 
+    # --- speculation rounds: a different number of positions kept in each row
+    @property
+    def in_round(self):
+        return self._round is not None
+
+    def begin_round(self, capacity):
+        """Open a speculation round at the current position. The forwards until `keep_rows()` (at most `capacity`
+        positions in all, every one a token: no padding inside the round) record each KDA layer's inputs; the KDA
+        states here are the round's base, copied into buffers that keep their addresses from round to round."""
+        if self.record_past:
+            raise ValueError("begin_round() cannot run while the cache records for crop() (activate_past_recording)")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be a positive number of positions, not {capacity!r}")
+        self._round = {"base": self.seen_tokens, "capacity": capacity, "layers": set()}
+        if self.max_length is not None:
+            device = (self._valid_buffer if self._valid_buffer is not None else next(self._tensors())).device
+            if self._round_base_t is None or self._round_base_t.device != device:
+                self._round_base_t = torch.zeros(1, dtype=torch.long, device=device)
+                self.storage_version += 1
+            self._round_base_t.fill_(self.seen_tokens)
+        for i, conv in enumerate(self.conv_states):
+            buf = self._round_bufs.get(i)
+            if conv is None:
+                if buf is not None:
+                    buf["conv"] = buf["recurrent"] = None
+                continue
+            rec = self.recurrent_states[i]
+            if buf is None:
+                buf = self._round_bufs[i] = {"conv": None, "recurrent": None, "inputs": None, "gate": None}
+            if buf["recurrent"] is None or buf["recurrent"].shape != rec.shape or buf["conv"][0].shape != conv[0].shape:
+                buf["conv"] = tuple(c.clone() for c in conv)
+                buf["recurrent"] = rec.float().clone()
+            else:
+                for b, c in zip(buf["conv"], conv):
+                    b.copy_(c)
+                buf["recurrent"].copy_(rec)
+
+    def record_round(self, layer_idx, gate, conv_inputs, kernel_inputs, conv_width, padding=None):
+        """Called by a KDA layer inside a round before it updates its state: `gate` (A_log, dt_bias, lower_bound,
+        backend), its conv inputs (q, k, v projections [B, T, D]) and recurrence inputs (k, v, g [B, T, H, K], beta
+        [B, T, H]) of this forward's T positions, written into the round's buffers at the positions' offsets from
+        the round's base (device offsets inside `addressed_by`, so a recorded graph writes where it should)."""
+        if padding is not None:
+            raise ValueError("A speculation round's forwards feed tokens only: padding inside a round is not supported")
+        xs = tuple(conv_inputs) + tuple(kernel_inputs)
+        B, T = xs[0].shape[:2]
+        buf = self._round_bufs.get(layer_idx)
+        if buf is None:
+            buf = self._round_bufs[layer_idx] = {"conv": None, "recurrent": None, "inputs": None, "gate": None}
+        if buf["recurrent"] is None:  # no state before this round (an empty cache): the base is zeros
+            H, K = kernel_inputs[0].shape[2:]
+            buf["conv"] = tuple(x.new_zeros(B, x.shape[2], conv_width) for x in conv_inputs)
+            buf["recurrent"] = torch.zeros(B, H, K, K, dtype=torch.float32, device=xs[0].device)
+        capacity = self._round["capacity"]
+        old = buf["inputs"]
+        if (old is None or old[0].shape[1] < capacity
+                or any(o.shape[0] != B or o.shape[2:] != x.shape[2:] or o.dtype != x.dtype for o, x in zip(old, xs))):
+            buf["inputs"] = tuple(x.new_zeros(B, capacity, *x.shape[2:]) for x in xs)
+            self.storage_version += 1
+        buf["gate"] = gate
+        self._round["layers"].add(layer_idx)
+        if self.position is not None:
+            slots = self.position - self._round_base_t
+        else:
+            offset = self.seen_tokens - self._round["base"]
+            if offset + T > buf["inputs"][0].shape[1]:
+                raise ValueError(f"The speculation round holds {buf['inputs'][0].shape[1]} positions; {offset} are "
+                                 f"used and this forward adds {T}")
+            slots = torch.arange(offset, offset + T, device=xs[0].device)
+        for b, x in zip(buf["inputs"], xs):
+            b.index_copy_(1, slots, x.detach().to(b.dtype))
+
+    def keep_rows(self, counts, longest=None):
+        """End the round: row b keeps the first `counts[b]` positions fed since `begin_round()` (a list of ints or a
+        long tensor [B]; `longest` = max(counts) if the caller knows it). KDA states are those after each row's kept
+        positions; the cache ends `longest` positions after the base, and a row that keeps fewer has holes in its
+        padding mask where the rest were (its MLA queries never see them). Returns nothing."""
+        if self._round is None:
+            raise ValueError("keep_rows() ends a speculation round: call begin_round() first")
+        base = self._round["base"]
+        n = self.seen_tokens - base
+        device = next(self._tensors()).device if n else None
+        rows = None  # the rows that drop positions, where the host knows them
+        if isinstance(counts, torch.Tensor):
+            counts_t = counts.to(device).long()
+            longest = int(counts_t.max()) if longest is None else int(longest)
+            uniform = bool((counts_t == longest).all())
+        else:
+            counts = [int(c) for c in counts]
+            counts_t = torch.tensor(counts, dtype=torch.long, device=device)
+            longest, uniform = max(counts, default=0), len(set(counts)) <= 1
+            rows = [b for b, c in enumerate(counts) if c < n]
+        if n and counts_t.shape[0] != self.batch_size:
+            raise ValueError(f"keep_rows() got {counts_t.shape[0]} counts for a cache of {self.batch_size} rows")
+        if not 0 <= longest <= n:
+            raise ValueError(f"keep_rows(): the round fed {n} positions; a row can keep between 0 and {n}")
+        if not (uniform and longest == n):  # a row drops positions: rerun the KDA recurrences from the base
+            keep = torch.arange(n, device=device)[None, :] < counts_t[:, None]
+            for i in sorted(self._round["layers"]):
+                self._keep_kda(i, keep, counts_t, n, rows)
+            if self.valid is not None:
+                self.valid[:, base:base + n] = keep
+            elif not uniform or self.attention_mask is not None:
+                hist = (self.attention_mask[:, :base] if self.attention_mask is not None
+                        else torch.ones(counts_t.shape[0], base, dtype=torch.long, device=device))
+                self.attention_mask = torch.cat([hist, keep[:, :longest].to(hist.dtype)], dim=1)
+        drop = n - longest
+        if drop:
+            if self.max_length is None:
+                for i, lat in enumerate(self.latents):
+                    if lat is not None:
+                        self.latents[i] = lat[:, :base + longest]
+                self.storage_version += 1
+            self.seen_tokens -= drop
+            self.source_tokens -= drop
+            self.checkpoints = {k: v for k, v in self.checkpoints.items() if k <= self.source_tokens}
+        self._round = None
+
+    def _keep_kda(self, i, keep, counts, n, rows=None):
+        """KDA layer i's states after each row's kept positions of the round, in place. `rows` (host indices, when
+        known): only those rows dropped positions; the others' live states are already the ones after the round."""
+        from .kda import kda_state_after
+
+        buf = self._round_bufs[i]
+        inputs, base_state, base_conv = [t[:, :n] for t in buf["inputs"]], buf["recurrent"], buf["conv"]
+        live_state, live_conv = self.recurrent_states[i], self.conv_states[i]
+        if rows is not None and len(rows) < counts.shape[0]:
+            index = torch.tensor(rows, device=counts.device)
+            pick = lambda t: t.index_select(0, index)  # noqa: E731
+            inputs, base_state, base_conv = [pick(t) for t in inputs], pick(base_state), [pick(t) for t in base_conv]
+            keep, counts = pick(keep), pick(counts)
+        else:
+            index = None
+        xq, xk, xv, k, v, g, beta = inputs
+        g = g.masked_fill(~keep[:, :, None, None], float("-inf"))
+        beta = beta.masked_fill(~keep[:, :, None], float("-inf"))
+        state = kda_state_after(buf["gate"], base_state, k, v, g, beta, out=live_state if index is None else None)
+        W = base_conv[0].shape[-1]
+        window = (counts[:, None, None] + torch.arange(W, device=counts.device))  # [rows, 1, W]
+        convs = [torch.cat([b, x.transpose(1, 2).to(b.dtype)], dim=-1)  # [rows, D, W + n]
+                 .gather(-1, window.expand(-1, b.shape[1], -1)) for b, x in zip(base_conv, (xq, xk, xv))]
+        if index is None:
+            for live, new in zip(live_conv, convs):
+                live.copy_(new)
+        else:
+            live_state.index_copy_(0, index, state)
+            for live, new in zip(live_conv, convs):
+                live.index_copy_(0, index, new.to(live.dtype))
+
+    def compact(self):
+        """Remove the positions no row attends (a speculative loop's holes, left padding) from the MLA latents:
+        each row's attended positions move to the end, in order, and the rows are left-padded to the longest. KDA
+        states do not depend on positions and stay. Checkpoints are dropped (their positions move). Static mode
+        moves the latents in place (addresses kept); returns the number of positions removed."""
+        if self._round is not None:
+            raise ValueError("compact() cannot run inside a speculation round")
+        mask = self.valid[:, :self.seen_tokens] if self.valid is not None else self.attention_mask
+        if mask is None:
+            return 0
+        mask = mask.bool()
+        longest = int(mask.sum(1).max())
+        removed = self.seen_tokens - longest
+        if removed == 0:
+            return 0
+        # invalid positions first, then the valid ones in order (a stable sort): the last `longest` columns
+        order = torch.argsort(mask.to(torch.int8), dim=1, stable=True)[:, removed:]
+        new_mask = mask.gather(1, order)
+        for i, lat in enumerate(self.latents):
+            if lat is None:
+                continue
+            moved = lat[:, :self.seen_tokens].gather(1, order[..., None].expand(-1, -1, lat.shape[-1]))
+            if self.max_length is None:
+                self.latents[i] = moved
+            else:
+                lat[:, :longest] = moved
+        if self.max_length is None:
+            self.storage_version += 1
+        if self.valid is not None:
+            self.valid[:, :longest] = new_mask
+            self.valid[:, longest:] = False
+        else:
+            self.attention_mask = None if bool(new_mask.all()) else new_mask.to(self.attention_mask.dtype)
+        self.seen_tokens -= removed
+        self.source_tokens -= removed
+        self.checkpoints = {}
+        return removed
+
     # --- Transformers' Cache interface
     def get_seq_length(self, layer_idx=0):
         return self.source_tokens
@@ -312,6 +541,8 @@ class Kimi3Cache(Cache):
         for c, r, lat in zip(self.conv_states, self.recurrent_states, self.latents):
             yield from (c or ())
             yield from (t for t in (r, lat) if t is not None)
+        if self._valid_buffer is not None:
+            yield self._valid_buffer
 
     def _map(self, fn):
         """Replace every per-row tensor t (states, checkpoints, records, the mask) by fn(t) (new tensors:
@@ -333,6 +564,15 @@ class Kimi3Cache(Cache):
             point["recurrent"] = {i: fn(r) for i, r in point["recurrent"].items()}
         if self.attention_mask is not None:
             self.attention_mask = fn(self.attention_mask)
+        if self._valid_buffer is not None:
+            self._valid_buffer = fn(self._valid_buffer)
+            self.valid = None if self.valid is None else self._valid_buffer
+        for buf in self._round_bufs.values():  # the round's base states and inputs follow the rows
+            for key in ("conv", "inputs"):
+                if buf[key] is not None:
+                    buf[key] = tuple(fn(t) for t in buf[key])
+            if buf["recurrent"] is not None:
+                buf["recurrent"] = fn(buf["recurrent"])
         self.storage_version += 1
 
     def reorder_cache(self, beam_idx):
@@ -352,8 +592,8 @@ class Kimi3Cache(Cache):
         return copy.deepcopy(self)
 
     def __deepcopy__(self, memo):
-        for rec in self._records:  # the model's gate parameters a record reruns the recurrence with: shared
-            if rec is not None:
+        for rec in list(self._records) + list(self._round_bufs.values()):  # the model's gate parameters a
+            if rec is not None and rec["gate"] is not None:  # record reruns the recurrence with: shared
                 for t in rec["gate"]:
                     memo[id(t)] = t
         new = self.__class__.__new__(self.__class__)
@@ -372,9 +612,10 @@ class Kimi3Cache(Cache):
         else:
             n = len(self.layer_types)
             self.conv_states, self.recurrent_states, self.latents = [None] * n, [None] * n, [None] * n
+            self._valid_buffer, self._round_bufs, self._round_base_t = None, {}, None
             self.storage_version += 1
         self.seen_tokens = self.source_tokens = self.media_end = 0
-        self.attention_mask = None
+        self.attention_mask = self.valid = self._round = None
         self.checkpoints = {}
         self._restart_record(0 if self.record_past else None)
 

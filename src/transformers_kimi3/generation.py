@@ -1,9 +1,12 @@
-"""Generation for Kimi3 models: the generate() entry point, the greedy loop over a static cache, decode steps
-replayed as CUDA graphs, and the pool that keeps static caches and their graphs between calls.
+"""Generation for Kimi3 models: the generate() entry point and the greedy loop over a static cache (decode steps
+replayed as CUDA graphs and the pool of static caches: decode_graphs.py).
 
 Speculative decoding (`generate(..., assistant_model=draft)`, `prompt_lookup_num_tokens=k`,
-`assistant_early_exit=n`) runs Transformers' assisted-decoding loop on a recording `Kimi3Cache` whose `crop` rolls the
-KDA states back (cache.py); `Kimi3GenerationMixin._speculative_generate` prepares that cache.
+`assistant_early_exit=n`) runs our loop (speculative.py: batches with left padding, each row its own accepted length,
+greedy and speculative sampling, dynamic or static cache, verification steps replayed as CUDA graphs) on speculation
+rounds of the `Kimi3Cache` (cache.py: `begin_round` / `keep_rows`). Options that loop does not take (other logits
+processors, streamers, scores, another tokenizer's draft) go to Transformers' assisted-decoding loop at batch size 1,
+on a recording `Kimi3Cache` whose `crop` rolls the KDA states back; `_speculative_generate` decides.
 
 `generate(..., cache_implementation="static")` decodes into a fixed-size `Kimi3Cache` (state only). On CUDA each
 decode step (one new token per row of an unpadded batch) is recorded once as a `DecodeGraph` and replayed: no
@@ -14,205 +17,15 @@ them. `model.fast_static_greedy = False` keeps Transformers' loop; `model.decode
 step eagerly.
 """
 
-import collections
 import copy
 import inspect
-import weakref
-from typing import NamedTuple, Optional
 
 import torch
 from transformers import GenerationMixin
 
 from .cache import Kimi3Cache
-
-CHECK_EVERY = 16  # greedy steps between host checks for "every row has finished" (each check waits for the GPU)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# decode steps as CUDA graphs
-
-
-def graph_device(t):
-    """Whether a decode step on `t`'s device can be recorded as a graph: CUDA."""
-    return t.is_cuda
-
-
-def graph_decodable(cache, input_ids, labels, output_hidden_states, output_router_logits):
-    """A forward call a recorded decode step serves: one new token per row of an unpadded batch, on a static cache
-    that holds a prompt and has room for the token, on CUDA, for inference, asking for logits only."""
-    return (isinstance(cache, Kimi3Cache) and cache.max_length is not None and not cache.record_past
-            and input_ids is not None and input_ids.shape[1] == 1 and graph_device(input_ids)
-            and 0 < cache.seen_tokens < cache.max_length and cache.attention_mask is None
-            and labels is None and not output_hidden_states and not output_router_logits
-            and not torch.is_grad_enabled())
-
-
-def one_device(model):
-    """A CUDA graph is recorded on one device and cannot hold the weights Accelerate moves in at each forward
-    (CPU / disk offload): a model spread by a device_map decodes eagerly."""
-    placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
-    return len(placed) <= 1 and not placed & {"cpu", "disk"}
-
-
-def cuda_warm_up(step):
-    """Run `step` twice on a side stream before recording: lazy initialisations (cuBLAS handles, Triton
-    autotuning) must not happen inside the recording."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-
-
-def cuda_record(step):
-    """(graph, output): `step` recorded as a CUDA graph; each replay rewrites `output` in place."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = step()
-    return graph, output
-
-
-class DecodeGraph:
-    """One decode step of text model `lm` on static cache `cache`, recorded as a CUDA graph.
-
-    A graph replays fixed kernels on fixed addresses, so everything that changes between steps lives in tensors it
-    owns: the token ids are copied into `ids`, the write position into `position` (the cache is addressed by it
-    while the step is recorded), and the logits appear in `logits`. It reads the cache's tensors and the weights at
-    the addresses they had when recorded: it serves the cache while `storage_version` and the batch shape are
-    unchanged. It holds no reference to the cache (the pool keys graphs by cache, weakly)."""
-
-    def __init__(self, lm, cache, input_ids):
-        self.ids = input_ids.clone()
-        self.position = torch.full((1,), cache.seen_tokens, dtype=torch.long, device=input_ids.device)
-        step = lambda: self._step(lm, cache)  # noqa: E731
-        snap = cache.snapshot()
-        cuda_warm_up(step)
-        cache.restore(snap)  # the warm-up steps wrote the next token's state: undo them
-        self.graph, self.logits = cuda_record(step)
-        self.storage_version = cache.storage_version
-
-    def _step(self, lm, cache):
-        counters = (cache.seen_tokens, cache.source_tokens)
-        try:
-            with cache.addressed_by(self.position):
-                out = lm.model(input_ids=self.ids, past_key_values=cache, use_cache=True, return_dict=True)
-                return lm.lm_head(out.last_hidden_state)
-        finally:  # recording runs the step without consuming a position
-            cache.seen_tokens, cache.source_tokens = counters
-
-    def fits(self, cache, input_ids):
-        return self.storage_version == cache.storage_version and self.ids.shape == input_ids.shape
-
-    def replay(self, cache, input_ids):
-        """The logits [B, 1, vocab] of the next token after `input_ids` [B, 1]; advances the cache by one."""
-        self.ids.copy_(input_ids)
-        self.position.fill_(cache.seen_tokens)
-        self.graph.replay()
-        cache.seen_tokens += 1
-        cache.source_tokens += 1
-        return self.logits.clone()
-
-
-class StaticCachePool:
-    """What a model keeps between generate() calls: static caches for its greedy loop and the decode graph
-    recorded on each static cache it decoded (pooled or the caller's). Recording a graph costs tens of
-    milliseconds, so calls of the same batch size and length bucket share a cache and its graph. Caches are keyed
-    by the weights' addresses too (a graph reads the weights through them); graphs are keyed by their cache and
-    dropped with it. A copy of the model gets an empty pool."""
-
-    BUCKET = 256  # static caches are sized in steps of this many positions, so calls can share them
-    SIZE = 2  # pooled caches (with their graphs) kept alive; each holds GPU memory
-
-    def __init__(self):
-        self.caches = collections.OrderedDict()
-        self.graphs = weakref.WeakKeyDictionary()
-
-    def __reduce__(self):  # copy.deepcopy / pickle: graphs point at the original's memory
-        return type(self), ()
-
-    def cache(self, config, batch, length, device, weights):
-        """An empty static cache for `batch` rows of up to `length` positions (rounded up to the bucket)."""
-        length = -(-length // self.BUCKET) * self.BUCKET
-        key = (batch, length, str(device), weights)
-        cache = self.caches.pop(key, None)
-        if cache is None:
-            cache = Kimi3Cache(config, max_length=length)
-        else:  # a recorded graph keeps serving the cache only while its tensors stay where they are
-            cache.reset(keep_buffers=cache in self.graphs)
-        self.caches[key] = cache
-        while len(self.caches) > self.SIZE:
-            self.caches.popitem(last=False)
-        return cache
-
-    def graph(self, lm, cache, input_ids):
-        """The decode graph of `lm` on `cache`, recorded now if there is none that fits."""
-        graph = self.graphs.get(cache)
-        if graph is None or not graph.fits(cache, input_ids):
-            self.graphs.pop(cache, None)  # free the stale graph's memory before recording
-            graph = self.graphs[cache] = DecodeGraph(lm, cache, input_ids)
-        return graph
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# greedy decoding over a static cache
-
-
-class GreedyLimits(NamedTuple):
-    max_new: int
-    min_new: int
-    eos: list
-    pad: Optional[int]
-
-
-def greedy_limits(config, kwargs, prompt_length):
-    """max_new_tokens, min_new_tokens, EOS ids and pad id as Transformers resolves them for greedy decoding."""
-    max_new = kwargs.get("max_new_tokens") or config.max_new_tokens
-    if max_new is None:
-        max_new = max(config.max_length - prompt_length, 0)
-    min_new = kwargs.get("min_new_tokens") or config.min_new_tokens or 0
-    eos = kwargs.get("eos_token_id", config.eos_token_id)
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    pad = kwargs.get("pad_token_id", config.pad_token_id)
-    pad = eos[0] if pad is None and eos else pad
-    return GreedyLimits(max_new, min_new, eos, pad)
-
-
-def greedy_tokens(next_logits, logits, limits):
-    """The new tokens [B, <=max_new] of greedy decoding from the prompt's last `logits` [B, vocab], as Transformers'
-    loop returns them: EOS masked for the first min_new steps (ids outside the vocabulary ignored), finished rows
-    padded, stop at the step where the last row finished. `next_logits(tok)` feeds tok [B] and returns the next
-    logits; whether all rows finished is read on the host every CHECK_EVERY steps only."""
-    B, device = logits.shape[0], logits.device
-    max_new, min_new, eos, pad = limits
-    eos_t = torch.tensor(eos, dtype=torch.long, device=device)
-    eos_columns = torch.isin(torch.arange(logits.shape[-1], device=device), eos_t)
-    out = torch.full((B, max_new), pad if pad is not None else 0, dtype=torch.long, device=device)
-    unfinished = torch.ones(B, dtype=torch.bool, device=device)
-    for step in range(max_new):
-        scores = logits.float()
-        if step < min_new and eos:
-            scores = scores.masked_fill(eos_columns, float("-inf"))
-        tok = scores.argmax(-1)
-        if pad is not None:
-            tok = torch.where(unfinished, tok, torch.full_like(tok, pad))
-        out[:, step] = tok
-        if eos:
-            unfinished &= ~torch.isin(tok, eos_t)
-            if ((step + 1) % CHECK_EVERY == 0 or step + 1 == max_new) and not bool(unfinished.any()):
-                break
-        if step + 1 < max_new:
-            logits = next_logits(tok)
-    return _cut_after_last_finish(out, eos_t) if eos else out
-
-
-def _cut_after_last_finish(out, eos_t):
-    """Columns up to the first step at which every row has produced an EOS."""
-    done = torch.isin(out, eos_t).cumsum(1).clamp(max=1).bool()
-    all_done = done.all(0)
-    if bool(all_done.any()):
-        out = out[:, : int(all_done.nonzero()[0]) + 1]
-    return out
+from .decode_graphs import DecodeGraph, StaticCachePool, graph_decodable, greedy_limits, greedy_tokens, one_device
+from .speculative import resolve, speculative_generate, unsupported
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -274,26 +87,36 @@ class Kimi3GenerationMixin(GenerationMixin):
 
     @staticmethod
     def _speculative(config, kwargs):
-        """Whether this generate() call runs Transformers' assisted decoding: as the target (an assistant model,
-        prompt lookup or early exit) or as the draft of another model's call (`is_assistant`)."""
+        """Whether this generate() call is speculative decoding: as the target (an assistant model, prompt lookup or
+        early exit) or as the draft of another model's call (`is_assistant`)."""
         def get(name):
             return kwargs[name] if name in kwargs else getattr(config, name, None)
         return (kwargs.get("assistant_model") is not None or get("prompt_lookup_num_tokens") is not None
                 or get("assistant_early_exit") is not None or bool(get("is_assistant")))
 
     def _speculative_generate(self, inputs, generation_config, config, impl, kwargs):
-        """Assisted decoding as target or draft, on a dynamic Kimi3Cache that records what `crop` needs. The prompt
-        but its last token is prefilled first, outside the record: every recorded forward is then a short one (the
-        target's verification of k candidates, the draft's steps), so the record holds a few positions and never a
-        prompt. The target's cache stops recording when the call returns; a draft's keeps recording for the next
-        round (Transformers crops it between rounds)."""
+        """Speculative decoding as the target: our loop (speculative.py) for every call it reproduces. Otherwise,
+        and as the draft of another model's call, Transformers' assisted decoding on a dynamic Kimi3Cache that
+        records what `crop` needs. The prompt but its last token is prefilled first, outside the record: every
+        recorded forward is then a short one (the target's verification of k candidates, the draft's steps), so the
+        record holds a few positions and never a prompt. The target's cache stops recording when the call returns; a
+        draft's keeps recording for the next round (Transformers crops it between rounds)."""
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         cache = kwargs.get("past_key_values")
         what = "assisted generation (assistant_model, prompt_lookup_num_tokens or assistant_early_exit)"
+        if not (kwargs.get("is_assistant") or getattr(config, "is_assistant", False)):
+            ours, rest = resolve(self, generation_config, kwargs)
+            missing = unsupported(inputs, ours, rest)
+            if not missing:
+                return speculative_generate(self, inputs, ours, rest, impl == "static")
+            if impl == "static" or (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] != 1):
+                raise ValueError(f"{what} with {', '.join(missing)}: our speculative loop does not reproduce that, "
+                                 "and Transformers' loop, which does, decodes one row on the dynamic cache; drop "
+                                 "those options, or call generate() once per row without cache_implementation="
+                                 "'static'")
         if impl == "static" or (isinstance(cache, Kimi3Cache) and cache.max_length is not None):
-            raise ValueError(f"{what} runs on the dynamic cache: its verification forwards have varying lengths and "
-                             "its rollbacks would bypass the recorded CUDA-graph decode step; drop "
-                             "cache_implementation='static' / pass a Kimi3Cache without max_length")
+            raise ValueError(f"{what} with these options runs in Transformers' loop, on the dynamic cache only: pass "
+                             "a Kimi3Cache without max_length")
         if cache is not None and not isinstance(cache, Kimi3Cache):
             raise ValueError(f"past_key_values must be a Kimi3Cache for {what}, got {type(cache).__name__}")
         if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] != 1:

@@ -71,16 +71,27 @@ def causal_conv(x, weight, state=None, seq_idx=None):
     return F.silu(y.to(weight.dtype)).to(x.dtype).transpose(1, 2), full[..., -W:].contiguous()
 
 
-def kda_state_after(gate, state, k, v, g, beta):
+def kda_state_after(gate, state, k, v, g, beta, out=None):
     """The recurrent state [B, H, K, V] (fp32) after the gated delta rule runs from `state` over k, v, g [B, T, H, K]
     and beta [B, T, H] (the recurrence inputs a KDA layer computed; `gate` = its A_log, dt_bias, lower_bound and
-    backend): the state a layer reaches after those T tokens, for `Kimi3Cache.crop`. The outputs depend on q, which
-    the state does not: k stands in for it."""
+    backend): the state a layer reaches after those T tokens, for `Kimi3Cache.crop` and `Kimi3Cache.keep_rows`. The
+    outputs depend on q, which the state does not: k stands in for it. A position whose raw gate g is -inf and whose
+    raw beta is -inf leaves the state exactly as it is (decay exp(0) = 1, update 0): that is how a row skips the
+    positions it does not keep. `out` (contiguous fp32, the shape of `state`): the result is written there in place
+    (it may be `state` itself), so a recorded CUDA graph can hold the call."""
     A_log, dt_bias, lower_bound, backend = gate
+    if backend == "fla":  # our recurrent kernel (the same math) is the one whose -inf handling is known
+        backend = "triton" if kernels.kda_ops is not None and k.is_cuda else "torch"
+    if out is None:
+        out = state.clone().float().contiguous()
+    elif out is not state:
+        out.copy_(state)
     _, final = kernels.kda_recurrent(k, k, v, g, beta, backend, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                                     initial_state=state.clone(), output_final_state=True,
-                                     use_qk_l2norm_in_kernel=True)
-    return final.float()
+                                     initial_state=out, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                     inplace_final_state=True)
+    if final is not out:
+        out.copy_(final)
+    return out
 
 
 class Kimi3ShortConv(nn.Conv1d):
@@ -165,10 +176,14 @@ class Kimi3DeltaAttention(nn.Module):
         states = cache.conv_states[self.layer_idx] if cache is not None else None
         h0 = cache.recurrent_states[self.layer_idx] if cache is not None else None
         record = cache is not None and cache.record_past  # keep what a rollback (cache.crop) needs
+        # a speculation round (Kimi3Cache.begin_round): the inputs of every position go to the round's record, so
+        # that keep_rows can keep a different number of them per row; the tokens run through the recurrent kernel,
+        # as single decode steps do
+        in_round = cache is not None and cache.in_round
         backend = resolve_kda_backend(x.device, self.requested_backend)
         ours = backend in ("triton", "fla_chunk") and not torch.is_grad_enabled() and kernels.inference_kernels_enabled()
-        if (ours and not record and states is not None and h0 is not None and T <= 4 and attention_mask is None
-                and all(s.is_contiguous() for s in states)):  # updated in place by the conv kernel
+        if (ours and not record and not in_round and states is not None and h0 is not None and T <= 4
+                and attention_mask is None and all(s.is_contiguous() for s in states)):  # updated in place by the conv kernel
             return self._fused_decode(x, states, h0)
         states = states or (None, None, None)
         kernel = ours and seq_idx is None
@@ -185,12 +200,15 @@ class Kimi3DeltaAttention(nn.Module):
             h_before = h0 if h0 is not None else torch.zeros(B, H, K, K, dtype=torch.float32, device=x.device)
             cache.record_kda(self.layer_idx, (self.A_log, self.dt_bias, self.lower_bound, backend), before, h_before,
                              (xq, xk, xv), (k, v, g, beta), padded=attention_mask is not None)
+        if in_round:
+            cache.record_round(self.layer_idx, (self.A_log, self.dt_bias, self.lower_bound, backend), (xq, xk, xv),
+                               (k, v, g, beta), self.q_conv1d.weight.shape[-1], attention_mask)
 
         kw = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
                   initial_state=h0, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
         if seq_idx is not None or attention_mask is not None:
             o, ht = self._packed(q, k, v, g, beta, attention_mask, seq_idx, backend, kw)
-        elif h0 is not None and T <= 4:  # decode / speculative verification
+        elif h0 is not None and (T <= 4 or in_round):  # decode / speculative verification
             o, ht = kernels.kda_recurrent(q, k, v, g, beta, backend, **kw)
         else:
             o, ht = kernels.kda_chunk(q, k, v, g, beta, backend, **kw)

@@ -34,7 +34,8 @@ class Kimi3KVBProj(nn.Linear):
 
 
 class Kimi3MLAAttention(nn.Module):
-    ABSORB_MAX_QUERIES = 8  # decode and speculative verification read the cache; longer calls expand it
+    # decode and speculative verification (up to 15 candidates + 1) read the cache; longer calls expand it
+    ABSORB_MAX_QUERIES = 16
     KEY_BLOCK = 131072  # cached positions expanded at once by a prefill chunk over a long cache
 
     def __init__(self, config, layer_idx):

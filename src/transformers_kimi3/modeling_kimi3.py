@@ -24,7 +24,9 @@ from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig
 from .generation import Kimi3GenerationMixin
 from .kda import Kimi3DeltaAttention
 from .mla import Kimi3MLAAttention, custom_mla_mask, mla_mask
-from .moe import Kimi3Experts, Kimi3MLP, Kimi3SparseMoeBlock, Kimi3TopkRouter
+from .moe import EXPERTS_INTERFACE, Kimi3Experts, Kimi3MLP, Kimi3SparseMoeBlock, Kimi3TopkRouter
+from .mxfp4 import E8M0_BIAS
+from .mxfp4_experts import PackedMXFP4Experts
 from .norms import Kimi3GatedRMSNorm, Kimi3RMSNorm
 from .vision import Kimi3MultiModalProjector, Kimi3VisionModel, Kimi3VisionPositionEmbedding
 
@@ -111,6 +113,18 @@ class Kimi3PreTrainedModel(PreTrainedModel):
     _is_stateful = False
     _can_compile_fullgraph = False
 
+    @classmethod
+    def _can_set_experts_implementation(cls):
+        # the routed experts (moe.Kimi3Experts) use Transformers' experts interface; the base class's heuristic reads
+        # this module's source, which does not define them
+        return EXPERTS_INTERFACE
+
+    def get_correct_experts_implementation(self, requested_experts):
+        """Unless asked otherwise, the experts' own path ("eager": decode kernels, sorted segments, torch._grouped_mm
+        on CUDA, MXFP8 activations), where Transformers defaults to its "grouped_mm". Packed MXFP4 experts
+        (`PackedMXFP4Experts`) always run their own kernels, whatever is set."""
+        return super().get_correct_experts_implementation("eager" if requested_experts is None else requested_experts)
+
     @torch.no_grad()
     def _init_weights(self, module):
         # transformers.initialization skips tensors already loaded from a checkpoint (offloaded layers too)
@@ -134,6 +148,12 @@ class Kimi3PreTrainedModel(PreTrainedModel):
         elif isinstance(module, Kimi3Experts):
             for w in (module.w1, module.w2, module.w3):
                 init.normal_(w, 0.0, std)
+        elif isinstance(module, PackedMXFP4Experts):
+            # packed MXFP4 experts are frozen buffers: back to their construction values (all codes 0, scales 2^0,
+            # i.e. zero weights), never the uninitialised memory of a model built on the meta device
+            for name in ("w1", "w3", "w2"):
+                init.zeros_(getattr(module, f"{name}_packed"))
+                init.constant_(getattr(module, f"{name}_scale"), E8M0_BIAS)
         elif isinstance(module, Kimi3DeltaAttention):
             # fla conventions: A_log = 0 with the bounded (safe) gate, else log U(1, 16);
             # dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1]. The draws stay fp32 (the seeded stream), the
@@ -151,7 +171,14 @@ class Kimi3PreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """Transformers' `from_pretrained` for the official layout; also takes `dequantize=True` (MXFP4 experts to
-        bf16) and `check_finite=False` (skip the NaN / Inf check of every tensor: `checkpoint.load_pretrained`)."""
+        bf16) and `check_finite=False` (skip the NaN / Inf check of every tensor: `checkpoint.load_pretrained`).
+
+        Base model and heads load each other's folders, as with Transformers' `base_model_prefix`: `Kimi3Model`
+        reads a `Kimi3ForCausalLM` or K3 folder (the head and vision tower are skipped and listed in
+        `loading_info["unexpected_keys"]`), `Kimi3ForCausalLM` reads a `Kimi3Model` folder (the head is initialised
+        and listed in `loading_info["missing_keys"]`). Any other missing tensor is a `CheckpointError` naming it,
+        except a tied head (`tie_word_embeddings`) and, with `ignore_mismatched_sizes=True`, a tensor of another
+        shape (`checkpoint._match`). `output_loading_info=True` returns `(model, loading_info)`."""
         if kwargs.get("state_dict") is not None or pretrained_model_name_or_path is None:
             return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         return load_pretrained(cls, pretrained_model_name_or_path, super().from_pretrained, *model_args,
@@ -186,6 +213,17 @@ class Kimi3Model(Kimi3PreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    def init_parallel_plans(self):
+        """Transformers' tensor / expert parallel plans from the config, less the routed experts' entries when the
+        experts are packed MXFP4 (`PackedMXFP4Experts` has no w1 / w3 / w2 to split and no expert-parallel hooks):
+        each rank then holds all packed experts whole, and no `moe_tp_experts` all-reduce sums replicated outputs."""
+        super().init_parallel_plans()
+        if self.config.checkpoint_quantization_config and self.config.num_experts:
+            experts = "layers.*.block_sparse_moe.experts"
+            self._tp_plan = {k: v for k, v in self._tp_plan.items() if not k.startswith(experts)}
+            self._ep_plan = {k: v for k, v in self._ep_plan.items()
+                             if not k.startswith((experts, "layers.*.block_sparse_moe.gate"))}
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, output_hidden_states=None, output_router_logits=None,
                 return_dict=None, output_attentions=None, **kwargs):
@@ -205,7 +243,8 @@ class Kimi3Model(Kimi3PreTrainedModel):
                 "per sequence and cannot apply a pairwise mask. Pass a 2-D padding mask [batch, length] (1 = token); "
                 "to keep documents packed in one row apart, restart position_ids at 0 for each (or pass cu_seq_lens_q)")
         if inputs_embeds is None:
-            if not (input_ids.is_cuda and input_ids.shape[1] == 1):  # a CUDA decode step must not sync the host
+            # a CUDA decode step must not sync the host, and a compiled graph cannot branch on tensor values
+            if not (input_ids.is_cuda and input_ids.shape[1] == 1) and not torch.compiler.is_compiling():
                 check_token_ids(input_ids, self.embed_tokens)
             inputs_embeds = self.embed_tokens(input_ids)
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -234,12 +273,14 @@ class Kimi3Model(Kimi3PreTrainedModel):
         if not custom_mask and (cache is None or (self.training and past == 0)):
             seq_idx = packed_sequence_ids(position_ids, kwargs.get("cu_seq_lens_q"), B, T, inputs_embeds.device)
             cache = None if seq_idx is not None else cache
-        if custom_mask:
+        if cache is not None and cache.position is not None:
+            # a decode step addressed by a device position (recorded as a CUDA graph, or compiled): the whole static
+            # buffer under a mask built from that tensor, so the step reads no Python position
+            attn_mask = cache.position_mask(inputs_embeds.device)
+        elif custom_mask:
             attn_mask = custom_mla_mask(attention_mask, T, past, inputs_embeds.device)
         else:
             attn_mask = mla_mask(full_mask, T, past, inputs_embeds.device, seq_idx)
-        if cache is not None and cache.position is not None:  # a recorded decode step: the whole static buffer
-            attn_mask = cache.position_mask(inputs_embeds.device)
 
         h, bank = inputs_embeds, None
         all_hidden = (h,) if output_hidden_states else None
@@ -255,7 +296,8 @@ class Kimi3Model(Kimi3PreTrainedModel):
             if output_attentions and probs is not None:
                 attentions += (probs,)
         if cache is not None:
-            cache.seen_tokens += T
+            if cache.position is None:  # an addressed forward leaves the counters to its caller (addressed_forward)
+                cache.seen_tokens += T
             cache.attention_mask = full_mask
         if self.config.use_attn_res:
             h = attn_res_mix(bank.to(h.device), h, self.output_attn_res_proj, self.output_attn_res_norm)
@@ -315,6 +357,13 @@ def packed_sequence_ids(position_ids, cu_seq_lens, B, T, device):
     return F.pad(restarts.long(), (1, 0)).cumsum(1)
 
 
+def _addressed(cache):
+    """Whether `cache` is a static Kimi3Cache inside `addressed_by(position)`: the forward writes at the device
+    position and leaves the counters (`seen_tokens`, `source_tokens`) to the caller, so that the step reads no Python
+    position (a CUDA graph records it once, torch.compile traces it once for every position)."""
+    return isinstance(cache, Kimi3Cache) and cache.position is not None
+
+
 def check_input_shapes(input_ids, inputs_embeds, attention_mask):
     """Shape errors at the model's entry, named, instead of deep inside a layer (host-side: no GPU sync)."""
     name, x, dims = (("input_ids", input_ids, "[batch, seq_len]") if input_ids is not None
@@ -362,7 +411,9 @@ def embedding_rows(embedding):
 
 
 class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
-    _tied_weights_keys = {}
+    # With tie_word_embeddings (off in the released configs) the head is the input embedding: saved once, and tied
+    # again by Transformers after loading (in a K3 model too, where this class is `language_model`)
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_rep"}
 
     def __init__(self, config):
@@ -391,7 +442,7 @@ class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
         to_tuple(): the fields that are set, in order (loss first when labels are given)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        logits = None if output_attentions else self._replayed_logits(
+        logits = None if output_attentions or _addressed(past_key_values) else self._replayed_logits(
             self, past_key_values, input_ids, labels, output_hidden_states, output_router_logits)
         if logits is not None:  # a static-cache decode step on CUDA (generation.py)
             out = MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
@@ -401,7 +452,7 @@ class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
                          output_hidden_states=output_hidden_states, output_router_logits=output_router_logits,
                          output_attentions=output_attentions, cu_seq_lens_q=kwargs.get("cu_seq_lens_q"),
                          return_dict=True)
-        if out.past_key_values is not None:
+        if out.past_key_values is not None and not _addressed(out.past_key_values):
             out.past_key_values.source_tokens += (input_ids if input_ids is not None else inputs_embeds).shape[1]
         return self._head(out, labels, logits_to_keep, return_dict, **kwargs)
 
@@ -464,7 +515,7 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
         grid_thws = grid_thws if grid_thws is not None else image_grid_thw
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        logits = None if output_attentions else self._replayed_logits(
+        logits = None if output_attentions or _addressed(past_key_values) else self._replayed_logits(
             self.language_model, past_key_values, input_ids, labels, output_hidden_states, output_router_logits)
         if logits is not None:  # a static-cache decode step on CUDA (generation.py)
             out = MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
@@ -492,11 +543,34 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
                        output_router_logits=output_router_logits, output_attentions=output_attentions,
                        position_ids=position_ids if pixel_values is None else None,
                        cu_seq_lens_q=kwargs.get("cu_seq_lens_q"), return_dict=True)
-        if out.past_key_values is not None:
+        if out.past_key_values is not None and not _addressed(out.past_key_values):
             out.past_key_values.source_tokens += n_source
             if pixel_values is not None and not cache_started:  # crop() cannot land inside the expanded media
                 out.past_key_values.media_end = out.past_key_values.source_tokens
         return lm._head(out, labels, logits_to_keep, return_dict, **kwargs)
+
+    def _expand_inputs_for_generation(self, expand_size=1, is_encoder_decoder=False, input_ids=None, **model_kwargs):
+        """Rows repeated `expand_size` times (beam search, num_return_sequences). Transformers repeats every tensor
+        argument along dim 0, but `pixel_values` are the patches of all images packed together and `grid_thws` has
+        one row per image: each prompt row's images (its placeholders, in order) are repeated as whole blocks."""
+        media = {k: model_kwargs.pop(k) for k in ("pixel_values", "grid_thws", "image_grid_thw")
+                 if model_kwargs.get(k) is not None}
+        expanded_ids, model_kwargs = super()._expand_inputs_for_generation(
+            expand_size, is_encoder_decoder, input_ids, **model_kwargs)
+        grid_key = "grid_thws" if "grid_thws" in media else "image_grid_thw"
+        if expand_size > 1 and "pixel_values" in media and grid_key in media and input_ids is not None:
+            grid = media[grid_key]
+            per_row = (input_ids == self.config.media_placeholder_token_id).sum(1).tolist()
+            images = media["pixel_values"].split(grid.prod(-1).tolist())
+            rows_images, rows_grids, start = [], [], 0
+            for n in per_row:
+                rows_images.append(images[start:start + n])
+                rows_grids.append(grid[start:start + n])
+                start += n
+            media["pixel_values"] = torch.cat([p for row in rows_images for _ in range(expand_size) for p in row])
+            media[grid_key] = torch.cat([g for g in rows_grids for _ in range(expand_size)])
+        model_kwargs.update(media)
+        return expanded_ids, model_kwargs
 
     def _media_rows(self, grid_thws):
         """Projector rows per image / video: h*w over the merge kernel's area."""

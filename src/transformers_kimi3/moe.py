@@ -12,6 +12,16 @@ from .mxfp4_experts import PackedMXFP4Experts
 from .mxfp8 import check_activation_format, fake_quantize_mxfp8
 from .norms import Kimi3RMSNorm
 
+try:  # Transformers' experts interface: `model.set_experts_implementation("grouped_mm" | "batched_mm" | "eager")`
+    from transformers.integrations.moe import use_experts_implementation
+
+    EXPERTS_INTERFACE = True
+except ImportError:  # a Transformers without it: the experts' own path only
+    EXPERTS_INTERFACE = False
+
+    def use_experts_implementation(experts_class=None, **kwargs):
+        return experts_class if experts_class is not None else (lambda cls: cls)
+
 # Up to this many routes (tokens x top_k) the router runs as two launches and SiLU experts as per-route GEMVs, no
 # sorting: at 1 and 8 tokens of Kimi Linear (top-8) 45 vs 122 us and 178 vs 290 us against the grouped GEMM,
 # CUDA-graph-replayed.
@@ -78,8 +88,15 @@ class Kimi3TopkRouter(nn.Module):
         return logits, weights * self.routed_scaling_factor, idx
 
 
+@use_experts_implementation
 class Kimi3Experts(nn.Module):
     """Routed experts as 3-D weights (checkpoint names w1 = gate, w3 = up, w2 = down, stacked over experts).
+
+    Built on Transformers' experts interface: `config._experts_implementation` picks the forward. "eager" (the
+    default of our models, `Kimi3PreTrainedModel.get_correct_experts_implementation`) is this class's own path below;
+    "batched_mm" and "grouped_mm" are Transformers' functions, which read `gate_up_proj` [E, 2I, D] and `down_proj`
+    [E, D, I] (computed from `_weights()`: w1 | w3 and w2) and call `_apply_gate` for the GLU. They compute on the
+    activations as given: `moe_activation_format="mxfp8"` needs the own path and is refused there.
 
     Computed as index-sorted segments: assignments are sorted by expert and each expert's tokens go through one
     matmul; `torch._grouped_mm` does all experts in one launch on CUDA (bf16). At decode sizes on CUDA (SiLU
@@ -106,6 +123,25 @@ class Kimi3Experts(nn.Module):
 
     def _weights(self):
         return self.w1, self.w3, self.w2
+
+    # ---- Transformers' experts interface (batched_mm / grouped_mm)
+    @property
+    def gate_up_proj(self):
+        """Gate and up projections stacked, [E, 2I, D] (a new tensor each call: the checkpoint keeps w1 and w3)."""
+        w1, w3, _ = self._weights()
+        return torch.cat([w1, w3], dim=1)
+
+    @property
+    def down_proj(self):
+        return self._weights()[2]
+
+    def _apply_gate(self, gate_up_out):
+        if self.activation_format != "bf16":
+            raise ValueError(f"moe_activation_format={self.activation_format!r} fake-quantises the experts' GEMM "
+                             "inputs on their own path only: use experts_implementation='eager' "
+                             "(model.set_experts_implementation('eager'))")
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return self.act_fn(gate, up)
 
     def _gemm_input(self, a):
         return fake_quantize_mxfp8(a, "routed expert activations") if self.activation_format == "mxfp8" else a

@@ -43,12 +43,17 @@ is kept in the parameter's dtype, as torch's optimizers keep it; the Newton-Schu
 group carries its layout (`algorithm`, `blocks`, `block_size`) and its parameters' names, so `state_dict()` /
 `load_state_dict()` restore everything and the continuation is bit-identical.
 
-Sharded parameters (FSDP2's `fully_shard`, any DTensor): the momentum stays sharded; for the Newton-Schulz step the
-combined momentum M is gathered (`full_tensor()`), every rank orthogonalises the whole matrix and keeps its own shard
-of the update (`distribute_tensor(..., src_data_rank=None)`: no second communication). That costs one all-gather per
-Muon parameter and every rank computes every matrix's iteration; AdamW runs on the shards as they are. Sharding
-replaces the parameters: build the optimizer after `fully_shard` (Accelerate's FSDP2 preparation, which Trainer uses,
-switches an optimizer built before to the sharded parameters itself).
+Sharded parameters (FSDP2's `fully_shard`, any DTensor): the momentum stays sharded. When every rank's shard holds
+whole blocks (the blocks split the sharded dim, and the shard size is a multiple of the block size: a routed expert
+is one index of dim 0, so `w1` / `w2` / `w3` sharded on dim 0 always qualify; a `rows` head block does when
+ceil(rows / world) is a multiple of its size), each rank orthogonalises its own blocks: no communication, and the
+iteration's work is divided among the ranks. Otherwise (`whole` matrices, `cols` heads under FSDP2's dim-0 sharding,
+head blocks cut by a shard boundary) the combined momentum M is gathered (`full_tensor()`), every rank
+orthogonalises the whole matrix and keeps its own shard of the update (`distribute_tensor(..., src_data_rank=None)`:
+no second communication): one all-gather per such parameter and step. The choice depends only on the global shape,
+the layout and the mesh, so every rank takes the same path. AdamW runs on the shards as they are. Sharding
+replaces the parameters: build the optimizer after `fully_shard` (Accelerate's FSDP2 preparation, which Trainer
+uses, switches an optimizer built before to the sharded parameters itself).
 """
 
 import math
@@ -124,6 +129,34 @@ def _dtensor_cls():
 def _full(t):
     dtensor = _dtensor_cls()
     return t.full_tensor() if dtensor is not None and isinstance(t, dtensor) else t
+
+
+def _local_blocks(t, layout):
+    """Whether each rank's shard of DTensor t holds whole blocks of `layout`, so the blocks can be orthogonalised
+    where they are. Decided from the global shape, the placements and the mesh alone: the same on every rank."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    block_dim, size = {"rows": (0, layout.block_size), "cols": (1, layout.block_size), "experts": (0, 1)}.get(
+        layout.blocks, (None, None))
+    if block_dim is None:
+        return False
+    sharded = [(mesh_dim, pl) for mesh_dim, pl in enumerate(t.placements) if not isinstance(pl, Replicate)]
+    if len(sharded) != 1 or type(sharded[0][1]) is not Shard or sharded[0][1].dim != block_dim:
+        return False
+    mesh_dim = sharded[0][0]
+    chunk = -(-t.shape[block_dim] // t.device_mesh.size(mesh_dim))  # torch.chunk's shard size (DTensor, FSDP2)
+    return chunk % size == 0
+
+
+def _update(m, layout, ns_steps, p):
+    """The Muon update of momentum m laid out as parameter p: on each rank's own blocks when the shards hold whole
+    blocks, else from the gathered matrix (module docstring)."""
+    dtensor = _dtensor_cls()
+    if dtensor is not None and isinstance(m, dtensor) and _local_blocks(m, layout):
+        local = muon_update(m.to_local(), layout, ns_steps).to(p.dtype)
+        return dtensor.from_local(local, m.device_mesh, m.placements, run_check=False, shape=m.shape,
+                                  stride=m.stride())
+    return _like(muon_update(_full(m), layout, ns_steps).to(p.dtype), p)
 
 
 def _like(full, p):
@@ -255,7 +288,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         buf.mul_(group["momentum"]).add_(p.grad)
         m = p.grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
         layout = Layout("muon", group["blocks"], group["block_size"])
-        update = _like(muon_update(_full(m), layout, group["ns_steps"]).to(p.dtype), p)
+        update = _update(m, layout, group["ns_steps"], p)
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(update, alpha=-group["lr"])
 

@@ -66,6 +66,7 @@ def test_init_follows_fla_and_attnres_conventions():
 import ast  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
+import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HISTORY_FREE = ("src", "kernels", "conversion", "docs", "model_cards", "README.md")
@@ -160,3 +161,58 @@ def test_bench_stays_small():
 def test_readme_reads_in_five_minutes():
     lines = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().splitlines()
     assert len(lines) <= MAX_README_LINES, len(lines)
+
+
+def _module_imports(package_dir, package):
+    """module -> the modules of `package` it imports, at the top or inside functions (lazy imports count too)."""
+    names = {os.path.relpath(p, package_dir)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+             for p in _files((os.path.relpath(package_dir, ROOT),), (".py",))}
+    graph = {}
+    for name in names:
+        path = os.path.join(package_dir, *name.split(".")) + ".py"
+        if not os.path.isfile(path):
+            path = os.path.join(package_dir, *name.split("."), "__init__.py")
+        is_pkg = path.endswith("__init__.py")
+        here = name.split(".") if is_pkg else name.split(".")[:-1]
+        deps = set()
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            targets = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = here[:len(here) - (node.level - 1)] if node.level > 1 else here
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                elif node.module and node.module.split(".")[0] == package:
+                    mod = node.module.partition(".")[2]
+                else:
+                    continue
+                # `from pkg import sub` imports the submodule pkg.sub; `from mod import name` the module mod
+                subs = [f"{mod}.{a.name}" if mod else a.name for a in node.names]
+                targets = [t if t in names else mod for t in subs]
+            elif isinstance(node, ast.Import):
+                targets = [a.name.partition(".")[2] for a in node.names if a.name.split(".")[0] == package]
+            deps.update(t for t in targets if t in names and t != name)
+        graph[name] = deps
+    return graph
+
+
+@pytest.mark.parametrize("package_dir,package", [("src/transformers_kimi3", "transformers_kimi3"),
+                                                 ("kernels/kimi3_kernels", "kimi3_kernels")])
+def test_no_import_cycles(package_dir, package):
+    """No two modules of a package import each other, directly or through others, lazy imports included: each concept
+    has one home and a reader can follow the imports one way."""
+    graph = _module_imports(os.path.join(ROOT, package_dir), package)
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                raise AssertionError(f"{package}: import cycle {' -> '.join(path[path.index(dep):] + [dep])}")
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert len(graph) > 5, sorted(graph)  # the walk saw the package's modules

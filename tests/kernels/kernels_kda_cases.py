@@ -48,6 +48,13 @@ def _ensure_interpreter():
 needs_triton = pytest.mark.skipif(not _ensure_interpreter(), reason="triton (interpreter) not available")
 
 
+def default_launch_in_ci(cases, at):
+    """Parametrize cases: those with a non-default launch setting (`case[at]` not "") are `slow`, run by `make
+    test-all`: the launch variants' tiles are checked on the GPU (bench/kda.py, pytest -m gpu), and under the
+    interpreter each costs as much as the default case."""
+    return [pytest.param(*c, marks=pytest.mark.slow) if c[at] else c for c in cases]
+
+
 # ------------------------------------------------------------------ independent fp64 recurrence
 def rec64(q, k, v, f, beta, A_log, dt_bias, lb=None, scale=None, h0=None, cu=None, l2=True):
     """S <- Diag(exp g) S; S <- S + b k (v - S^T k)^T; o = S^T (scale q), everything in float64."""
@@ -253,12 +260,14 @@ def test_chunk_forward_varlen_bf16(nan_empty):
 
 
 @needs_triton
-@pytest.mark.parametrize("launch", ["intra_fwd=16:4:1", "intra_fwd=64:8:1", "intra_fwd=32:8:1", "intra_fwd=32:4:2",
-                                    "intra_fwd=16:2:2",
-                                    "intra_fwd=64:1:1,diag_fwd=64:1:1,wu_fwd=32:2:1,state_fwd=64:4:1,"
-                                    "output_fwd=32:2:3,prep_fwd=:1:,diag_fwd_loop=32:2:1,diag_inv=:2:",
-                                    "prep_fwd=16::,norm_fwd=16:1:,diag_fwd_loop=128:4:1",
-                                    "prep_fwd=512:8:,norm_fwd=128:8:,wu_fwd=:::128", ""])
+# under the interpreter only the tile widths change the arithmetic's shape (warps and stages are launch resources):
+# one setting per distinct set of tile widths
+@pytest.mark.parametrize("launch", [c[0] if not c[0] else pytest.param(c[0], marks=pytest.mark.slow) for c in (
+    ("intra_fwd=16:4:1",), ("intra_fwd=64:8:1",),
+    ("intra_fwd=64:1:1,diag_fwd=64:1:1,wu_fwd=32:2:1,state_fwd=64:4:1,output_fwd=32:2:3,prep_fwd=:1:,"
+     "diag_fwd_loop=32:2:1,diag_inv=:2:",),
+    ("prep_fwd=16::,norm_fwd=16:1:,diag_fwd_loop=128:4:1",), ("prep_fwd=512:8:,norm_fwd=128:8:,wu_fwd=:::128",),
+    ("",))])
 def test_chunk_forward_launch_options(launch):
     # the training forward's kernels (64-token chunks, taken with autograd) under other tile widths, warps and stages
     # (prep_fwd's tile: the gate's column block; bench/kda.py sweeps them on the GPU): same results, both gates, with a
@@ -304,12 +313,11 @@ def test_chunk_varlen(lb):
 
 
 @needs_triton
-@pytest.mark.parametrize("lb,K,V,T,A_shift,launch", [(-5.0, 64, 32, 100, 0.0, ""), (None, 32, 32, 130, 0.0, ""),
-                                                    # unbounded and steep: sub-chunks on both sides of the
-                                                    # per-column loop's threshold
-                                                    (None, 16, 16, 100, 3.0, "sub_fwd=16:2:1,rec_fwd=16:2:1"),
-                                                    (-5.0, 48, 32, 70, 3.0, "rec_fwd=64:4:3,sub_fwd=:::0"),
-                                                    (-5.0, 32, 64, 1, 0.0, "sub_fwd=64:4:1,rec_fwd=32:2:1")])
+@pytest.mark.parametrize("lb,K,V,T,A_shift,launch", default_launch_in_ci([
+    (-5.0, 64, 32, 100, 0.0, ""), (None, 32, 32, 130, 0.0, ""),
+    # unbounded and steep: sub-chunks on both sides of the per-column loop's threshold
+    (None, 16, 16, 100, 3.0, "sub_fwd=16:2:1,rec_fwd=16:2:1"), (-5.0, 48, 32, 70, 3.0, "rec_fwd=64:4:3,sub_fwd=:::0"),
+    (-5.0, 32, 64, 1, 0.0, "sub_fwd=64:4:1,rec_fwd=32:2:1")], at=5))
 def test_chunk_forward_sub16(lb, K, V, T, A_shift, launch, monkeypatch):
     """The inference forward in 16-token sub-chunks (the diagonal tiles, their inverses and the recurrence with the
     output, no 64-token pairwise stage) against the fp64 recurrence and the training forward's 64-token kernels:
@@ -403,18 +411,16 @@ def check_vs_fp64(ins, lb, do, dS=None):
 
 
 @needs_triton
-@pytest.mark.parametrize("lb,launch,ksplit,K,V", [(-5.0, "", 2, 16, 32), (None, "", 2, 16, 32),
-                                                  (None, "intra_fwd=16:4:1", 2, 16, 32),
-                                                  (None, "", 1, 64, 32), (None, "", 2, 64, 32), (-5.0, "", 4, 64, 32),
-                                                  (-5.0, "main_bwd=16:4:2,intra_bwd=16:2:2,state_bwd=16:4:1,"
-                                                   "prep_bwd=:2:1", 2, 64, 32),
-                                                  (None, "intra_bwd_loop=16:2:2", 2, 16, 32),
-                                                  # the backward scan's 64-wide value tiles (taken on large grids)
-                                                  (-5.0, "state_bwd=64:8:2", 2, 16, 64),
-                                                  # the gate's backward in column slices apart from the norms' (two
-                                                  # slices of 32 for a 48-wide head: the second one half masked)
-                                                  (-5.0, "prep_bwd=32::", 2, 48, 32),
-                                                  (None, "prep_bwd_softplus=16:2:1", 2, 64, 32)])
+@pytest.mark.parametrize("lb,launch,ksplit,K,V", default_launch_in_ci([
+    (-5.0, "", 2, 16, 32), (None, "", 2, 16, 32), (None, "intra_fwd=16:4:1", 2, 16, 32), (None, "", 1, 64, 32),
+    (None, "", 2, 64, 32), (-5.0, "", 4, 64, 32),
+    (-5.0, "main_bwd=16:4:2,intra_bwd=16:2:2,state_bwd=16:4:1,prep_bwd=:2:1", 2, 64, 32),
+    (None, "intra_bwd_loop=16:2:2", 2, 16, 32),
+    # the backward scan's 64-wide value tiles (taken on large grids)
+    (-5.0, "state_bwd=64:8:2", 2, 16, 64),
+    # the gate's backward in column slices apart from the norms' (two slices of 32 for a 48-wide head: the second
+    # one half masked)
+    (-5.0, "prep_bwd=32::", 2, 48, 32), (None, "prep_bwd_softplus=16:2:1", 2, 64, 32)], at=1))
 def test_chunk_gradients(lb, launch, ksplit, K, V, monkeypatch):
     # the backward reuses the per-chunk quantities the forward kept; the main backward kernel's K columns in 1, 2
     # (the default) or 4 slices; other launch settings
@@ -564,6 +570,23 @@ def test_fused_recurrent(T):
                                output_final_state=True, cu_seqlens=cu)
     ro, rs = rec64(qb, kb, vb, fb, bb, A_log, dtb, h0=h3, cu=cu)
     assert o.dtype == torch.bfloat16 and rel(o, ro) < TOL[torch.bfloat16] and rel(s, rs) < 1e-4
+
+
+@needs_triton
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_fused_recurrent_skips_positions_whose_gate_and_beta_are_minus_inf(lower_bound):
+    # how Kimi3Cache.keep_rows keeps a different prefix per row in one launch: a position with raw gate and beta at
+    # -inf decays by exp(0) = 1 and updates by 0, for both gates, in place
+    q, k, v, f, beta, A_log, dtb, h0 = make(2, 5, 2, 16, 16, seed=7)
+    keep = torch.arange(5)[None, :] < torch.tensor([2, 5])[:, None]
+    st = h0.clone()
+    fused_recurrent_kda(k, k, v, f.masked_fill(~keep[..., None, None], float("-inf")),
+                        beta.masked_fill(~keep[..., None], float("-inf")), A_log=A_log, dt_bias=dtb,
+                        lower_bound=lower_bound, initial_state=st, inplace_final_state=True)
+    for row, n in ((0, 2), (1, 5)):
+        _, rs = rec64(*(x[row:row + 1, :n] for x in (k, k, v, f, beta)), A_log, dtb, lower_bound,
+                      h0=h0[row:row + 1])
+        assert bool(torch.isfinite(st).all()) and rel(st[row:row + 1], rs) < 1e-5
 
 
 # ------------------------------------------------------------------ decode-path fusions (layer_ops.py)
@@ -917,7 +940,7 @@ def test_route_topk(T, E, D, k, renorm):
 
 
 @needs_triton
-@pytest.mark.parametrize("kind", ["k3", "kimi_linear"])
+@pytest.mark.parametrize("kind", ["k3", pytest.param("kimi_linear", marks=pytest.mark.slow)])
 def test_model_fused_decode_equals_general_path(kind, monkeypatch):
     """The model's decode with the fused path (convs and output norm in one launch each, states in place; the
     two-launch router; per-route expert GEMVs for SiLU experts) against the general path (PyTorch convs, norm,
@@ -929,11 +952,12 @@ def test_model_fused_decode_equals_general_path(kind, monkeypatch):
     from transformers_kimi3 import kda as kda_layer
     from transformers_kimi3.cache import Kimi3Cache
 
-    over = {} if kind == "k3" else dict(attn_res_block_size=None, hidden_act="silu", routed_expert_hidden_size=None,
-                                        latent_moe_use_norm=False, linear_attn_config=dict(
-                                            num_heads=2, head_dim=16, short_conv_kernel_size=4,
-                                            use_full_rank_gate=False, kda_layers=[1, 2, 3, 5, 6],
-                                            full_attn_layers=[4, 7]))
+    # 4 layers (KDA, KDA, MLA, KDA; the first dense): every kind of layer and, for K3, two AttnRes blocks
+    lac = dict(num_heads=2, head_dim=16, short_conv_kernel_size=4, kda_layers=[1, 2, 4], full_attn_layers=[3])
+    over = (dict(num_hidden_layers=4, attn_res_block_size=2,
+                 linear_attn_config=dict(lac, gate_lower_bound=-5.0, use_full_rank_gate=True)) if kind == "k3" else
+            dict(num_hidden_layers=4, attn_res_block_size=None, hidden_act="silu", routed_expert_hidden_size=None,
+                 latent_moe_use_norm=False, linear_attn_config=dict(lac, use_full_rank_gate=False)))
     model = tiny_model(seed=4, **over)
     from transformers_kimi3 import kernels
     from transformers_kimi3 import moe as moe_mod

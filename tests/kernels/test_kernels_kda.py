@@ -14,11 +14,12 @@ SHARDS = 4  # the interpreter runs the cases slowly; four processes let pytest-x
 
 
 @pytest.mark.parametrize("shard", range(SHARDS))
-def test_triton_kda_kernels_under_the_interpreter(shard):
+def test_triton_kda_kernels_under_the_interpreter(shard, request):
     pytest.importorskip("triton")
+    slow = ["--run-slow"] if request.config.getoption("--run-slow") else []
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "shard_plugin",
-                           f"--shard={shard}/{SHARDS}", os.path.join(HERE, "kernels_kda_cases.py")],
+                           f"--shard={shard}/{SHARDS}", *slow, os.path.join(HERE, "kernels_kda_cases.py")],
                           capture_output=True, text=True, env=env, cwd=HERE, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and " failed" not in proc.stdout

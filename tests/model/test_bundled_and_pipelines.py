@@ -110,7 +110,9 @@ def test_demo_runs():
     proc = subprocess.run([sys.executable, "-m", "transformers_kimi3", "demo", "--model", TINY,
                            "--max-new-tokens", "4"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "KDA backend: torch on cpu" in proc.stdout and "answer ids:" in proc.stdout
+    assert "KDA backend: torch on cpu" in proc.stdout
+    assert "image question: 'What colour is the circle?'" in proc.stdout and "\nanswer: " in proc.stdout
+    assert "chat: 'What does the json module do?'" in proc.stdout and "\nreply: " in proc.stdout
 
 
 def test_bench_entry_point_runs_on_cpu(tmp_path):

@@ -292,7 +292,7 @@ def test_prefill_chunk_size_must_be_positive(model, bad):
                        prefill_chunk_size=bad)
 
 
-# ---- decode steps replayed as CUDA graphs (generation.py). A CUDA graph needs a GPU; on the CPU the recording
+# ---- decode steps replayed as CUDA graphs (decode_graphs.py). A CUDA graph needs a GPU; on the CPU the recording
 # is replaced by one that keeps the step function: a replay runs it again, which is what a CUDA graph replays (the
 # cache addressed by the graph's position tensor, the whole static buffer under the position mask). The
 # bookkeeping around it (pool, warm-up undone from a snapshot, counters, re-recording, fallbacks) is the real code.
@@ -301,7 +301,7 @@ def test_prefill_chunk_size_must_be_positive(model, bad):
 @pytest.fixture
 def recorded_steps(monkeypatch):
     """Decode graphs recorded on the CPU; the returned list grows by one per recording."""
-    from transformers_kimi3 import generation
+    from transformers_kimi3 import decode_graphs
 
     records = []
 
@@ -320,9 +320,9 @@ def recorded_steps(monkeypatch):
         out = step()
         return Replayed(step, out), out
 
-    monkeypatch.setattr(generation, "graph_device", lambda t: True)
-    monkeypatch.setattr(generation, "cuda_warm_up", lambda step: (step(), step()))
-    monkeypatch.setattr(generation, "cuda_record", record)
+    monkeypatch.setattr(decode_graphs, "graph_device", lambda t: True)
+    monkeypatch.setattr(decode_graphs, "cuda_warm_up", lambda step: (step(), step()))
+    monkeypatch.setattr(decode_graphs, "cuda_record", record)
     return records
 
 
@@ -357,7 +357,7 @@ def test_recorded_decode_steps_equal_eager_decoding(model, recorded_steps, fast_
 def test_decode_graph_follows_its_cache(model, recorded_steps):
     # a graph reads the cache's tensors at their recorded addresses: replacing them (here by reordering the batch)
     # records anew; a full cache decodes eagerly, which reports the overflow
-    from transformers_kimi3.generation import graph_decodable
+    from transformers_kimi3.decode_graphs import graph_decodable
 
     x = ids(2, 6, seed=13)
     model.release_static_caches()
@@ -379,7 +379,7 @@ def test_decode_graph_follows_its_cache(model, recorded_steps):
 
 
 def test_graph_decodable_falls_back_to_eager_steps(model, recorded_steps):
-    from transformers_kimi3.generation import graph_decodable
+    from transformers_kimi3.decode_graphs import graph_decodable
 
     static = Kimi3Cache(model.config, max_length=16)
     static.seen_tokens = 4
@@ -400,7 +400,7 @@ def test_graph_decodable_falls_back_to_eager_steps(model, recorded_steps):
 
 
 def test_static_cache_pool_keeps_caches_by_shape_and_graphs_by_cache(model):
-    from transformers_kimi3.generation import StaticCachePool
+    from transformers_kimi3.decode_graphs import StaticCachePool
 
     pool, cfg = StaticCachePool(), model.config
     a = pool.cache(cfg, 2, 19, "cpu", 0)

@@ -60,7 +60,7 @@ def test_cpu_and_disk_offload_forward(folder, plain, tmp_path, placement):
         model = _offloaded(folder, tmp_path / "off", device_map=device_map)
     placed = set(model.hf_device_map.values())
     assert placed == {"cpu", "disk"}, model.hf_device_map
-    from transformers_kimi3.generation import one_device
+    from transformers_kimi3.decode_graphs import one_device
     assert not one_device(model) and one_device(plain)  # a spread model never records a CUDA graph
     assert os.listdir(tmp_path / "off")  # offloaded weights are on disk
     _check_buffers(model, plain)

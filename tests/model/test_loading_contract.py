@@ -324,10 +324,12 @@ for folder in ("lm", "base"):
             out = m(input_ids=io['ids'], use_cache=False)
         if auto == "AutoModel":
             assert type(m).__name__ == "Kimi3Model"
-            assert torch.allclose(out.last_hidden_state, io['hidden'], rtol=1e-6, atol=1e-6)
+            err = float((out.last_hidden_state - io['hidden']).abs().max() / io['hidden'].abs().max())
+            assert err < 1e-5, err  # another process, maybe another thread count: fp32 sums in another order
         else:
             assert type(m).__name__ == "Kimi3ForCausalLM"
-            assert folder == "base" or torch.allclose(out.logits, io['logits'], rtol=1e-6, atol=1e-6)
+            err = float((out.logits - io['logits']).abs().max() / io['logits'].abs().max())
+            assert folder == "base" or err < 1e-5, err
         print("OK", folder, auto)
 """
     proc = run_python(code, env={"HF_MODULES_CACHE": str(tmp_path / "modules")})

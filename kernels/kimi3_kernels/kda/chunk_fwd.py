@@ -491,7 +491,7 @@ if TRITON_AVAILABLE:
                         max_span, s_first, H, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                         SAFE: tl.constexpr, USE_LB: tl.constexpr, L2: tl.constexpr, SEG: tl.constexpr,
                         PREC: tl.constexpr):
-        """Inference forward in 16-token sub-chunks (KIMI3_KDA_FWD16, default), one program per sub-chunk and head,
+        """Inference forward in 16-token sub-chunks, one program per sub-chunk and head,
         from the raw inputs: the L2 norms, sigmoid(beta), the gate and its cumsum Gam from the sub-chunk's start (no
         preparation kernels, nothing per 64-token chunk); the diagonal tile's Aqk and P (one matmul per K slice, or
         the per-column loop for a steep unbounded gate, as _diag_fwd_kernel), T = (I + Diag(beta) P)^-1 Diag(beta);
