@@ -241,6 +241,8 @@ def nan_empty(monkeypatch):
                                                           else t)(empty(*a, **kw)))
 
 
+# slow (make test-all): bf16 twin of test_chunk_varlen, which runs in CI
+@pytest.mark.slow
 @needs_triton
 def test_chunk_forward_varlen_bf16(nan_empty):
     # the output kernel reads the chunk entry states kept in the matmul dtype: varlen with an empty and a
@@ -360,6 +362,8 @@ def test_chunk_sub16_varlen():
     assert cs.shape == (4, 2, 16, 16) and rel(cs, rcs) < 1e-4
 
 
+# slow (make test-all): segmented sub-chunk launches, the same kernels test_chunk_forward_sub16 covers in one segment
+@pytest.mark.slow
 @needs_triton
 def test_chunk_sub16_segments(monkeypatch):
     """The 16-token forward in segments of the chunks, the state carried between the recurrence's launches:

@@ -10,7 +10,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-SHARDS = 4  # the interpreter runs the cases slowly; four processes let pytest-xdist spread them over the workers
+SHARDS = 6  # the interpreter runs the cases slowly; six processes let pytest-xdist spread them over the workers
 
 
 @pytest.mark.parametrize("shard", range(SHARDS))
