@@ -15,14 +15,43 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    # one intra-op thread per pytest-xdist worker: `make test` runs one worker per core, and two threads per worker
-    # on a busy 2-core machine made the tiny models' forwards several times slower
-    # (OMP_NUM_THREADS: the same for the subprocesses tests start)
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        import torch
+    # one intra-op thread (here and, through OMP_NUM_THREADS, in the subprocesses tests start): the models are tiny,
+    # and `make test` runs one pytest-xdist worker per core; two threads per worker on a busy 2-core machine made the
+    # forwards several times slower
+    import torch
 
-        torch.set_num_threads(1)
-        os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+@pytest.fixture
+def recorded_steps(monkeypatch):
+    """Decode graphs "recorded" on the CPU: the recording keeps the step function and a replay runs it again, so the
+    bookkeeping around graphs (pool, one graph per step shape, re-recording, fallbacks) is the real code; a real CUDA
+    graph needs a GPU (tests/gpu). The returned list grows by one per recording."""
+    from transformers_kimi3 import decode_graphs
+
+    records = []
+
+    class Replayed:
+        def __init__(self, step, output):
+            self.step, self.output, self.fresh = step, output, True
+
+        def replay(self):
+            # the recording ran the step once, and the first replay follows it with the same ids and position
+            if not self.fresh:
+                self.output.copy_(self.step())
+            self.fresh = False
+
+    def record(step):
+        records.append(1)
+        out = step()
+        return Replayed(step, out), out
+
+    monkeypatch.setattr(decode_graphs, "graph_device", lambda t: True)
+    monkeypatch.setattr(decode_graphs, "cuda_warm_up", lambda step: (step(), step()))
+    monkeypatch.setattr(decode_graphs, "cuda_record", record)
+    return records
 
 
 def pytest_collection_modifyitems(config, items):

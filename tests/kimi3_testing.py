@@ -184,3 +184,19 @@ def run_decode_ptx(asm, x, scales, G=None, n_out=4):
             raise AssertionError(f"unexpected PTX opcode {op}")
         regs[d] = r
     return [regs[f"${i}"] for i in range(n_out)]
+
+
+# two MLA layers, both MoE: the routed-expert mechanisms (QAT, LoRA on packed experts) at the smallest cost
+MOE_MICRO = dict(num_hidden_layers=2, first_k_dense_replace=0, attn_res_block_size=1,
+                 linear_attn_config=dict(num_heads=2, head_dim=16, short_conv_kernel_size=4, gate_lower_bound=-5.0,
+                                         use_full_rank_gate=True, kda_layers=[], full_attn_layers=[1, 2]))
+
+
+def checkpointing_argument():
+    """TrainingArguments' name for gradient checkpointing in the installed Transformers."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"

@@ -128,10 +128,7 @@ def packed_experts_lora_forward(experts, x, topk_idx, topk_w, adapters):
     """`PackedMXFP4Experts.forward` with LoRA adapters on w1, w3 and w2 (module docstring): x [T, D], topk_idx [T, k],
     topk_w [T, k] -> [T, D] in x's dtype. `adapters`: [(A, B, scaling, dropout)], A / B modules holding w1, w3, w2
     factors ([E, r, in] / [E, out, r]), dropout a callable on the projection's input."""
-    if x.dim() != 2 or x.shape[-1] != experts.hidden_size:
-        raise ValueError(f"x must be [T, {experts.hidden_size}], got {tuple(x.shape)}")
-    if topk_idx.shape != topk_w.shape or topk_idx.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_idx {tuple(topk_idx.shape)} / topk_w {tuple(topk_w.shape)} do not match x")
+    experts.check_inputs(x, topk_idx, topk_w)
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
     T, k = topk_idx.shape

@@ -223,12 +223,16 @@ class PackedMXFP4Experts(nn.Module):
         return ops if ops is not None and ops.available(x.device) else None
 
     # ---- forward
-    def forward(self, x, topk_idx, topk_w):
-        """x [T, D], topk_idx [T, k] long, topk_w [T, k] float -> [T, D] in x's dtype."""
+    def check_inputs(self, x, topk_idx, topk_w):
+        """The routed inputs' shapes, checked before any kernel sees them (here and in expert_lora's forward)."""
         if x.dim() != 2 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"x must be [T, {self.hidden_size}], got {tuple(x.shape)}")
         if topk_idx.shape != topk_w.shape or topk_idx.shape[0] != x.shape[0]:
             raise ValueError(f"topk_idx {tuple(topk_idx.shape)} / topk_w {tuple(topk_w.shape)} do not match x")
+
+    def forward(self, x, topk_idx, topk_w):
+        """x [T, D], topk_idx [T, k] long, topk_w [T, k] float -> [T, D] in x's dtype."""
+        self.check_inputs(x, topk_idx, topk_w)
         if x.shape[0] == 0:
             return x.new_zeros(x.shape)
         T, k = topk_idx.shape

@@ -82,15 +82,6 @@ def run(tool, *argv):
     return tool.main([str(a) for a in argv])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Toy models: threads only add overhead (a lot of it on a busy CI machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def ref_logits():
     return {"A": logits(ORACLE_A), "tiny": logits(TINY), "tiny_dequantized": dequantized_logits(TINY)}

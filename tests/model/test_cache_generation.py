@@ -298,34 +298,6 @@ def test_prefill_chunk_size_must_be_positive(model, bad):
 # bookkeeping around it (pool, warm-up undone from a snapshot, counters, re-recording, fallbacks) is the real code.
 
 
-@pytest.fixture
-def recorded_steps(monkeypatch):
-    """Decode graphs recorded on the CPU; the returned list grows by one per recording."""
-    from transformers_kimi3 import decode_graphs
-
-    records = []
-
-    class Replayed:
-        def __init__(self, step, output):
-            self.step, self.output, self.fresh = step, output, True
-
-        def replay(self):
-            # the recording ran the step once, and the first replay follows it with the same ids and position
-            if not self.fresh:
-                self.output.copy_(self.step())
-            self.fresh = False
-
-    def record(step):
-        records.append(1)
-        out = step()
-        return Replayed(step, out), out
-
-    monkeypatch.setattr(decode_graphs, "graph_device", lambda t: True)
-    monkeypatch.setattr(decode_graphs, "cuda_warm_up", lambda step: (step(), step()))
-    monkeypatch.setattr(decode_graphs, "cuda_record", record)
-    return records
-
-
 def test_recorded_decode_steps_equal_eager_decoding(model, recorded_steps, fast_loop_calls):
     x = ids(2, 9, seed=12)
     model.release_static_caches()

@@ -31,15 +31,6 @@ GREEDY = dict(do_sample=False, pad_token_id=0)
 DRAFT = dict(num_assistant_tokens=2, assistant_confidence_threshold=0.0)  # k drafted tokens every round
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny models: thread hand-offs cost more than the work, and much more on a busy machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def rollbacks(monkeypatch):
     """What every speculation round dropped: one list of per-row dropped positions per round that dropped any (proof
@@ -201,32 +192,6 @@ def test_transformers_loop_takes_what_ours_does_not(rollbacks):
 # the static cache's recorded steps. A CUDA graph needs a GPU (tests/gpu/test_speculative_gpu.py runs the real
 # ones); here the recording keeps the step function and a replay runs it again, as test_cache_generation does: the
 # bookkeeping (one graph per step shape, the round's device offsets, reuse across calls) is the real code.
-
-
-@pytest.fixture
-def recorded_steps(monkeypatch):
-    from transformers_kimi3 import decode_graphs
-
-    records = []
-
-    class Replayed:
-        def __init__(self, step, output):
-            self.step, self.output, self.fresh = step, output, True
-
-        def replay(self):
-            if not self.fresh:
-                self.output.copy_(self.step())
-            self.fresh = False
-
-    def record(step):
-        records.append(1)
-        out = step()
-        return Replayed(step, out), out
-
-    monkeypatch.setattr(decode_graphs, "graph_device", lambda t: True)
-    monkeypatch.setattr(decode_graphs, "cuda_warm_up", lambda step: (step(), step()))
-    monkeypatch.setattr(decode_graphs, "cuda_record", record)
-    return records
 
 
 def test_static_speculation_replays_one_graph_per_step_shape(recorded_steps):

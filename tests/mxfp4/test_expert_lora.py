@@ -3,14 +3,13 @@ dequantised experts (`target_parameters`), the PEFT adapter's save / load round 
 its error reported) and unmerging, and a few Trainer steps."""
 
 import copy
-import dataclasses
 import importlib.util
 
 import pytest
 import torch
 from transformers import Trainer, TrainingArguments
 
-from kimi3_testing import rel_err, tiny_k3_text_config, tiny_model
+from kimi3_testing import MOE_MICRO, checkpointing_argument, rel_err, tiny_k3_text_config, tiny_model
 from transformers_kimi3.expert_lora import (
     PackedExpertsLoraLayer,
     load_packed_experts_adapter,
@@ -25,20 +24,9 @@ from transformers_kimi3.mxfp4_experts import PackedMXFP4Experts
 needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs PEFT")
 
 # two MLA layers, both MoE; intermediate 64 != latent 32, so a transposed factor cannot pass
-MICRO = dict(num_hidden_layers=2, first_k_dense_replace=0, attn_res_block_size=1, moe_intermediate_size=64,
-             linear_attn_config=dict(num_heads=2, head_dim=16, short_conv_kernel_size=4, gate_lower_bound=-5.0,
-                                     use_full_rank_gate=True, kda_layers=[], full_attn_layers=[1, 2]))
+MICRO = dict(MOE_MICRO, moe_intermediate_size=64)
 R, ALPHA = 4, 8
-_CKPT_ARG = "activation_checkpointing" if any(f.name == "activation_checkpointing" for f in
-                                                dataclasses.fields(TrainingArguments)) else "gradient_checkpointing"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads only add contention on a 2-core runner
-    yield
-    torch.set_num_threads(n)
+_CKPT_ARG = checkpointing_argument()
 
 
 def _blocks(model):

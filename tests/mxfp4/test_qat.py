@@ -3,14 +3,13 @@ model saved after QAT computing the QAT model's forward, masters in another dtyp
 checkpointing, and Trainer steps with gradient checkpointing and Quantile Balancing whose saved folder reloads to the
 trained model's logits."""
 
-import dataclasses
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import Trainer, TrainingArguments
 
-from kimi3_testing import rel_err, tiny_k3_text_config, tiny_model
+from kimi3_testing import MOE_MICRO, checkpointing_argument, rel_err, tiny_k3_text_config, tiny_model
 from transformers_kimi3 import Kimi3ForCausalLM, prepare_qat
 from transformers_kimi3.moe import Kimi3Experts, Kimi3SparseMoeBlock
 from transformers_kimi3.mxfp4 import decode_mxfp4, quantize_mxfp4
@@ -18,20 +17,8 @@ from transformers_kimi3.mxfp4_experts import PackedMXFP4Experts
 from transformers_kimi3.qat import QATExperts, fake_quantize_mxfp4
 from transformers_kimi3.training import QuantileBalancingCallback, find_routers
 
-# two MLA layers, both MoE: every QAT mechanism at the smallest cost
-MICRO = dict(num_hidden_layers=2, first_k_dense_replace=0, attn_res_block_size=1,
-             linear_attn_config=dict(num_heads=2, head_dim=16, short_conv_kernel_size=4, gate_lower_bound=-5.0,
-                                     use_full_rank_gate=True, kda_layers=[], full_attn_layers=[1, 2]))
-_CKPT_ARG = "activation_checkpointing" if any(f.name == "activation_checkpointing" for f in
-                                                dataclasses.fields(TrainingArguments)) else "gradient_checkpointing"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads only add contention on a 2-core runner
-    yield
-    torch.set_num_threads(n)
+MICRO = MOE_MICRO
+_CKPT_ARG = checkpointing_argument()
 
 
 def _dq(w):

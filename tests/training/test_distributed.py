@@ -305,14 +305,6 @@ def _worker(rank, folder):
 
 # ----------------------------------------------------------------------------- one process
 @pytest.fixture(scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers: the thread count changes how CPU kernels round
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
 def ranks(tmp_path_factory, one_thread):
     """The two ranks' results, computed once per test run: under pytest-xdist the workers share one folder and a
     lock, so the second worker to get here reads what the first computed."""

@@ -21,14 +21,6 @@ SMALL = dict(num_hidden_layers=2, attn_res_block_size=1,
                                      use_full_rank_gate=True, kda_layers=[1], full_attn_layers=[2]))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads only add contention on a 2-core CI runner
-    yield
-    torch.set_num_threads(n)
-
-
 def batch(seed, B=2, T=16):
     ids = torch.randint(3, 96, (B, T), generator=torch.Generator().manual_seed(seed))
     return dict(input_ids=ids, labels=ids)

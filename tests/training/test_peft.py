@@ -25,14 +25,6 @@ EXPERTS = ["experts.w1", "experts.w2", "experts.w3"]  # routed experts: nn.Param
 MERGE_TOL = 5e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def base(seed=0):
     # moe_intermediate_size 48 != latent 32: the experts' [E, out, in] orientation is visible in the LoRA shapes
     return tiny_model(seed=seed, moe_intermediate_size=48)

@@ -25,14 +25,6 @@ N_EXPERTS, TOP_K, D = 16, 2, 32
 TOKENS_PER_STEP = 64 * 256  # q = 2048 tokens per expert: sampling noise of a fresh batch ~2%, well under the 10%
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads only add contention on a 2-core CI runner
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("margin", ["boundary", "spec"])
 def test_shift_leaves_exactly_q_positive_margins(margin):
     g = torch.Generator().manual_seed(0)

@@ -27,14 +27,6 @@ _CKPT_ARG = "activation_checkpointing" if any(f.name == "activation_checkpointin
                                                 dataclasses.fields(TrainingArguments)) else "gradient_checkpointing"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: threads only add contention on a 2-core CI runner
-    yield
-    torch.set_num_threads(n)
-
-
 def corpus(n, length=16, seed=0, lengths=None):
     """Arithmetic sequences (start s, stride 1 or 2, mod 93): the next token follows from the previous two."""
     g = torch.Generator().manual_seed(seed)

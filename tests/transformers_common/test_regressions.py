@@ -11,14 +11,6 @@ from transformers_kimi3.moe import Kimi3Experts
 pytestmark = pytest.mark.transformers_common
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_beam_search_and_several_sequences_repeat_each_rows_images_whole():
     """generate(num_beams / num_return_sequences > 1) with images: Transformers repeats every tensor row by row, which
     for pixel_values (patches of all images packed together) gave each image patches of others. Rows with different

@@ -28,15 +28,6 @@ from transformers_kimi3 import Kimi3Cache, Kimi3ForCausalLM
 pytestmark = pytest.mark.transformers_common
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread (upstream_tests.Registered says why)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _model_and_ids(tester):
     config, inputs = tester(None).prepare_config_and_inputs_for_common()
     torch.manual_seed(0)
