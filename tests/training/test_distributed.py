@@ -305,7 +305,7 @@ def _worker(rank, folder):
 
 # ----------------------------------------------------------------------------- one process
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory, one_thread):
+def ranks(tmp_path_factory):
     """The two ranks' results, computed once per test run: under pytest-xdist the workers share one folder and a
     lock, so the second worker to get here reads what the first computed."""
     from filelock import FileLock
