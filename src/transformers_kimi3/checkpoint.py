@@ -480,6 +480,9 @@ def _place(name, prefix):
     return prefix + name
 
 
+_MODELING_MODULE = __name__.rsplit(".", 1)[0] + ".modeling_kimi3"
+
+
 def save_pretrained(model, save_directory, base_save_pretrained, *args, state_dict=None, **kwargs):
     """Write the official layout: official tensor names, per-expert weights, official config keys."""
     if state_dict is None:
@@ -508,17 +511,27 @@ def save_pretrained(model, save_directory, base_save_pretrained, *args, state_di
     model.config.auto_map = _auto_map(model)
     if text_config is not model.config and hasattr(text_config, "auto_map"):
         del text_config.auto_map
+    # a wrapper's subclass (FSDP2's `FSDP<class>`, defined in torch) must not reach the folder: Transformers writes
+    # the class it saves into auto_map and copies the file that defines it
+    wrapper, model.__class__ = type(model), _kimi_class(model)
     try:
         return base_save_pretrained(save_directory, *args, state_dict=out, **kwargs)
     finally:
+        model.__class__ = wrapper
         text_config.checkpoint_quantization_config = saved_q
         model.config.auto_map = saved_maps[0]
         if text_config is not model.config and saved_maps[1] is not None:
             text_config.auto_map = saved_maps[1]
 
 
+def _kimi_class(model):
+    """The model's own Kimi class: wrappers derive from it at run time (FSDP2's `fully_shard` makes the model an
+    instance of a subclass `FSDP<class>` defined in torch)."""
+    return next(c for c in type(model).__mro__ if c.__module__ == _MODELING_MODULE)
+
+
 def _auto_map(model):
-    cls = type(model).__name__
+    cls = _kimi_class(model).__name__
     auto = {"AutoConfig": f"configuration_kimi3.{type(model.config).__name__}"}
     if hasattr(model, "language_model"):  # one class serves text and images, as for the official release
         auto.update({k: f"modeling_kimi3.{cls}" for k in ("AutoModel", "AutoModelForCausalLM",

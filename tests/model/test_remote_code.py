@@ -67,3 +67,18 @@ def test_saved_official_folder_carries_only_our_auto_map(tmp_path):
     assert "auto_map" not in cfg["text_config"]
     for module in ("configuration_kimi3.py", "modeling_kimi3.py"):
         assert os.path.exists(tmp_path / module)
+
+
+@needs_oracle
+def test_auto_map_names_the_kimi_class_under_a_runtime_wrapper(tmp_path):
+    """FSDP2's `fully_shard` turns the model into an instance of `FSDP<class>`, a subclass defined in torch, and
+    Trainer / Accelerate call `save_pretrained` on it: the folder must still name our class."""
+    from transformers_kimi3 import Kimi3ForConditionalGeneration
+
+    model = Kimi3ForConditionalGeneration.from_pretrained(ORACLE_A)
+    model.__class__ = type("FSDPKimi3ForConditionalGeneration", (Kimi3ForConditionalGeneration,),
+                           {"__module__": "torch.distributed.fsdp._fully_shard._fully_shard"})
+    model.save_pretrained(tmp_path)
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert set(cfg["auto_map"].values()) == {"configuration_kimi3.Kimi3Config",
+                                             "modeling_kimi3.Kimi3ForConditionalGeneration"}
