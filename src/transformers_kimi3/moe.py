@@ -196,7 +196,9 @@ class Kimi3Experts(nn.Module):
         return out.new_empty(out.shape).index_copy_(0, order, out)
 
     def _grouped_mm(self, x, topk_idx, weights=None):
-        w1, w3, w2 = weights if weights is not None else self._weights()
+        # torch._grouped_mm is outside autocast: bf16 activations reaching float weights (Trainer's bf16=True) get
+        # the weights cast as autocast casts a Linear's (no copy when they already are bf16)
+        w1, w3, w2 = (w.to(x.dtype) for w in (weights if weights is not None else self._weights()))
         order, counts, xs = self._sorted(self._gemm_input(x), topk_idx)
         offs = counts.cumsum(0).to(torch.int32)
         g = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)

@@ -153,3 +153,26 @@ def test_decode_router_and_glu_kernels_are_chosen_only_where_they_apply(monkeypa
     with torch.no_grad():
         silu(g, g), situ(g, g), plain(torch.randn(1, 64))
     assert len(glu_calls) == 2 and not used(plain, 1)
+
+
+def test_grouped_mm_path_takes_float_weights_with_bf16_activations(monkeypatch):
+    """Trainer's bf16=True: autocast hands bf16 activations to fp32 expert weights, and torch._grouped_mm is outside
+    autocast. The path casts the weights as autocast casts a Linear's: the same values as bf16 weights, and the
+    gradients reach the fp32 weights."""
+    from transformers_kimi3 import kernels
+
+    monkeypatch.setattr(kernels, "kernel_device", lambda t: True)  # the CUDA path, on CPU tensors
+    cfg = tiny_k3_text_config(hidden_act="silu", num_experts=8, moe_intermediate_size=32)
+    experts = Kimi3Experts(cfg, 32)
+    g = torch.Generator().manual_seed(0)
+    for w in experts.parameters():
+        w.data = torch.randn(w.shape, generator=g) * 0.2
+    bf16 = Kimi3Experts(cfg, 32).bfloat16()
+    bf16.load_state_dict(experts.state_dict())
+    x = torch.randn(40, 32, generator=g).bfloat16()
+    idx, w = torch.randint(0, 8, (40, 2), generator=g), torch.rand(40, 2, generator=g)
+    y = experts(x, idx, w)
+    assert torch.equal(y, bf16(x, idx, w))
+    y.square().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 and p.grad.abs().sum() > 0
+               for p in experts.parameters())
