@@ -118,6 +118,24 @@ class CallBudget(TrainerCallback):
             control.should_save = control.should_training_stop = True
 
 
+class StepClock(TrainerCallback):
+    """Wall time of each optimizer step (the step time that fits a run into a GPU budget: `--steps-scale`)."""
+
+    def __init__(self):
+        self.last, self.seconds = None, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.last = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seconds.append(time.monotonic() - self.last)
+
+    def summary(self):
+        s = sorted(self.seconds[2:] or self.seconds)  # the first steps compile and autotune the kernels
+        return {"steps_timed": len(s), "p25": round(s[len(s) // 4], 4), "median": round(s[len(s) // 2], 4),
+                "total": round(sum(self.seconds), 1)} if s else {}
+
+
 def processor_of(inputs):
     return Kimi3Processor(image_processor=Kimi3ImageProcessor(),
                           tokenizer=AutoTokenizer.from_pretrained(os.path.join(inputs, "tokenizer")))
@@ -183,13 +201,15 @@ def run_phase(phase, plan, work, ids, args, deadline):
     net = initial_model(name, model, plan, work, ids, args)
     if args.gradient_checkpointing:
         net.gradient_checkpointing_enable()
+    clock = StepClock()
     trainer = Trainer(model=net,
                       args=training_arguments(out, steps, batch, lr, args, cuda), train_dataset=train,
                       eval_dataset=held_out, data_collator=collator,
-                      callbacks=[QuantileBalancingCallback(), CallBudget(deadline, args.max_steps_per_call)])
+                      callbacks=[QuantileBalancingCallback(), CallBudget(deadline, args.max_steps_per_call), clock])
     resume = get_last_checkpoint(out) if os.path.isdir(out) else None
     trainer.train(resume_from_checkpoint=resume)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    print(f"{name}: step seconds {json.dumps(clock.summary())}")
     if trainer.state.global_step < steps:
         print(f"{name}: paused at step {trainer.state.global_step} of {steps}; run again to resume")
         return {"done": False}
@@ -197,7 +217,7 @@ def run_phase(phase, plan, work, ids, args, deadline):
     trainer.save_model(os.path.join(out, "final"))
     summary = {"done": True, "model": model, "steps": steps, "batch": batch, "lr": lr,
                "train_loss": round(losses[-1], 4) if losses else None,
-               "eval_loss": round(metrics["eval_loss"], 4), "losses": losses}
+               "eval_loss": round(metrics["eval_loss"], 4), "losses": losses, "step_seconds": clock.summary()}
     for ckpt in os.listdir(out):
         if ckpt.startswith("checkpoint-"):
             shutil.rmtree(os.path.join(out, ckpt))
