@@ -20,12 +20,18 @@ fp32 get units of their own where needed (`apply_fsdp2`).
 
 The code is device-agnostic: the mesh's device type (CUDA with NCCL, or the CPU with gloo) decides where the
 shards live; nothing here names a device.
+
+Context parallel (one sequence split along its length over the ranks) is `context_parallel.py`; its two entry
+points, `context_parallel` and `shard_sequence`, are importable from here too.
 """
 
 import torch
 from torch import nn
 
-__all__ = ["apply_fsdp2", "fsdp2_units", "gather_full_state_dict", "load_full_state_dict", "save_pretrained_fsdp2"]
+from .context_parallel import context_parallel, shard_sequence
+
+__all__ = ["apply_fsdp2", "context_parallel", "fsdp2_units", "gather_full_state_dict", "load_full_state_dict",
+           "save_pretrained_fsdp2", "shard_sequence"]
 
 
 def _require_distributed(what):

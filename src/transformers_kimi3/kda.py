@@ -162,10 +162,11 @@ class Kimi3DeltaAttention(nn.Module):
         self.o_norm = Kimi3GatedRMSNorm(K, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(D, d, bias=False)
 
-    def forward(self, x, attention_mask=None, cache=None, seq_idx=None):
+    def forward(self, x, attention_mask=None, cache=None, seq_idx=None, context_parallel=None):
         """x [B,T,d]; attention_mask [B,T] (1 = token) for this call's positions, or None when every one is a token
         (the model decides that once per forward: checking here would wait for the GPU in every layer); seq_idx
-        [B,T] document ids of packed sequences (training; no cache) or None."""
+        [B,T] document ids of packed sequences (training; no cache) or None; context_parallel: the forward's
+        `context_parallel.Pieces` when x is one piece of the sequence (no mask, no cache), else None."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         if attention_mask is not None:  # padding never enters the convs (zero input = the convs' own padding)
@@ -188,12 +189,14 @@ class Kimi3DeltaAttention(nn.Module):
         states = states or (None, None, None)
         kernel = ours and seq_idx is None
         xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        g = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
+        beta = self.b_proj(x)
+        if context_parallel is not None:  # the previous rank's conv inputs and final state
+            states, h0, tracked = self._receive(context_parallel, (xq, xk, xv), g, beta)
         q, sq = self.q_conv1d(xq, states[0], seq_idx, kernel)
         k, sk = self.k_conv1d(xk, states[1], seq_idx, kernel)
         v, sv = self.v_conv1d(xv, states[2], seq_idx, kernel)
         q, k, v = (t.view(B, T, H, K) for t in (q, k, v))
-        g = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
-        beta = self.b_proj(x)
         if record:
             W = self.q_conv1d.weight.shape[-1]
             before = tuple(s if s is not None else t.new_zeros(B, H * K, W) for s, t in zip(states, (xq, xk, xv)))
@@ -205,19 +208,37 @@ class Kimi3DeltaAttention(nn.Module):
                                (k, v, g, beta), self.q_conv1d.weight.shape[-1], attention_mask)
 
         kw = dict(A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
-                  initial_state=h0, output_final_state=cache is not None, use_qk_l2norm_in_kernel=True)
+                  initial_state=h0, output_final_state=cache is not None or context_parallel is not None,
+                  use_qk_l2norm_in_kernel=True)
         if seq_idx is not None or attention_mask is not None:
             o, ht = self._packed(q, k, v, g, beta, attention_mask, seq_idx, backend, kw)
-        elif h0 is not None and (T <= 4 or in_round):  # decode / speculative verification
+        elif h0 is not None and cache is not None and (T <= 4 or in_round):  # decode / speculative verification
             o, ht = kernels.kda_recurrent(q, k, v, g, beta, backend, **kw)
         else:
             o, ht = kernels.kda_chunk(q, k, v, g, beta, backend, **kw)
+        if context_parallel is not None:  # to the next rank: the state after this piece and its last conv inputs
+            o = context_parallel.send(o, (ht, sq[..., 1:], sk[..., 1:], sv[..., 1:]), tracked)
         if cache is not None:
             cache.update_kda_state(self.layer_idx, (sq, sk, sv), ht.float())
 
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
         o = self.o_norm(o, gate.view(B, T, H, K)).reshape(B, T, H * K)
         return self.o_proj(o)
+
+    def _receive(self, pieces, xs, g, beta):
+        """Context parallel: (conv states, h0, tracked) to continue the previous rank's piece: its last W - 1 inputs
+        of each conv (as a [B, D, W] conv state) and its final state [B, H, K, V] fp32; zeros (None) on the first
+        rank. `tracked` are the tensors this rank's message depends on besides the previous rank's message (the
+        three convs' inputs, the k / v conv weights, the gate, beta, A_log, dt_bias): alike on every rank, they
+        decide whether the message's gradient is sent back (`context_parallel._anchor`)."""
+        B, _, D = xs[0].shape
+        H, K, W = self.num_heads, self.head_dim, self.q_conv1d.weight.shape[-1]
+        tracked = (*xs, g, beta, self.A_log, self.dt_bias, self.k_conv1d.weight, self.v_conv1d.weight)
+        got = pieces.receive([(B, H, K, K)] + [(B, D, W - 1)] * 3, xs[0], tracked)
+        if got is None:
+            return (None, None, None), None, tracked
+        h0, *halo = got
+        return tuple(F.pad(t, (1, 0)).to(xs[0].dtype) for t in halo), h0, tracked
 
     def _fused_decode(self, x, states, h0):
         """Decode / verification with a cache (inference): the three convs in one launch and the output norm in

@@ -59,8 +59,10 @@ class Kimi3MLAAttention(nn.Module):
             self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
 
-    def forward(self, x, mask=None, cache=None, output_attentions=False):
-        """x [B,T,d]; mask: bool [B,1,T,T_total] (True = attend) or None for causal attention over the cache.
+    def forward(self, x, mask=None, cache=None, output_attentions=False, context_parallel=None):
+        """x [B,T,d]; mask: bool [B,1,T,T_total] (True = attend) or None for causal attention over the cache;
+        context_parallel: the forward's `context_parallel.Pieces` when x is one piece of the sequence (no mask, no
+        cache): the latents of every earlier piece are gathered, and the queries attend causally with their offset.
         Returns the output [B,T,d]; with output_attentions, (output, probabilities [B,H,T,T_total] in x's dtype)."""
         B, T, _ = x.shape
         H = self.num_heads
@@ -70,6 +72,8 @@ class Kimi3MLAAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
         if cache is not None:
             latent = cache.update_latent(latent, self.layer_idx)
+        elif context_parallel is not None:
+            latent = context_parallel.gather_keys(latent)
         Tk = latent.shape[1]
         probs = None
         if output_attentions:

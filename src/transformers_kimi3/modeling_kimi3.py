@@ -56,14 +56,15 @@ class Kimi3DecoderLayer(GradientCheckpointingLayer):
             self.mlp_res_proj = Kimi3AttnResProj(d)
             self.mlp_res_norm = Kimi3AttnResNorm(d, eps=eps)
 
-    def _attn(self, x, kda_mask, attn_mask, past_key_values, seq_idx, output_attentions):
+    def _attn(self, x, kda_mask, attn_mask, past_key_values, seq_idx, output_attentions, context_parallel):
         """(output, attention probabilities): the probabilities only from an MLA layer asked for them, else None
         (a KDA layer has no pairwise attention map)."""
         if self.is_kda:
-            return self.self_attn(x, attention_mask=kda_mask, cache=past_key_values, seq_idx=seq_idx), None
+            return self.self_attn(x, attention_mask=kda_mask, cache=past_key_values, seq_idx=seq_idx,
+                                  context_parallel=context_parallel), None
         if output_attentions:
             return self.self_attn(x, mask=attn_mask, cache=past_key_values, output_attentions=True)
-        return self.self_attn(x, mask=attn_mask, cache=past_key_values), None
+        return self.self_attn(x, mask=attn_mask, cache=past_key_values, context_parallel=context_parallel), None
 
     def _ffn(self, x):
         if hasattr(self, "block_sparse_moe"):
@@ -71,10 +72,11 @@ class Kimi3DecoderLayer(GradientCheckpointingLayer):
         return self.mlp(x), None
 
     def forward(self, hidden_states, bank=None, kda_mask=None, attn_mask=None, past_key_values=None, seq_idx=None,
-                output_attentions=False):
+                output_attentions=False, context_parallel=None):
         """Kimi Linear: hidden_states is the residual stream. K3 (AttnRes): hidden_states is the partial sum of the
-        current block and `bank` [B,T,n,d] the completed blocks (embedding first). Returns (hidden, bank, router,
-        attention probabilities [B,H,T,T_total] of an MLA layer with output_attentions, else None)."""
+        current block and `bank` [B,T,n,d] the completed blocks (embedding first). context_parallel: the forward's
+        `context_parallel.Pieces` when this rank holds one piece of the sequence, else None. Returns (hidden, bank,
+        router, attention probabilities [B,H,T,T_total] of an MLA layer with output_attentions, else None)."""
         # With device_map the layers live on different devices: the bank and the masks follow the layer.
         dev = hidden_states.device
         bank, kda_mask, attn_mask, seq_idx = (None if t is None else t.to(dev)
@@ -82,7 +84,7 @@ class Kimi3DecoderLayer(GradientCheckpointingLayer):
         if self.attn_res_block_size is None:
             h = hidden_states
             a, probs = self._attn(self.input_layernorm(h), kda_mask, attn_mask, past_key_values, seq_idx,
-                                  output_attentions)
+                                  output_attentions, context_parallel)
             h = h + a
             m, router_logits = self._ffn(self.post_attention_layernorm(h))
             return h + m, bank, router_logits, probs
@@ -92,7 +94,7 @@ class Kimi3DecoderLayer(GradientCheckpointingLayer):
             bank = p[:, :, None] if bank is None else torch.cat([bank, p[:, :, None]], dim=2)
             p = None
         a, probs = self._attn(self.input_layernorm(x), kda_mask, attn_mask, past_key_values, seq_idx,
-                              output_attentions)
+                              output_attentions, context_parallel)
         p = a if p is None else p + a
         x = attn_res_mix(bank, p, self.mlp_res_proj, self.mlp_res_norm)
         m, router_logits = self._ffn(self.post_attention_layernorm(x))
@@ -194,6 +196,9 @@ class Kimi3PreTrainedModel(PreTrainedModel):
 
 
 class Kimi3Model(Kimi3PreTrainedModel):
+    # the `context_parallel.ContextParallel` of an open `context_parallel(model)` block, else None
+    _context_parallel = None
+
     def __init__(self, config):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -247,6 +252,16 @@ class Kimi3Model(Kimi3PreTrainedModel):
             if not (input_ids.is_cuda and input_ids.shape[1] == 1) and not torch.compiler.is_compiling():
                 check_token_ids(input_ids, self.embed_tokens)
             inputs_embeds = self.embed_tokens(input_ids)
+        pieces = None
+        if self._context_parallel is not None:  # this rank holds one piece of each row (context_parallel.py)
+            padded = attention_mask is not None and (custom_mask or not bool(attention_mask.all()))
+            packed = kwargs.get("cu_seq_lens_q") is not None or packed_sequence_ids(
+                position_ids, None, *inputs_embeds.shape[:2], inputs_embeds.device) is not None
+            maps = self.config.output_attentions if output_attentions is None else output_attentions
+            pieces = self._context_parallel.pieces(
+                inputs_embeds, attention_mask=padded, past_key_values=past_key_values is not None,
+                use_cache=bool(use_cache), position_ids=packed, output_attentions=bool(maps))
+            attention_mask, use_cache = None, False
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False
@@ -288,7 +303,8 @@ class Kimi3Model(Kimi3PreTrainedModel):
         attentions = () if output_attentions else None
         for layer in self.layers[:self.config.num_hidden_layers]:  # fewer while an early-exit draft runs
             h, bank, router_logits, probs = layer(h, bank, kda_mask, attn_mask, past_key_values=cache,
-                                                  seq_idx=seq_idx, output_attentions=output_attentions)
+                                                  seq_idx=seq_idx, output_attentions=output_attentions,
+                                                  context_parallel=pieces)
             if output_hidden_states:
                 all_hidden += (h,)
             if output_router_logits and router_logits is not None:
@@ -462,9 +478,17 @@ class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
             h = h[:, -logits_to_keep:] if logits_to_keep else h
         else:
             h = h[:, logits_to_keep]
+        context_parallel = self.model._context_parallel
+        if context_parallel is not None and (labels is not None or logits_to_keep):
+            raise ValueError(f"{'labels' if labels is not None else 'logits_to_keep'}: not supported under context "
+                             "parallel (each rank holds a piece of the sequence: pass shift_labels, the labels shifted "
+                             "on the whole sequence and split, as shard_sequence makes them)")
         logits = self.lm_head(h)
         loss = None
-        if labels is not None:
+        shift_labels = kwargs.get("shift_labels")
+        if context_parallel is not None and shift_labels is not None:
+            loss = context_parallel.loss(logits, shift_labels, kwargs.get("num_items_in_batch"))
+        elif labels is not None or shift_labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         out = MoeCausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
                                         hidden_states=out.hidden_states, attentions=out.attentions,
@@ -520,6 +544,9 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
         if logits is not None:  # a static-cache decode step on CUDA (generation.py)
             out = MoeCausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
             return out if return_dict else out.to_tuple()
+        if pixel_values is not None and self.language_model.model._context_parallel is not None:
+            raise ValueError("pixel_values: images are not supported under context parallel (each placeholder "
+                             "expands to its image's rows, which would move the split)")
         n_source = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         cache_started = isinstance(past_key_values, Kimi3Cache) and past_key_values.seen_tokens > 0
         if not cache_started:
