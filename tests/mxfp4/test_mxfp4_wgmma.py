@@ -472,3 +472,23 @@ def test_direct_launches_match_triton_launches_on_gpu(tokens, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, ref[0])
+
+
+@pytest.mark.parametrize("row_expert", [False, True])
+def test_default_tiles_are_tiles_the_kernel_computes(monkeypatch, row_expert):
+    """Small models (kimi-k3-mini: latent 128, expert width 128) have K of one 128-wide tile, which the single-weight
+    Gluon tile cannot step through two at a time: the default tile must then be a Triton one, never a Gluon tile
+    that the launch refuses."""
+    monkeypatch.setattr(tiles, "wgmma_enabled", lambda device=None: True)
+    seen = set()
+    for D, I in ((128, 128), (256, 128), (128, 384), (3584, 3072), (2304, 1408)):
+        for M, E in ((1, 8), (4, 32), (16, 16), (64 * 16, 896), (40, 32), (1024 * 16, 896)):
+            for N, K, dual in ((I, D, "out"), (D, I, None)):
+                cfg = G.default_config(M, E, N, K, dual, row_expert=row_expert)
+                if cfg.get("WG"):
+                    pair = int(bool(cfg.get("PAIR")) and dual is None)
+                    assert W.shape_supported(N, K, cfg["BN"], cfg["BK"], dual is not None, pair), (M, E, N, K, cfg)
+                    seen.add((N, K))
+    if row_expert:  # down of one route per program (no pairing) with K of one tile: a Triton tile
+        assert not G.default_config(4, 32, 128, 128, row_expert=True).get("WG")
+    assert (3072, 3584) in seen and (3584, 3072) in seen  # K3's gate+up and down still take the Gluon tiles

@@ -93,8 +93,9 @@ def default_config(M, E, N, K, dual=None, trans_w=False, row_expert=False):
     fwd = not trans_w and dual != "in"
     tail = _TAILS[dual if fwd else "bwd"] if BM == 128 else ()
     wg_tiles = _WGMMA_ROW_TILES if row_expert else _WGMMA_TILES
-    if fwd and (BM, dual) in wg_tiles and not K % 128 and wgmma_enabled():
-        BN, BK, warps, stages, pair = wg_tiles[BM, dual]
+    wg = wg_tiles.get((BM, dual)) if fwd else None
+    if wg and wgmma.shape_supported(N, K, wg[0], wg[1], dual is not None, wg[4] and dual is None) and wgmma_enabled():
+        BN, BK, warps, stages, pair = wg
         if BM == 32 and not row_expert:
             tail = _TAILS["wg"]
         return dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages, PERM=1, AK=1, TAIL=tail, WG=1,

@@ -346,8 +346,14 @@ def supported(meta, cfg, N, K):
     return (HAS_GLUON and not meta["TRANS_W"] and meta["DUAL"] in (0, 1)
             and meta["PTX"] and meta["A_KPERM"] and meta["EVEN"] and meta["PERM"]
             and cfg["BN"] == 16 * cfg["num_warps"] and cfg["num_warps"] in (4, 8) and cfg["BK"] in (64, 128)
-            and cfg["BM"] in (16, 32, 64) and int(cfg["num_stages"]) >= 3 and N % (cfg["BN"] * (1 + pair)) == 0
-            and (meta["DUAL"] or pair or (K // cfg["BK"]) % 2 == 0))  # one weight steps through K two tiles at a time
+            and cfg["BM"] in (16, 32, 64) and int(cfg["num_stages"]) >= 3
+            and shape_supported(N, K, cfg["BN"], cfg["BK"], meta["DUAL"], pair))
+
+
+def shape_supported(N, K, BN, BK, dual, pair):
+    """The GEMM widths a tile (BN, BK, pair) computes: whole K tiles, whole n-tiles (two where a program pairs them)
+    and, for one weight without pairing, an even count of K tiles (it steps through K two tiles at a time)."""
+    return K % BK == 0 and N % (BN * (1 + pair)) == 0 and bool(dual or pair or (K // BK) % 2 == 0)
 
 
 def _pair(meta, cfg):
