@@ -19,7 +19,8 @@ from kimi3_testing import ORACLE, ORACLE_A, rel_err, tiny_model
 
 FP32 = 2e-5  # fp32 GPU vs fp32 CPU, relative to the largest reference value (3xTF32 matmuls: ~1e-6)
 FP32_GRAD = 1e-4
-BF16 = {"logits": 6e-2, "component": 6e-2}  # bf16 GPU model vs fp32 CPU model
+# bf16 GPU model vs fp32 CPU model; "rerouted": the share of tokens whose top-k expert set differs in a MoE layer
+BF16 = {"logits": 6e-2, "component": 6e-2, "rerouted": 0.25}
 
 
 def k3_model():
@@ -184,9 +185,12 @@ def test_chunked_prefill_static_decode_and_generation(layout, record):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_bf16_model_per_component(layout, record):
     """A bf16 model on the GPU against the fp32 CPU model: each layer's attention and feed-forward output and the
-    logits, with the bounds this suite states (bf16 has 8 mantissa bits; the errors compound over layers)."""
+    logits, with the bounds this suite states (bf16 has 8 mantissa bits; the errors compound over layers). A MoE
+    block is compared on the tokens that both models route to the same experts: on random weights router scores
+    are near ties, and a bf16 rounding that swaps one expert changes that token's output entirely (the MoE module on
+    identical inputs is `test_each_module_alone`'s); the share of swapped routes is bounded on its own."""
     ids, mask = padded_batch(cpu_model(layout).config.vocab_size, T=120, pad=30, seed=9)
-    comps = {}
+    comps, routes = {}, {}
 
     def hooks(model, tag):
         hs = []
@@ -195,6 +199,9 @@ def test_bf16_model_per_component(layout, record):
                 hs.append(mod.register_forward_hook(
                     lambda m, a, o, name=name: keep(comps, (tag, name), (o[0] if isinstance(o, tuple) else o)
                                                             .detach().float().cpu())))
+            if name.endswith("block_sparse_moe.gate"):  # (logits, weights, expert ids [tokens, k])
+                hs.append(mod.register_forward_hook(
+                    lambda m, a, o, name=name: keep(routes, (tag, name[:-len(".gate")]), o[2].sort(-1).values.cpu())))
         return hs
 
     cpu, gpu = cpu_model(layout), gpu_model(layout, torch.bfloat16)
@@ -206,7 +213,13 @@ def test_bf16_model_per_component(layout, record):
     for (tag, name), ref in comps.items():
         if tag == "cpu" and ("gpu", name) in comps:
             out = comps[("gpu", name)]
-            err = rel_err(out[v], ref[v]) if out.shape[:2] == v.shape else rel_err(out, ref)
+            keep_rows = v
+            if ("cpu", name) in routes:
+                same = (routes[("cpu", name)] == routes[("gpu", name)]).all(-1).view(v.shape)
+                record(f"{layout} bf16 {name} share of tokens routed otherwise", 1 - same[v].float().mean().item(),
+                       BF16["rerouted"])
+                keep_rows = v & same
+            err = rel_err(out[keep_rows], ref[keep_rows]) if out.shape[:2] == v.shape else rel_err(out, ref)
             record(f"{layout} bf16 {name}", err, BF16["component"])
     record(f"{layout} bf16 logits", valid_rel(got, want, mask), BF16["logits"])
 
