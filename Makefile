@@ -13,7 +13,7 @@ $(STAMP): setup.py constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m transformers_kimi3 demo --model assets/kimi-k3-tiny
+	$(PY) -m transformers_kimi3 demo --model assets/kimi-k3-mini
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q tests

@@ -14,7 +14,8 @@ messages = [{"role": "user", "content": "What does json.dumps do?"}]
 inputs = processor.apply_chat_template(messages, add_generation_prompt=True, thinking=False, tokenize=True,
                                        return_tensors="pt", return_dict=True)
 out = model.generate(**inputs, max_new_tokens=64)
-print(processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))"""
+# the reply without the chat format's markers (and its reasoning and tool calls, where there are any)
+print(processor.parse_output(out[:, inputs["input_ids"].shape[1]:], prompt=inputs["input_ids"])["content"])"""
 
 DRAFT_USE = """from transformers import AutoTokenizer
 from transformers_kimi3 import Kimi3ForCausalLM  # or AutoModelForCausalLM once transformers_kimi3 is imported
@@ -52,7 +53,31 @@ def _phases_table(summary, model):
     return _table(rows)
 
 
-def model_card(summary, draft=False):
+def _evaluation(evaluation, fidelity):
+    """The card's measured section: picture questions (`examples/eval_mini.py`) and held-out text on a GPU
+    (`bench/fidelity.py`)."""
+    parts = []
+    if fidelity:
+        rows, meta = fidelity["rows"], fidelity["meta"]
+        b, q = rows["bf16_vs_fp32"], rows.get("mxfp4_vs_unquantized")
+        text = f"""Held-out text ({meta['tokens']:,} tokens of the 2 % split, `bench/fidelity.py` on an
+        {meta['device']}): perplexity {b['ppl_fp32']:.1f} in fp32; bf16 gives {b['ppl_bf16']:.1f}
+        ({100 * b['ppl_rel_diff']:+.2f} %) and the same next token as fp32 at {100 * b['top1_agreement']:.1f} % of
+        the positions."""
+        if q:
+            text += f""" The MXFP4 experts as shipped against the trained weights before packing (both bf16):
+            perplexity {100 * q['ppl_rel_diff']:+.3f} %, the same next token at {100 * q['top1_agreement']:.1f} %."""
+        parts.append(_fill(text))
+    if evaluation:
+        right, total = evaluation["total"]
+        kinds = ", ".join(f"{k} {v[0]} of {v[1]}" for k, v in evaluation["exact"].items())
+        parts.append(_fill(f"""Picture questions on {total} scenes it never saw (`examples/eval_mini.py`, greedy,
+        thinking off): {right} of {total} answers are exactly the reference sentence ({kinds}). It has learnt the
+        form of the answers far better than what the pictures show."""))
+    return "\n\n".join(parts)
+
+
+def model_card(summary, draft=False, evaluation=None, fidelity=None):
     name, model = ("kimi-k3-mini-draft", "draft") if draft else ("kimi-k3-mini", "mini")
     n = summary["parameters"][model]
     ratio = summary["parameters"]["mini"]["total"] / summary["parameters"]["draft"]["total"]
@@ -120,4 +145,36 @@ tags:
 {_fill(f'''bf16 autocast with fp32 master weights, AdamW (beta2 0.95, weight decay 0.1), warm-up then cosine,
 packed padding-free rows of {summary.get("seq_len", 1024)} tokens for the text, Quantile Balancing on every
 router, seed {summary["seed"]}. `docs/training_mini.md` of transformers-kimi3 describes the run.''')}
-"""
+""" + ("" if draft or not (evaluation or fidelity) else f"""
+## Evaluation
+
+{_evaluation(evaluation, fidelity)}
+""")
+
+
+def main(argv=None):
+    """Write both cards again from a run's summary.json, with the measured section where its results are given."""
+    import argparse
+    import os
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("summary", help="the run's export/summary.json")
+    ap.add_argument("--evaluation", default=None, help="examples/eval_mini.py's JSON")
+    ap.add_argument("--fidelity", default=None, help="bench/fidelity.py's JSON")
+    ap.add_argument("--assets", default="assets", help="the folder holding kimi-k3-mini and kimi-k3-mini-draft")
+    args = ap.parse_args(argv)
+
+    def read(path):
+        if path is None:
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+    summary = read(args.summary)
+    for draft, folder in ((False, "kimi-k3-mini"), (True, "kimi-k3-mini-draft")):
+        with open(os.path.join(args.assets, folder, "README.md"), "w") as f:
+            f.write(model_card(summary, draft, read(args.evaluation), read(args.fidelity)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
-"""`python -m transformers_kimi3 demo [--model FOLDER]`: load a Kimi K3 folder (default: the bundled tiny checkpoint,
-random weights), continue a prompt, answer a question about a drawn picture and one chat turn, report the KDA backend
-and speed.
+"""`python -m transformers_kimi3 demo [--model FOLDER]`: load a Kimi K3 folder (default: the bundled kimi-k3-mini,
+a small K3 trained by examples/train_kimi3_mini.py), continue a prompt, answer a question about a drawn picture and
+one chat turn, report the KDA backend and speed.
 `python -m transformers_kimi3 bench`: a quick timing of the model on this machine (see benchmark.py)."""
 
 import argparse
@@ -9,7 +9,7 @@ import time
 
 import torch
 
-BUNDLED_MODEL = os.path.join("assets", "kimi-k3-tiny")
+BUNDLED_MODEL = os.path.join("assets", "kimi-k3-mini")
 # the repository checkout this module lies in: src/transformers_kimi3/__main__.py -> the checkout's root
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -108,17 +108,21 @@ def image_question(path, model, pad, local, max_new_tokens):
     new = out[0, inputs["input_ids"].shape[1]:]
     print(f"image question: {question!r} about a red circle on white, 160x120 "
           f"({int(inputs['grid_thws'][0, 1] * inputs['grid_thws'][0, 2] // 4)} image positions)")
-    print(f"answer: {processor.decode(new, skip_special_tokens=True)!r}")
+    print(f"answer: {processor.parse_output(new, prompt=inputs['input_ids'])['content']!r}")
 
 
 def chat_turn(tokenizer, model, pad, question, max_new_tokens):
+    from .processing_kimi3 import parse_kimi3_output
+
     messages = [{"role": "user", "content": question}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True,
                                         thinking=False)["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
     print(f"chat: {question!r}")
-    print(f"reply: {tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)!r}")
+    # the reply's text: the XTML markers that close the assistant message are plain tokens (`parse_kimi3_output`)
+    reply = parse_kimi3_output(tokenizer.decode(out[0, ids.shape[1]:]), prefix=tokenizer.decode(ids[0]))["content"]
+    print(f"reply: {reply!r}")
 
 
 def build_parser():

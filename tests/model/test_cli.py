@@ -17,6 +17,7 @@ from transformers_kimi3 import __main__ as cli
 from transformers_kimi3 import benchmark
 
 TINY = os.path.join(ROOT, "assets", "kimi-k3-tiny")
+MINI = os.path.join(ROOT, "assets", "kimi-k3-mini")  # the demo's default
 CARDS = [os.path.join(ROOT, "model_cards", "kimi-k3-tiny.md"), os.path.join(TINY, "README.md")]
 
 
@@ -24,7 +25,7 @@ def test_default_model_resolves_from_any_folder_offline(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     args = cli.build_parser().parse_args(["demo"])
-    assert os.path.samefile(cli.resolve_model(args.model), TINY)
+    assert os.path.samefile(cli.resolve_model(args.model), MINI)
     assert cli.resolve_model("someone/some-model") == "someone/some-model"  # a given --model is taken as is
 
 
@@ -34,7 +35,7 @@ def test_missing_bundled_model_says_where_it_looked(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as e:
         cli.resolve_model(None)
     msg = str(e.value)
-    assert str(tmp_path / "site-packages" / "assets" / "kimi-k3-tiny") in msg and "--model" in msg
+    assert str(tmp_path / "site-packages" / "assets" / "kimi-k3-mini") in msg and "--model" in msg
 
 
 def _parsers(ap):
