@@ -31,7 +31,7 @@ from .modeling_kimi3 import (
 )
 from .muon import PerHeadMuon, build_per_head_muon
 from .processing_kimi3 import Kimi3Processor, kimi3_output_to_message, parse_kimi3_output
-from .qat import prepare_qat
+from .qat import QATMastersCallback, prepare_qat
 from .tiny_tokenizer import build_tiny_tokenizer
 from .tokenization_kimi3 import Kimi3Tokenizer, Kimi3TokenizerFast
 
@@ -76,4 +76,4 @@ __all__ = ["Kimi3Cache", "Kimi3Config", "Kimi3TextConfig", "Kimi3VisionConfig", 
            "Kimi3ForCausalLM", "Kimi3ForConditionalGeneration", "KimiK3ForConditionalGeneration", "KimiLinearForCausalLM",
            "Kimi3PreTrainedModel", "Kimi3ImageProcessor", "Kimi3Processor", "Kimi3Tokenizer", "Kimi3TokenizerFast",
            "build_tiny_tokenizer", "kimi3_output_to_message", "parse_kimi3_output", "kernel_status",
-           "PerHeadMuon", "build_per_head_muon", "prepare_qat", "apply_fsdp2"]
+           "PerHeadMuon", "build_per_head_muon", "prepare_qat", "QATMastersCallback", "apply_fsdp2"]

@@ -14,16 +14,43 @@ the compressed-tensors MXFP4 description on the text config; `save_pretrained` t
 `quantize_mxfp4` the forward used, so the reloaded packed model computes the QAT model's forward: in fp32 the
 logits agree to rounding (the packed experts sum routes in another order).
 
-The masters stay in the state dict (a Trainer checkpoint holds them, in the official layout packed: a run resumed
-from such a checkpoint starts from the quantised values). Loading a checkpoint into a QAT model (`load_state_dict`
-of packed experts) dequantises the packed tensors into the masters.
+Loading a checkpoint into a QAT model (`load_state_dict` of packed experts) dequantises the packed tensors into the
+masters.
+
+Resuming. A Trainer checkpoint is written by `save_pretrained` too, so its model weights hold the masters packed:
+resumed from them alone, a run starts from the quantised values, every master's part below the MXFP4 step lost,
+and no longer follows the run that was not interrupted. `QATMastersCallback` keeps the exact masters:
+
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[QATMastersCallback()])
+    trainer.train(resume_from_checkpoint=True)                         # or a checkpoint folder
+
+- on every checkpoint it writes `qat_masters.safetensors` (every QATExperts master under its parameter name, in
+  its own dtype, the global step in the metadata) into the folder Trainer has just written, on the process that
+  writes the checkpoint (`args.should_save`);
+- on a resumed run (`on_train_begin`, which Trainer calls after it has loaded the checkpoint's weights, optimizer
+  and scheduler, and before the first step) it loads them back: from `args.resume_from_checkpoint` when that names
+  a folder, else from `<output_dir>/checkpoint-<global step>`, the file whose recorded step is the resumed one.
+  Without such a file it logs a warning naming the folder, and the run continues from the quantised values.
+  A file whose tensors do not match the model's masters (names, shapes, dtypes), or whose masters do not quantise
+  to the weights the checkpoint loaded, is refused with an error naming the tensor and the file.
+
+With the callback a resumed run gives the uninterrupted run's masters bit for bit (tests/mxfp4/test_qat.py). The
+cost is the masters' size on disk per checkpoint (and in host memory while one is written or read): E·I·D·3
+values per MoE layer, 32 bits each for fp32 masters (16 for bf16) against the checkpoint's 4.25 bits (MXFP4 and
+one 8-bit scale per 32 values). `save_qat_masters` / `load_qat_masters` do the same in a loop of one's own.
+Sharded (DTensor, FSDP2) masters are refused.
 """
 
 import copy
 import logging
+import os
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .moe import Kimi3Experts, Kimi3SparseMoeBlock
 from .mxfp4 import GROUP_SIZE, decode_mxfp4, quantize_mxfp4
@@ -119,4 +146,134 @@ def prepare_qat(model, weights="mxfp4", activations=None, master_dtype=None):
     return model
 
 
-__all__ = ["QATExperts", "fake_quantize_mxfp4", "prepare_qat"]
+# ----------------------------------------------------------------------------- exact masters in checkpoints
+QAT_MASTERS_NAME = "qat_masters.safetensors"
+
+
+def qat_masters(model):
+    """{parameter name: master} of every `QATExperts` in `model` (`model.named_modules()` names: `<module>.w1` ...)."""
+    return {f"{name}.{n}" if name else n: getattr(mod, n)
+            for name, mod in model.named_modules() if isinstance(mod, QATExperts) for n in _PROJECTIONS}
+
+
+def _checked_masters(model, what):
+    masters = qat_masters(model)
+    if not masters:
+        raise ValueError(f"{what}: the model has no QATExperts (call prepare_qat before training)")
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        DTensor = ()
+    sharded = [n for n, p in masters.items() if isinstance(p, DTensor)]
+    if sharded:
+        raise ValueError(f"{what}: the masters are sharded (DTensor, e.g. FSDP2: {sharded[0]}); only whole masters "
+                         "(one process, DDP) are supported")
+    return masters
+
+
+def save_qat_masters(model, folder, global_step=None):
+    """Write every QAT master of `model` to `folder/qat_masters.safetensors` in its own dtype (`global_step` in the
+    metadata when given); returns the file's path. Written to a temporary name and renamed, so a reader never sees
+    a partial file."""
+    masters = _checked_masters(model, "save_qat_masters")
+    path = os.path.join(folder, QAT_MASTERS_NAME)
+    metadata = {"format": "pt"}
+    if global_step is not None:
+        metadata["global_step"] = str(int(global_step))
+    save_file({n: p.detach().cpu().contiguous() for n, p in masters.items()}, path + ".tmp", metadata=metadata)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def _masters_step(path):
+    with safe_open(path, "pt") as f:
+        step = (f.metadata() or {}).get("global_step")
+    return None if step is None else int(step)
+
+
+@torch.no_grad()
+def load_qat_masters(model, path):
+    """Load `path` (a `qat_masters.safetensors` file or the folder holding one) into `model`'s QAT masters, exactly.
+
+    Load the checkpoint's model weights first (Trainer does, before `on_train_begin`): every master in the file must
+    be the model's master or quantise to it (`fake_quantize_mxfp4`), so masters of another checkpoint are refused.
+    Refused with a ValueError naming the tensor and the file, before any master changes: a file whose names, shapes
+    or dtypes are not the model's masters', or whose values do not belong to the model's weights. Returns the path."""
+    masters = _checked_masters(model, "load_qat_masters")
+    if os.path.isdir(path):
+        path = os.path.join(path, QAT_MASTERS_NAME)
+    loaded = {}
+    with safe_open(path, "pt") as f:
+        names = set(f.keys())
+        missing, unexpected = sorted(set(masters) - names), sorted(names - set(masters))
+        if missing or unexpected:
+            what = f"the model's master {missing[0]} is missing" if missing else f"{unexpected[0]} is no QAT master"
+            raise ValueError(f"{path}: {what} ({len(missing)} missing, {len(unexpected)} unexpected): the file "
+                             "holds the masters of another model")
+        for name, p in masters.items():
+            t = f.get_tensor(name)
+            if t.shape != p.shape or t.dtype != p.dtype:
+                raise ValueError(f"{path}: {name} is {t.dtype} {tuple(t.shape)} in the file, {p.dtype} "
+                                 f"{tuple(p.shape)} in the model")
+            t = t.to(p.device)
+            if not (torch.equal(t, p) or torch.equal(fake_quantize_mxfp4(t, name), p)):
+                raise ValueError(f"{path}: {name} does not quantise to the model's weights: the file belongs to "
+                                 "another checkpoint than the one loaded")
+            loaded[name] = t
+    for name, t in loaded.items():
+        masters[name].copy_(t)
+    return path
+
+
+class QATMastersCallback(TrainerCallback):
+    """Trainer checkpoints that resume QAT exactly (module docstring, "Resuming"): `on_save` writes the masters into
+    the checkpoint folder Trainer has just written, `on_train_begin` of a resumed run loads them back.
+
+    Use `Trainer(..., callbacks=[QATMastersCallback()])`; `QATMastersCallback.attach(trainer)` puts it first among
+    the trainer's callbacks, so that the masters are in the folder before any other callback's `on_save` reads it
+    (an integration uploading checkpoints). `loaded` is the masters file a resumed run loaded (None: none)."""
+
+    def __init__(self):
+        self.loaded = None
+
+    @classmethod
+    def attach(cls, trainer, **kwargs):
+        cb = cls(**kwargs)
+        trainer.callback_handler.callbacks.insert(0, cb)
+        return cb
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            raise ValueError("QATMastersCallback needs the model (Trainer passes it to callbacks)")
+        _checked_masters(model, "QATMastersCallback")
+        self.loaded = None
+        if state.global_step == 0:  # a fresh TrainerState: no checkpoint was resumed
+            return
+        folders = [os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")]
+        if isinstance(args.resume_from_checkpoint, str) and os.path.isdir(args.resume_from_checkpoint):
+            folders.insert(0, args.resume_from_checkpoint)
+        for folder in folders:
+            path = os.path.join(folder, QAT_MASTERS_NAME)
+            if os.path.isfile(path) and _masters_step(path) == state.global_step:
+                self.loaded = load_qat_masters(model, path)
+                logger.info(f"QATMastersCallback: masters loaded from {path}")
+                return
+        logger.warning(f"QATMastersCallback: resumed at step {state.global_step}, but no {QAT_MASTERS_NAME} of that "
+                       f"step is in {' or '.join(folders)}: the run continues from the quantised masters of the "
+                       "checkpoint's weights")
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        if not args.should_save:
+            return
+        if model is None:
+            raise ValueError("QATMastersCallback needs the model (Trainer passes it to callbacks)")
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if not os.path.isdir(folder):
+            logger.warning(f"QATMastersCallback: no checkpoint folder {folder}; the masters of step "
+                           f"{state.global_step} are not saved")
+            return
+        save_qat_masters(model, folder, global_step=state.global_step)
+
+
+__all__ = ["QAT_MASTERS_NAME", "QATExperts", "QATMastersCallback", "fake_quantize_mxfp4", "load_qat_masters",
+           "prepare_qat", "qat_masters", "save_qat_masters"]

@@ -1,20 +1,21 @@
 """Quantisation-aware fine-tuning (`prepare_qat`): the fake-quantised forward, straight-through gradients, the packed
 model saved after QAT computing the QAT model's forward, masters in another dtype than the activations, gradient
-checkpointing, and Trainer steps with gradient checkpointing and Quantile Balancing whose saved folder reloads to the
-trained model's logits."""
+checkpointing, Trainer steps with gradient checkpointing and Quantile Balancing whose saved folder reloads to the
+trained model's logits, and a Trainer run resumed from a checkpoint ending with the uninterrupted run's masters
+(`QATMastersCallback`) or, without the callback, elsewhere; masters files that do not fit the model are refused."""
 
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import Trainer, TrainingArguments
+from safetensors.torch import load_file, save_file
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from kimi3_testing import MOE_MICRO, checkpointing_argument, rel_err, tiny_k3_text_config, tiny_model
-from transformers_kimi3 import Kimi3ForCausalLM, prepare_qat
+from transformers_kimi3 import Kimi3ForCausalLM, QATMastersCallback, prepare_qat
 from transformers_kimi3.moe import Kimi3Experts, Kimi3SparseMoeBlock
 from transformers_kimi3.mxfp4 import decode_mxfp4, quantize_mxfp4
 from transformers_kimi3.mxfp4_experts import PackedMXFP4Experts
-from transformers_kimi3.qat import QATExperts, fake_quantize_mxfp4
+from transformers_kimi3.qat import QAT_MASTERS_NAME, QATExperts, fake_quantize_mxfp4, load_qat_masters, qat_masters
 from transformers_kimi3.training import QuantileBalancingCallback, find_routers
 
 MICRO = MOE_MICRO
@@ -209,3 +210,117 @@ def test_qat_trains_generates_and_reloads_on_gpu(tmp_path):
     with torch.no_grad():
         got = packed(input_ids=ids).logits.float()
     assert rel_err(got, want) < 5e-2
+
+
+# ----------------------------------------------------------------------------- resuming a Trainer run exactly
+RESUME_STEPS = 4  # checkpoint at RESUME_STEPS // 2
+
+
+def _resume_args(folder, **kw):
+    return TrainingArguments(output_dir=str(folder), per_device_train_batch_size=4, max_steps=RESUME_STEPS,
+                             learning_rate=1e-2, lr_scheduler_type="linear", logging_steps=1, report_to="none",
+                             use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, **kw)
+
+
+def _resume_data():
+    starts = torch.randint(0, 93, (4 * RESUME_STEPS,), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": ids, "labels": ids} for ids in ((s + torch.arange(12)) % 93 + 3 for s in starts)]
+
+
+def _qat_trainer(folder, callbacks=(), **kw):
+    model = prepare_qat(tiny_model(**MICRO)).train()
+    return Trainer(model=model, args=_resume_args(folder, **kw), train_dataset=_resume_data(),
+                   callbacks=list(callbacks))
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def _masters(model):
+    return {n: p.detach().clone() for n, p in qat_masters(model).items()}
+
+
+@pytest.fixture(scope="module")
+def interrupted_run(tmp_path_factory):
+    """The masters of an uninterrupted run of RESUME_STEPS Trainer steps, and the folder of a run of the same
+    schedule stopped at its checkpoint of step RESUME_STEPS // 2, written with `QATMastersCallback`."""
+    straight = _qat_trainer(tmp_path_factory.mktemp("straight"), save_strategy="no")
+    straight.train()
+    folder = tmp_path_factory.mktemp("interrupted")
+    half = RESUME_STEPS // 2
+    first = _qat_trainer(folder, [QATMastersCallback(), _StopAt(half)], save_strategy="steps", save_steps=half)
+    first.train()
+    checkpoint = folder / f"checkpoint-{half}"
+    # the checkpoint's masters are exact; its model weights hold them quantised
+    saved = load_file(checkpoint / QAT_MASTERS_NAME)
+    assert saved.keys() == qat_masters(first.model).keys()
+    assert all(torch.equal(saved[n], p) for n, p in qat_masters(first.model).items())
+    assert any(not torch.equal(w, _dq(w)) for w in saved.values())
+    return _masters(straight.model), folder, checkpoint
+
+
+def test_callback_resumes_the_exact_masters(interrupted_run):
+    """Resumed from the half-way checkpoint, the run ends with the uninterrupted run's masters, bit for bit, with
+    `QATMastersCallback`; without it the masters restart from their quantised values and end elsewhere."""
+    want, folder, checkpoint = interrupted_run
+    resumed = _qat_trainer(folder, save_strategy="no")
+    cb = QATMastersCallback.attach(resumed)
+    assert resumed.callback_handler.callbacks[0] is cb
+    resumed.train(resume_from_checkpoint=True)  # the last checkpoint under output_dir
+    assert resumed.state.global_step == RESUME_STEPS
+    assert cb.loaded == str(checkpoint / QAT_MASTERS_NAME)
+    got = _masters(resumed.model)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+    plain = _qat_trainer(folder, save_strategy="no")
+    plain.train(resume_from_checkpoint=str(checkpoint))
+    got = _masters(plain.model)
+    assert all(not torch.equal(got[n], want[n]) for n in want)
+
+
+def test_resume_without_masters_warns_and_mismatched_masters_are_refused(interrupted_run, tmp_path, caplog):
+    _, _, checkpoint = interrupted_run
+    args = _resume_args(tmp_path, resume_from_checkpoint=str(checkpoint))
+    cb = QATMastersCallback()
+
+    def resume(model, state_step=RESUME_STEPS // 2):
+        prepare_qat(model)
+        model.load_state_dict(load_file(checkpoint / "model.safetensors"), strict=False)  # Trainer's weight loading
+        cb.on_train_begin(args, TrainerState(global_step=state_step), TrainerControl(), model=model)
+        return model
+
+    model = resume(tiny_model(**MICRO))  # the Trainer checkpoint's masters file, named by args.resume_from_checkpoint
+    assert cb.loaded == str(checkpoint / QAT_MASTERS_NAME)
+    saved = load_file(checkpoint / QAT_MASTERS_NAME)
+    assert all(torch.equal(p, saved[n]) for n, p in qat_masters(model).items())
+    with caplog.at_level("WARNING", logger="transformers_kimi3"):  # no masters of step 1 in the folders searched
+        resume(tiny_model(**MICRO), state_step=1)
+    assert cb.loaded is None and "continues from the quantised masters" in caplog.text and "checkpoint-1" in caplog.text
+
+    with pytest.raises(ValueError, match="has no QATExperts"):
+        cb.on_train_begin(args, TrainerState(global_step=2), TrainerControl(), model=tiny_model(**MICRO))
+    other = prepare_qat(tiny_model(**dict(MICRO, moe_intermediate_size=64)))  # other shapes, through the callback
+    with pytest.raises(ValueError, match=r"qat_masters\.safetensors: model\.layers\.0\..*experts\.w1 is torch\.float32 "
+                                         r"\(8, 32, 32\) in the file, torch\.float32 \(8, 64, 32\) in the model"):
+        cb.on_train_begin(args, TrainerState(global_step=2), TrainerControl(), model=other)
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name, edit in (("renamed", lambda t: {k.replace("layers.0", "layers.9"): v for k, v in t.items()}),
+                       ("bf16", lambda t: {k: v.to(torch.bfloat16) for k, v in t.items()}),
+                       ("moved", lambda t: {k: v + 1 for k, v in t.items()})):
+        save_file(edit(load_file(checkpoint / QAT_MASTERS_NAME)), bad / QAT_MASTERS_NAME, metadata={"global_step": "2"})
+        model = prepare_qat(tiny_model(**MICRO))
+        model.load_state_dict(load_file(checkpoint / "model.safetensors"), strict=False)
+        match = {"renamed": r"master .*layers\.0\..*w1 is missing", "bf16": r"is torch\.bfloat16 .* in the file",
+                 "moved": "does not quantise to the model's weights"}[name]
+        with pytest.raises(ValueError, match=match) as e:
+            load_qat_masters(model, bad)
+        assert str(bad / QAT_MASTERS_NAME) in str(e.value), name
+        assert all(torch.equal(p, _dq(p)) for p in qat_masters(model).values())  # nothing loaded
