@@ -200,3 +200,25 @@ def checkpointing_argument():
 
     names = {f.name for f in dataclasses.fields(TrainingArguments)}
     return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
+def once_per_run(tmp_path_factory, name, make):
+    """A module fixture's costly work (a subprocess, a training run) done once per test run: `make(folder)` writes
+    what it produces into `folder`, an empty folder that every pytest-xdist worker of the run sees (the run's temporary
+    folder, above the workers' own). The first worker to get here makes it under a lock; another one waits and reads
+    it (pytest-xdist hands out a module's tests in chunks, so two workers may each need the fixture). A failed `make`
+    leaves nothing behind: the next worker tries again and fails in the same way. Returns the folder."""
+    import shutil
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = shared / name, shared / f"{name}.done"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder

@@ -807,16 +807,20 @@ def test_combine_sorted():
 
 @needs_triton
 def test_model_padded_batch_through_the_kernels(monkeypatch):
-    """The tiny model's left-padded batch with the Triton chunk kernels (forced onto the CPU interpreter) equals the
-    PyTorch reference, and its KDA layers share one set of chunk tables: one packing plan per forward hands every
-    layer the same cu_seqlens tensor."""
+    """A three-layer tiny model's left-padded batch with the Triton chunk kernels (forced onto the CPU interpreter)
+    equals the PyTorch reference, and its KDA layers share one set of chunk tables: one packing plan per forward hands
+    every layer the same cu_seqlens tensor."""
     sys.path.insert(0, os.path.join(ROOT, "src"))
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from kimi3_testing import rel_err, tiny_model
     from transformers_kimi3 import kda as kda_layer
 
     from kimi3_kernels.kda import _utils
-    model = tiny_model()
+    # two KDA layers, enough to share the tables (each one runs every interpreted chunk kernel again: ~1 s a layer
+    # here), and an MLA layer, which masks the padding instead of unpadding
+    model = tiny_model(num_hidden_layers=3, linear_attn_config=dict(
+        num_heads=2, head_dim=16, short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True,
+        kda_layers=[1, 2], full_attn_layers=[3]))
     batch = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(batch)
     mask[1, :11] = 0

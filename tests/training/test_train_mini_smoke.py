@@ -20,6 +20,8 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from kimi3_testing import once_per_run
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "train_kimi3_mini.py")
 
@@ -40,13 +42,20 @@ def _finish(proc, expected_rc):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    a, b = tmp_path_factory.mktemp("uninterrupted"), tmp_path_factory.mktemp("resumed")
-    whole = _start("all", "--work", str(a))
-    first = _start("all", "--work", str(b), "--phases", "text", "--max-steps-per-call", "3")
-    paused = _finish(first, 3)
-    resumed = _finish(_start("train", "--work", str(b), "--phases", "text"), 0)
-    _finish(whole, 0)
-    return a, b, paused, resumed
+    """The three runs, once per test run (kimi3_testing.once_per_run): a second pytest-xdist worker that gets some of
+    this file's tests reads their folders and output instead of training again."""
+    def make(folder):
+        a, b = folder / "uninterrupted", folder / "resumed"
+        a.mkdir(), b.mkdir()
+        whole = _start("all", "--work", str(a))
+        first = _start("all", "--work", str(b), "--phases", "text", "--max-steps-per-call", "3")
+        (folder / "paused.txt").write_text(_finish(first, 3))
+        (folder / "resumed.txt").write_text(_finish(_start("train", "--work", str(b), "--phases", "text"), 0))
+        _finish(whole, 0)
+
+    folder = once_per_run(tmp_path_factory, "train_mini_smoke", make)
+    return (folder / "uninterrupted", folder / "resumed", (folder / "paused.txt").read_text(),
+            (folder / "resumed.txt").read_text())
 
 
 def _summary(work, phase):
