@@ -19,6 +19,7 @@ from transformers import (
 from .cache import Kimi3Cache
 from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig, Kimi3VisionConfig, KimiK3Config
 from .distributed import apply_fsdp2
+from .expert_offload import ExpertOffload, offload_experts
 from .image_processing_kimi3 import Kimi3ImageProcessor
 from .kernels import kernel_status
 from .modeling_kimi3 import (
@@ -76,4 +77,5 @@ __all__ = ["Kimi3Cache", "Kimi3Config", "Kimi3TextConfig", "Kimi3VisionConfig", 
            "Kimi3ForCausalLM", "Kimi3ForConditionalGeneration", "KimiK3ForConditionalGeneration", "KimiLinearForCausalLM",
            "Kimi3PreTrainedModel", "Kimi3ImageProcessor", "Kimi3Processor", "Kimi3Tokenizer", "Kimi3TokenizerFast",
            "build_tiny_tokenizer", "kimi3_output_to_message", "parse_kimi3_output", "kernel_status",
-           "PerHeadMuon", "build_per_head_muon", "prepare_qat", "QATMastersCallback", "apply_fsdp2"]
+           "PerHeadMuon", "build_per_head_muon", "prepare_qat", "QATMastersCallback", "apply_fsdp2",
+           "offload_experts", "ExpertOffload"]

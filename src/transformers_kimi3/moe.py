@@ -217,7 +217,10 @@ class Kimi3Experts(nn.Module):
 class Kimi3SparseMoeBlock(nn.Module):
     """Stable LatentMoE (K3): router and shared experts on the full width; routed experts in the latent width
     between `routed_expert_down_proj` and `routed_expert_norm` -> `routed_expert_up_proj`. Without a latent width
-    (Kimi Linear) the experts work on x directly."""
+    (Kimi Linear) the experts work on x directly. With offloaded experts (`expert_offload.offload_experts`) the
+    routed experts run through `expert_cache`, this layer's cache of them on the device."""
+
+    expert_cache = None
 
     def __init__(self, config):
         super().__init__()
@@ -241,12 +244,15 @@ class Kimi3SparseMoeBlock(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         router_logits, weights, idx = self.gate(x)
+        # offloaded experts: the step's missing experts start copying here, before the projections below are enqueued
+        experts = self.experts if self.expert_cache is None else self.expert_cache.fetch(idx)
         z = self.routed_expert_down_proj(x) if hasattr(self, "routed_expert_down_proj") else x
-        y = self.experts(z, idx, weights).to(x.dtype)
+        shared = self.shared_experts(x) if hasattr(self, "shared_experts") else None
+        y = experts(z, idx, weights).to(x.dtype)
         if hasattr(self, "routed_expert_norm"):
             y = self.routed_expert_norm(y)
         if hasattr(self, "routed_expert_up_proj"):
             y = self.routed_expert_up_proj(y)
-        if hasattr(self, "shared_experts"):
-            y = y + self.shared_experts(x)
+        if shared is not None:
+            y = y + shared
         return y.view(shape), router_logits
