@@ -31,6 +31,7 @@ from .modeling_kimi3 import (
     KimiLinearForCausalLM,
 )
 from .muon import PerHeadMuon, build_per_head_muon
+from .placement import DevicePlan, plan_device_map
 from .processing_kimi3 import Kimi3Processor, kimi3_output_to_message, parse_kimi3_output
 from .qat import QATMastersCallback, prepare_qat
 from .tiny_tokenizer import build_tiny_tokenizer
@@ -78,4 +79,5 @@ __all__ = ["Kimi3Cache", "Kimi3Config", "Kimi3TextConfig", "Kimi3VisionConfig", 
            "Kimi3PreTrainedModel", "Kimi3ImageProcessor", "Kimi3Processor", "Kimi3Tokenizer", "Kimi3TokenizerFast",
            "build_tiny_tokenizer", "kimi3_output_to_message", "parse_kimi3_output", "kernel_status",
            "PerHeadMuon", "build_per_head_muon", "prepare_qat", "QATMastersCallback", "apply_fsdp2",
+           "plan_device_map", "DevicePlan",
            "offload_experts", "ExpertOffload"]

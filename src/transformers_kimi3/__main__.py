@@ -1,7 +1,9 @@
 """`python -m transformers_kimi3 demo [--model FOLDER]`: load a Kimi K3 folder (default: the bundled kimi-k3-mini,
 a small K3 trained by examples/train_kimi3_mini.py), continue a prompt, answer a question about a drawn picture and
 one chat turn, report the KDA backend and speed.
-`python -m transformers_kimi3 bench`: a quick timing of the model on this machine (see benchmark.py)."""
+`python -m transformers_kimi3 bench`: a quick timing of the model on this machine (see benchmark.py).
+`python -m transformers_kimi3 plan --gpus 8 --offload-experts`: where the released K3's weights go on N GPUs (and host
+memory), planned on the meta device (see placement.py)."""
 
 import argparse
 import os
@@ -128,7 +130,7 @@ def chat_turn(tokenizer, model, pad, question, max_new_tokens):
 def build_parser():
     ap = argparse.ArgumentParser(prog="python -m transformers_kimi3", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{demo,bench}", help="what to run")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{demo,bench,plan}", help="what to run")
     d = sub.add_parser("demo", help="generate with a Kimi K3 folder",
                        description="Load a Kimi K3 folder, continue a prompt greedily (ids, text, KDA backend, "
                                    "tokens/s), answer a question about a drawn picture (vision models) and one chat "
@@ -151,13 +153,52 @@ def build_parser():
     b.add_argument("--batches", default=None, help="decode batch sizes, e.g. 1,8 (default: 1,8 on cuda, 1 on cpu)")
     b.add_argument("--new-tokens", type=int, default=None, metavar="N",
                    help="decode steps timed per batch (default: 32 on cuda, 4 on cpu)")
+    p = sub.add_parser("plan", help="print a device_map and the memory per GPU for N GPUs (no weights read)",
+                       description="Build the model on the meta device and print where its weights go on N GPUs: "
+                                   "layers per GPU, bytes per GPU and, with --offload-experts, the layers whose "
+                                   "routed experts stay in host memory (transformers_kimi3.plan_device_map).")
+    p.add_argument("--model", default=None, metavar="FOLDER",
+                   help="a model folder whose config.json is planned (default: the released Kimi K3 config)")
+    p.add_argument("--gpus", type=int, default=8, metavar="N", help="number of GPUs (default: %(default)s)")
+    p.add_argument("--gpu-memory", default="140GiB", metavar="SIZE",
+                   help="memory of each GPU, e.g. 140GiB for an H200 or 79GiB for an H100 (default: %(default)s)")
+    p.add_argument("--reserve", default=None, metavar="FRACTION_OR_SIZE",
+                   help="kept free of weights on each GPU for activations and caches: a fraction such as 0.1 or a "
+                        "size such as 12GiB (default: 0.1)")
+    p.add_argument("--host-memory", default=None, metavar="SIZE",
+                   help="host memory the offloaded experts may use, checked when given (e.g. 1.5TiB)")
+    p.add_argument("--offload-experts", action="store_true",
+                   help="keep some layers' routed experts in host memory when the GPUs cannot hold every weight")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the non-expert weights as loaded (default: %(default)s)")
     return ap
+
+
+def plan(args):
+    from .placement import DEFAULT_RESERVE, plan_device_map
+
+    reserve = DEFAULT_RESERVE if args.reserve is None else args.reserve
+    if isinstance(reserve, str):
+        try:
+            reserve = float(reserve)
+        except ValueError:
+            pass  # a size such as "12GiB"
+    try:
+        result = plan_device_map(args.model, gpus=args.gpus, gpu_memory=args.gpu_memory, reserve=reserve,
+                                 host_memory=args.host_memory, offload_experts=args.offload_experts,
+                                 dtype=getattr(torch, args.dtype))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(result)
+    return result
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.cmd == "demo":
         demo(args)
+    elif args.cmd == "plan":
+        plan(args)
     else:
         from .benchmark import main as bench
 
