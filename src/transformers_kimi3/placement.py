@@ -281,7 +281,8 @@ def plan_device_map(config_or_folder=None, gpus=8, gpu_memory="140GiB", reserve=
     """Plan where a Kimi K3 model's weights go on `gpus` GPUs of `gpu_memory` each (module docstring).
 
     config_or_folder: a Kimi3Config / Kimi3TextConfig, a folder with a config.json, or None for the released K3.
-    gpu_memory: per GPU, bytes or a string ("140GiB": an H200's 141 GB of HBM as CUDA reports it, 143,771 MiB).
+    gpu_memory: per GPU, bytes or a string ("140GiB": about an H200's HBM; pass the total that
+        `torch.cuda.mem_get_info()` reports on the machine: the H200s this package runs on report about 139 GiB).
     reserve: kept free of weights on every GPU, a fraction of gpu_memory in [0, 1) or a size ("12GiB").
     host_memory: if given, the host memory the offloaded experts may use (checked).
     offload_experts: allow routed experts in host memory when the GPUs cannot hold every weight; without it such a
