@@ -77,8 +77,6 @@ def optimizer(model, run, lr):
 
 def packed_loss(model, held):
     """Save with packed MXFP4 experts (a float model is quantised first), reload, evaluate."""
-    if not any(n.endswith(".experts.w1") for n, _ in model.named_parameters()):
-        raise RuntimeError("expected trainable experts")
     if model.config.get_text_config().checkpoint_quantization_config is None:
         prepare_qat(model)  # float experts -> masters; save_pretrained packs them with the QAT rounding
     with tempfile.TemporaryDirectory() as tmp:

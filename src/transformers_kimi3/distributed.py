@@ -267,23 +267,8 @@ def save_pretrained_fsdp2(model, save_directory, **kwargs):
         raise ValueError("save_pretrained_fsdp2 gathers the state dict itself: do not pass state_dict")
     full = gather_full_state_dict(model, cpu_offload=True)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        fsdp_cls = type(model)
-        # fully_shard replaced the model's class by a subclass `FSDP<class>` defined in torch; save_pretrained
-        # writes the class into config.json's auto_map and copies the source of the module that defines it, so
-        # it runs as the model's own class (no collective happens while it writes)
-        model.__class__ = _unsharded_class(fsdp_cls)
-        try:
-            model.save_pretrained(save_directory, state_dict=full, **kwargs)
-        finally:
-            model.__class__ = fsdp_cls
+        # a Kimi model's save_pretrained names its own class, not fully_shard's `FSDP<class>` (checkpoint.py); no
+        # collective happens while it writes
+        model.save_pretrained(save_directory, state_dict=full, **kwargs)
     if dist.is_initialized():
         dist.barrier()
-
-
-def _unsharded_class(cls):
-    """The class `fully_shard` derived `cls` from (itself when it is not an FSDP2 class)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not issubclass(cls, FSDPModule):
-        return cls
-    return next(base for base in cls.__bases__ if not issubclass(base, FSDPModule))
