@@ -10,6 +10,24 @@ piece, no padding):
   mxfp4 vs bf16    the packed MXFP4 experts as shipped against the trained bf16/fp32 expert weights (--unquantized),
                    both run in bf16: perplexity
 Goals (issue text): agreement >= 99.5 %, perplexity bf16 vs fp32 within 0.5 %, MXFP4 vs unquantized within 2 %.
+
+Against Transformers' native Kimi Linear (a model in the Kimi Linear layout, e.g. the "linear-text" phase of
+examples/train_kimi3_mini.py):
+
+    python bench/fidelity.py --model WORK/phases/linear-text/final --native WORK/phases/linear-text/final-native \
+        --data WORK/inputs --out fidelity_linear.json
+
+`--native` is the same weights as saved by native `KimiLinearForCausalLM` (it runs fla's KDA kernels when fla is
+usable, on the GPU; its PyTorch path otherwise). Greedy rows: `--prompts` prompts (the first `--prompt-len` tokens of
+held-out chunks), `--new-tokens` new tokens each, batched, with the cache; per pair the tokens identical up to the
+first difference, the sequences identical throughout, and at each first difference the logit gap
+|logit(a's token) - logit(b's token)| in a's logits and in b's (the two runs' logits at that step, over the same
+prefix). Added rows:
+  ours_vs_native_bf16   both bf16 (ours: Triton kernels): teacher-forced top-1 agreement, perplexities, greedy
+  native_bf16_vs_fp32   native's own bf16 against its fp32: the same, the bar the goal sets
+  ours_vs_native_fp32   both fp32: top-1 agreement, max logits relative error over the chunks, greedy
+  bf16_vs_fp32          (ours) gains its greedy comparison
+  goal                  ours_vs_native_bf16 at least as close as native_bf16_vs_fp32 (teacher-forced and greedy)
 """
 from __future__ import annotations
 
@@ -24,7 +42,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _timing import meta  # noqa: E402
+from _timing import meta, rel  # noqa: E402
 
 
 def held_out_chunks(data_dir, seq_len, max_chunks):
@@ -43,12 +61,19 @@ def load(folder, dtype, device, **kw):
     return Kimi3ForCausalLM.from_pretrained(folder, dtype=dtype, **kw).to(device).eval()
 
 
+def load_native(folder, dtype, device):
+    """Transformers' native KimiLinearForCausalLM (fla's kernels on the GPU when fla is usable; its PyTorch path on
+    the CPU, where fla is hidden while the module is imported: bench/e2e.py)."""
+    from e2e import native_class
+    return native_class(torch.device(device)).from_pretrained(folder, dtype=dtype).to(device).eval()
+
+
 @torch.no_grad()
 def predictions(model, chunks, device):
     """Per chunk: (argmax of each position's next-token logits, summed NLL of the next tokens, count)."""
     out = []
     for ids in chunks:
-        logits = model(input_ids=ids[None].to(device)).logits[0, :-1].float()
+        logits = model(input_ids=ids[None].to(device), use_cache=False).logits[0, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits, ids[1:].to(device), reduction="sum")
         out.append((logits.argmax(-1).cpu(), float(nll), ids.numel() - 1))
     return out
@@ -63,11 +88,98 @@ def agreement(a, b):
     return same / sum(x[0].numel() for x in a)
 
 
+@torch.no_grad()
+def logits_rel_err(a, b, chunks, device):
+    """max over the chunks of max |a - b| / max |b| of the two models' logits."""
+    return max(rel(a(input_ids=ids[None].to(device), use_cache=False).logits,
+                   b(input_ids=ids[None].to(device), use_cache=False).logits) for ids in chunks)
+
+
+def prompts_of(data_dir, n, length):
+    """The first `length` tokens of the first `n` held-out chunks that have that many, as one (n, length) batch."""
+    chunks = [c[:length] for c in held_out_chunks(data_dir, 1024, 1 << 30) if c.numel() >= length]
+    return torch.stack(chunks[:n])
+
+
+@torch.no_grad()
+def greedy(model, prompts, new_tokens, device):
+    """Greedy continuation of the batch with the cache: (tokens (B, N), the logits each token was chosen from
+    (B, N, vocab), fp32 on the CPU)."""
+    out = model(input_ids=prompts.to(device), use_cache=True, logits_to_keep=1)
+    tokens, logits = [], []
+    for step in range(new_tokens):
+        lg = out.logits[:, -1].float()
+        nxt = lg.argmax(-1)
+        tokens.append(nxt.cpu())
+        logits.append(lg.cpu())
+        if step + 1 < new_tokens:
+            out = model(input_ids=nxt[:, None], past_key_values=out.past_key_values, use_cache=True)
+    return torch.stack(tokens, 1), torch.stack(logits, 1)
+
+
+def greedy_agreement(a, b):
+    """Two greedy runs (`greedy` results) of the same prompts: tokens identical up to the first difference, sequences
+    identical throughout, and where they part the logit gap between the two chosen tokens in each run's logits."""
+    (ta, la), (tb, lb) = a, b
+    n_prompts, n_new = ta.shape
+    differ = ta != tb
+    first = torch.where(differ.any(1), differ.int().argmax(1), torch.full((n_prompts,), n_new))
+    parts = []
+    for row in differ.any(1).nonzero()[:, 0].tolist():
+        step, x, y = int(first[row]), int(ta[row, first[row]]), int(tb[row, first[row]])
+        parts.append({"prompt": row, "step": step, "token_a": x, "token_b": y,
+                      "gap_in_a": float((la[row, step, x] - la[row, step, y]).abs()),
+                      "gap_in_b": float((lb[row, step, x] - lb[row, step, y]).abs()),
+                      "logit_std_a": float(la[row, step].std())})
+    gaps = sorted(max(p["gap_in_a"], p["gap_in_b"]) for p in parts)
+    return {"prompts": n_prompts, "new_tokens": n_new, "identical_sequences": int((first == n_new).sum()),
+            "tokens_to_first_difference": int(first.sum()), "token_fraction_to_first_difference":
+            float(first.sum()) / (n_prompts * n_new), "mean_tokens_to_first_difference": float(first.float().mean()),
+            "max_gap_at_first_difference": gaps[-1] if gaps else None,
+            "median_gap_at_first_difference": gaps[len(gaps) // 2] if gaps else None, "first_differences": parts}
+
+
+def native_rows(args, chunks, ours32, ours16, fp32, bf16, res):
+    """The rows against Transformers' native Kimi Linear (`--native`), added to `res["rows"]`."""
+    from e2e import fla_usable
+    prompts = prompts_of(args.data, args.prompts, args.prompt_len)
+    res["meta"].update(prompts=int(prompts.shape[0]), prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                       native=args.native, native_kda="fla" if fla_usable(torch.device(args.device)) else "torch")
+    nat32 = load_native(args.native, torch.float32, args.device)
+    nat16 = load_native(args.native, torch.bfloat16, args.device)
+    n32, n16 = predictions(nat32, chunks, args.device), predictions(nat16, chunks, args.device)
+    g = {name: greedy(m, prompts, args.new_tokens, args.device)
+         for name, m in (("ours32", ours32), ("ours16", ours16), ("nat32", nat32), ("nat16", nat16))}
+    rows = res["rows"]
+    rows["bf16_vs_fp32"]["greedy"] = greedy_agreement(g["ours16"], g["ours32"])
+    rows["ours_vs_native_bf16"] = {"top1_agreement": agreement(bf16, n16), "ppl_ours_bf16": perplexity(bf16),
+                                   "ppl_native_bf16": perplexity(n16), "greedy": greedy_agreement(g["ours16"],
+                                                                                                  g["nat16"])}
+    rows["native_bf16_vs_fp32"] = {"top1_agreement": agreement(n16, n32), "ppl_fp32": perplexity(n32),
+                                   "ppl_bf16": perplexity(n16), "greedy": greedy_agreement(g["nat16"], g["nat32"])}
+    rows["ours_vs_native_fp32"] = {"top1_agreement": agreement(fp32, n32),
+                                   "logits_max_rel_err": logits_rel_err(ours32, nat32, chunks, args.device),
+                                   "greedy": greedy_agreement(g["ours32"], g["nat32"])}
+    ours, native = rows["ours_vs_native_bf16"], rows["native_bf16_vs_fp32"]
+    rows["goal"] = {
+        "top1_ours_vs_native_bf16": ours["top1_agreement"], "top1_native_bf16_vs_fp32": native["top1_agreement"],
+        "greedy_tokens_ours_vs_native_bf16": ours["greedy"]["tokens_to_first_difference"],
+        "greedy_tokens_native_bf16_vs_fp32": native["greedy"]["tokens_to_first_difference"],
+        "met_teacher_forced": ours["top1_agreement"] >= native["top1_agreement"],
+        "met_greedy": ours["greedy"]["tokens_to_first_difference"] >= native["greedy"]["tokens_to_first_difference"]}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="the exported folder (official layout, MXFP4 experts)")
     ap.add_argument("--data", required=True, help="folder with text_eval.bin and text_eval_offsets.npy")
     ap.add_argument("--unquantized", default=None, help="the same model before MXFP4 packing (a saved folder)")
+    ap.add_argument("--native", default=None,
+                    help="the same weights as written by Transformers' native KimiLinearForCausalLM: adds the rows "
+                         "against native (teacher-forced and greedy), and native's own bf16 vs fp32")
+    ap.add_argument("--prompts", type=int, default=64, help="greedy rows (--native): prompts")
+    ap.add_argument("--prompt-len", type=int, default=32, help="greedy rows (--native): tokens per prompt")
+    ap.add_argument("--new-tokens", type=int, default=64, help="greedy rows (--native): new tokens per prompt")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -75,11 +187,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     chunks = held_out_chunks(args.data, args.seq_len, args.chunks)
     res = {"meta": meta(model=args.model, chunks=len(chunks), tokens=sum(c.numel() for c in chunks)), "rows": {}}
-    fp32 = predictions(load(args.model, torch.float32, args.device), chunks, args.device)
-    bf16 = predictions(load(args.model, torch.bfloat16, args.device), chunks, args.device)
+    ours32, ours16 = load(args.model, torch.float32, args.device), load(args.model, torch.bfloat16, args.device)
+    fp32, bf16 = predictions(ours32, chunks, args.device), predictions(ours16, chunks, args.device)
     p32, p16 = perplexity(fp32), perplexity(bf16)
     res["rows"]["bf16_vs_fp32"] = {"top1_agreement": agreement(bf16, fp32), "ppl_fp32": p32, "ppl_bf16": p16,
                                    "ppl_rel_diff": p16 / p32 - 1}
+    if args.native:
+        native_rows(args, chunks, ours32, ours16, fp32, bf16, res)
     if args.unquantized:
         raw = predictions(load(args.unquantized, torch.bfloat16, args.device), chunks, args.device)
         res["rows"]["mxfp4_vs_unquantized"] = {"ppl_unquantized_bf16": perplexity(raw), "ppl_mxfp4_bf16": p16,

@@ -34,6 +34,13 @@ TEXT_SIZES = {
     "smoke-draft": dict(hidden=32, layers=2, ffn=64, experts=4, top_k=2, expert_ffn=32, latent=32, heads=1, head_dim=32,
                         block=1),
 }
+# The Kimi Linear layout (Transformers' `KimiLinearConfig`): no Block Attention Residuals, ordinary MoE (experts in
+# the model width), KDA with Kimi Linear's gate (no lower bound), MLA at every fourth layer and the last, a dense first
+# layer. Text only; trained by the "linear-text" phase to compare with Transformers' native KimiLinearForCausalLM.
+LINEAR_SIZES = {
+    "linear": dict(hidden=256, layers=8, ffn=768, experts=32, top_k=4, expert_ffn=128, heads=4, head_dim=64),
+    "smoke-linear": dict(hidden=64, layers=4, ffn=128, experts=4, top_k=2, expert_ffn=32, heads=2, head_dim=32),
+}
 VISION_SIZES = {
     "mini": dict(vt_hidden_size=128, vt_intermediate_size=512, vt_num_attention_heads=2, vt_num_hidden_layers=4,
                  qkv_hidden_size=128, mm_hidden_size=128, init_pos_emb_height=32, init_pos_emb_width=32),
@@ -57,6 +64,29 @@ def text_config(size, ids):
         linear_attn_config=dict(num_heads=s["heads"], head_dim=s["head_dim"], short_conv_kernel_size=4,
                                 gate_lower_bound=-5.0, use_full_rank_gate=True, full_attn_layers=full,
                                 kda_layers=[i for i in range(1, layers + 1) if i not in full]))
+
+
+def linear_config(size, ids):
+    """A `Kimi3TextConfig` in the Kimi Linear layout, made from Transformers' `KimiLinearConfig` fields, as our loader
+    reads a native Kimi Linear folder: what we save of it, native `KimiLinearForCausalLM` loads."""
+    from transformers import KimiLinearConfig
+
+    s = LINEAR_SIZES[size]
+    layers = s["layers"]
+    full = {i for i in range(4, layers + 1, 4)} | {layers}
+    fields = KimiLinearConfig(
+        vocab_size=ids["vocab_size"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
+        moe_intermediate_size=s["expert_ffn"], num_hidden_layers=layers, num_attention_heads=s["heads"],
+        num_key_value_heads=s["heads"], kv_lora_rank=s["hidden"] // 4, q_lora_rank=None,
+        qk_nope_head_dim=s["head_dim"] // 2, qk_rope_head_dim=s["head_dim"] // 4, v_head_dim=s["head_dim"],
+        num_local_experts=s["experts"], num_experts_per_tok=s["top_k"], n_shared_experts=1,
+        linear_num_heads=s["heads"], linear_head_dim=s["head_dim"], linear_conv_kernel_dim=4,
+        layer_types=["full_attention" if i in full else "linear_attention" for i in range(1, layers + 1)],
+        mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), max_position_embeddings=8192,
+        bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"], pad_token_id=ids["pad_token_id"],
+    ).to_dict()
+    fields.pop("model_type", None)
+    return Kimi3TextConfig(**fields)
 
 
 def mini_config(size, ids):

@@ -15,6 +15,13 @@ layout with MXFP4 experts into `WORK/export/`. Each invocation stops cleanly, wi
 resumes the phase from its last checkpoint and goes on. Results are deterministic for a seed, resumed or not.
 Exit status: 0 when the phases asked for are done (and exported, when all were asked for), 3 when the budget paused
 the run.
+
+    python examples/train_kimi3_mini.py train --work out/mini --phases linear-text    # GPU, about 2 minutes
+
+runs the extra phase "linear-text" (never part of the default list): a text-only model in the Kimi Linear layout
+(`mini_model.linear_config`: no AttnRes, no latent MoE, Kimi Linear's KDA gate) trained from scratch on the text data;
+`WORK/phases/linear-text/final` is ours, `final-native` the same weights written by Transformers' native
+`KimiLinearForCausalLM` (compare them with `bench/fidelity.py --native`).
 """
 
 import argparse
@@ -60,6 +67,14 @@ def phase_plan(smoke, steps_scale=1.0):
     return [("text", "mini", "text", 540, 64, 3e-3), ("vision", "mini", "vision", 600, 64, 1e-3),
             ("chat", "mini", "chat", 400, 64, 5e-4), ("draft-text", "draft", "text", 360, 64, 3e-3),
             ("draft-chat", "draft", "chat", 200, 64, 1e-3)]
+
+
+def extra_phases(smoke, steps_scale=1.0):
+    """Phases run only when `--phases` names them: "linear-text", a text-only model in the Kimi Linear layout
+    (`mini_model.linear_config`) trained from scratch on the text data, to compare with Transformers' native
+    KimiLinearForCausalLM (bench/fidelity.py --native)."""
+    steps = 6 if smoke else 200  # 200 x 64 rows of 1,024 tokens (13 M tokens, 2.3 epochs): ~0.45 s a step on an H100
+    return [("linear-text", "linear", "text", max(1, round(steps * steps_scale)), 2 if smoke else 64, 3e-3)]
 
 
 def sizes(smoke):
@@ -166,9 +181,26 @@ def initial_model(name, model, plan, work, ids, args):
         src = os.path.join(work, "phases", earlier[-1][0], "final")
         cls = Kimi3ForConditionalGeneration if model == "mini" else Kimi3ForCausalLM
         return cls.from_pretrained(src, dtype=torch.float32)
+    if model == "linear":
+        size = "smoke-linear" if args.smoke else "linear"
+        return mini_model.new_model(mini_model.linear_config(size, ids), args.seed)
     size = sizes(args.smoke)[model]
     config = mini_model.mini_config(size, ids) if model == "mini" else mini_model.text_config(size, ids)
     return mini_model.new_model(config, args.seed)
+
+
+def save_native(final, out):
+    """The Kimi Linear model saved in `final` (ours) written again by Transformers' native KimiLinearForCausalLM into
+    `out`, after checking that native reads every weight of ours and no other."""
+    from transformers import KimiLinearForCausalLM
+
+    native, info = KimiLinearForCausalLM.from_pretrained(final, dtype=torch.float32, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if bad:
+        raise RuntimeError(f"native KimiLinearForCausalLM does not read {final} as written: {bad}")
+    if hasattr(native.config, "auto_map"):  # ours' remote-code entry points: not for the native folder
+        del native.config.auto_map
+    native.save_pretrained(out)
 
 
 def training_arguments(out, steps, batch, lr, args, cuda):
@@ -215,6 +247,8 @@ def run_phase(phase, plan, work, ids, args, deadline):
         return {"done": False}
     metrics = trainer.evaluate()
     trainer.save_model(os.path.join(out, "final"))
+    if model == "linear":
+        save_native(os.path.join(out, "final"), os.path.join(out, "final-native"))
     summary = {"done": True, "model": model, "steps": steps, "batch": batch, "lr": lr,
                "train_loss": round(losses[-1], 4) if losses else None,
                "eval_loss": round(metrics["eval_loss"], 4), "losses": losses, "step_seconds": clock.summary()}
@@ -250,8 +284,9 @@ def train(args):
     work = args.work
     with open(os.path.join(work, "inputs", "prepare.json")) as f:
         info = json.load(f)
-    plan = phase_plan(args.smoke, args.steps_scale)
-    chosen = args.phases.split(",") if args.phases else [p[0] for p in plan]
+    default = phase_plan(args.smoke, args.steps_scale)
+    plan = default + extra_phases(args.smoke, args.steps_scale)
+    chosen = args.phases.split(",") if args.phases else [p[0] for p in default]
     unknown = set(chosen) - {p[0] for p in plan}
     if unknown:
         raise SystemExit(f"unknown phases {sorted(unknown)}; the phases are {[p[0] for p in plan]}")
@@ -261,11 +296,11 @@ def train(args):
             phases[phase[0]] = run_phase(phase, plan, work, info["tokenizer"], args, deadline)
             if not phases[phase[0]]["done"]:
                 return False
-    if len(phases) < len(plan):
+    if any(p[0] not in phases for p in default):
         print(f"phases {sorted(phases)} done")
         return True
     if not os.path.isfile(os.path.join(work, "export", "summary.json")):
-        export(work, plan, info, phases, args)
+        export(work, default, info, {k: v for k, v in phases.items() if k in {p[0] for p in default}}, args)
     print(f"all phases done; exported to {os.path.join(work, 'export')}")
     return True
 
@@ -292,7 +327,8 @@ def main(argv=None):
     ap.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in the backward")
     ap.add_argument("--steps-scale", type=float, default=1.0,
                     help="multiply every phase's steps (and so its schedule), e.g. 0.5 to fit a shorter GPU run")
-    ap.add_argument("--phases", default=None, help="comma-separated phases to run (default: all, then the export)")
+    ap.add_argument("--phases", default=None,
+                    help="comma-separated phases to run (default: all but linear-text, then the export)")
     args = ap.parse_args(argv)
     if args.command == "sizes":
         return print_sizes(args)

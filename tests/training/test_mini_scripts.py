@@ -45,3 +45,77 @@ def test_eval_mini_counts_each_scene_once(tmp_path):
     result = json.load(open(out))
     assert result["total"][1] == 3 == sum(n for _, n in result["exact"].values())
     assert 0 <= result["total"][0] <= 3 and len(result["examples"]) == 3
+
+
+def _linear_inputs(inputs):
+    """A stand-in for `prepare`'s WORK/inputs: random ids of the mini vocabulary as both splits, the bundled
+    mini model's tokenizer and its ids."""
+    import shutil
+
+    os.makedirs(os.path.join(inputs, "tokenizer"))
+    for name in ("chat_template.jinja", "special_tokens_map.json", "tiktoken.model", "tokenizer.json",
+                 "tokenizer_config.json"):
+        shutil.copy(os.path.join(MINI, name), os.path.join(inputs, "tokenizer", name))
+    rng = np.random.default_rng(1)
+    for split, docs in (("train", 8), ("eval", 12)):
+        rng.integers(3, 7900, size=docs * 80, dtype=np.uint16).tofile(os.path.join(inputs, f"text_{split}.bin"))
+        np.save(os.path.join(inputs, f"text_{split}_offsets.npy"), np.arange(docs + 1, dtype=np.int64) * 80)
+    text = json.load(open(os.path.join(MINI, "config.json")))["text_config"]
+    ids = {k: text[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    json.dump({"tokenizer": ids}, open(os.path.join(inputs, "prepare.json"), "w"))
+
+
+def test_linear_phase_and_fidelity_against_native(tmp_path):
+    """The smoke "linear-text" phase (a model in the Kimi Linear layout: no AttnRes, no latent MoE, no KDA gate
+    bound) trains and writes ours and native's folders; bench/fidelity.py --native then finds ours and native
+    Transformers' KimiLinearForCausalLM equal in fp32 (top-1, logits, greedy tokens) on the CPU."""
+    from kimi3_testing import native_kimi_linear_module
+
+    native_kimi_linear_module()  # native's PyTorch path (fla hidden) is the one this process imports
+    import train_kimi3_mini
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import fidelity
+
+    _linear_inputs(tmp_path / "inputs")
+    assert train_kimi3_mini.main(["train", "--work", str(tmp_path), "--smoke", "--phases", "linear-text"]) == 0
+    phase = tmp_path / "phases" / "linear-text"
+    assert not (tmp_path / "phases" / "text").exists()  # only the phase asked for; nothing exported
+    config = json.load(open(phase / "final" / "config.json"))
+    assert config.get("attn_res_block_size") is None and not config.get("routed_expert_hidden_size")
+    assert "gate_lower_bound" not in config["linear_attn_config"]
+    native_config = json.load(open(phase / "final-native" / "config.json"))
+    assert native_config["architectures"] == ["KimiLinearForCausalLM"] and "auto_map" not in native_config
+
+    res = fidelity.main(["--model", str(phase / "final"), "--native", str(phase / "final-native"),
+                         "--data", str(tmp_path / "inputs"), "--seq-len", "40", "--chunks", "3", "--prompts", "3",
+                         "--prompt-len", "12", "--new-tokens", "5", "--device", "cpu",
+                         "--out", str(tmp_path / "fid.json")])
+    rows = json.load(open(tmp_path / "fid.json"))["rows"]
+    assert rows == json.loads(json.dumps(res["rows"]))
+    fp32 = rows["ours_vs_native_fp32"]
+    assert fp32["top1_agreement"] == 1.0 and fp32["logits_max_rel_err"] < 1e-4
+    assert fp32["greedy"]["identical_sequences"] == 3 and fp32["greedy"]["tokens_to_first_difference"] == 15
+    for name in ("ours_vs_native_bf16", "native_bf16_vs_fp32"):
+        g = rows[name]["greedy"]
+        assert 0 <= rows[name]["top1_agreement"] <= 1 and g["prompts"] == 3 and g["new_tokens"] == 5
+        assert len(g["first_differences"]) == 3 - g["identical_sequences"]
+    assert rows["goal"]["met_teacher_forced"] == (rows["ours_vs_native_bf16"]["top1_agreement"]
+                                                 >= rows["native_bf16_vs_fp32"]["top1_agreement"])
+
+
+def test_greedy_agreement_counts_to_the_first_difference():
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import fidelity
+
+    ta = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    tb = torch.tensor([[1, 2, 3], [4, 7, 6]])
+    la, lb = torch.zeros(2, 3, 8), torch.zeros(2, 3, 8)
+    la[1, 1, 5], la[1, 1, 7] = 2.0, 1.5
+    lb[1, 1, 5], lb[1, 1, 7] = 1.0, 1.25
+    g = fidelity.greedy_agreement((ta, la), (tb, lb))
+    assert g["identical_sequences"] == 1 and g["tokens_to_first_difference"] == 3 + 1
+    assert g["first_differences"] == [{"prompt": 1, "step": 1, "token_a": 5, "token_b": 7, "gap_in_a": 0.5,
+                                       "gap_in_b": 0.25, "logit_std_a": g["first_differences"][0]["logit_std_a"]}]
