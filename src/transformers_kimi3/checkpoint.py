@@ -64,23 +64,71 @@ def weight_files(folder):
         f" (found {pickles}: pickled weights are never loaded; convert them to safetensors)" if pickles else ""))
 
 
-def read_tensors(files, check_finite=True):
+def read_tensors(files, check_finite=True, num_experts=None):
     """name -> (tensor, file). Truncated or corrupt files raise an error naming the file; with `check_finite`, so
-    does a floating-point tensor holding NaN or Inf (`check_finite_values`), checked as each tensor is read."""
-    out = {}
+    does a floating-point tensor holding NaN or Inf (`check_finite_values`), checked as each tensor is read.
+
+    Host memory: safetensors maps each file, and the map (every page of it that was read) lives as long as any tensor
+    of the file does. With `num_experts` (`from_pretrained`), each routed expert's tensor (`experts.{e}.w{1,2,3}.*`)
+    is copied as it is read into its slot of one [num_experts, ...] buffer per expert matrix, which `_stack_experts`
+    then takes as it is, and the other tensors of a file holding such experts are copied too, so the file's map is
+    released once it is read: resident memory grows by the model's bytes plus one file's pages, not by the whole
+    folder on top of the model. A file without routed experts stays mapped (its pages are the model's tensors)."""
+    out, slots = {}, {}
     for path in files:
         try:
             with safe_open(path, framework="pt") as f:
-                for name in f.keys():
+                names = list(f.keys())
+                copied = num_experts is not None and any(_stackable(n, num_experts) for n in names)
+                for name in names:
                     if name in out:
                         raise CheckpointError(f"tensor {name} appears in both {out[name][1]} and {path}")
                     t = f.get_tensor(name)
                     if check_finite:
                         check_finite_values(name, t, path)
+                    if copied:
+                        t = _into_slot(slots, name, t, num_experts)
                     out[name] = (t, path)
         except SafetensorError as e:
             raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from e
     return out
+
+
+_ANY_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123]\.(?:weight|weight_packed|weight_scale))$")
+
+
+def _stackable(name, num_experts):
+    m = _ANY_EXPERT.match(name)
+    return m is not None and int(m.group(2)) < num_experts
+
+
+def _into_slot(slots, name, t, num_experts):
+    """`t` copied into its expert's slot of the buffer of its expert matrix (made at the first expert read, of that
+    expert's shape and dtype), or, where it has no slot (not a routed expert's tensor, an index past
+    `num_experts`, a shape or dtype unlike the first expert's: `_stack_experts` names those), an owned copy. F16 / F64
+    experts are converted afterwards (`convert_float_dtypes`), so they get owned copies too."""
+    m = _ANY_EXPERT.match(name)
+    if m is None or int(m.group(2)) >= num_experts or t.dtype in (torch.float16, torch.float64):
+        return t.clone()
+    key = (m.group(1), m.group(3))
+    if key not in slots:
+        slots[key] = torch.empty((num_experts, *t.shape), dtype=t.dtype)
+    buf = slots[key]
+    if buf.shape[1:] != t.shape or buf.dtype != t.dtype:
+        return t.clone()
+    slot = buf[int(m.group(2))]
+    slot.copy_(t)
+    return slot
+
+
+def _stack(tensors):
+    """torch.stack(tensors), without a copy where they are the slots of one buffer in order (`read_tensors`)."""
+    base = tensors[0]._base
+    if base is not None and base.is_contiguous() and base.shape[0] == len(tensors) and all(
+            t._base is base and t.dtype == base.dtype and t.shape == base.shape[1:]
+            and t.data_ptr() == base[i].data_ptr() for i, t in enumerate(tensors)):
+        return base
+    return torch.stack(tensors)
 
 
 def check_finite_values(name, t, path, note=""):
@@ -206,18 +254,17 @@ def _stack_experts(per_expert, config, w, label, keep_packed=False):
                 check_mxfp4(p, sc, name=name.rsplit(".", 1)[0])
             except ValueError as err:
                 raise CheckpointError(f"{err} (in {path})") from err
-        return torch.stack([p for (p, _, _), _ in pairs]), torch.stack([sc for _, (sc, _, _) in pairs])
-    mats = []
-    for e in range(num_experts):
-        if packed:
-            (p, path, name), (s, _, _) = per_expert[(e, "weight_packed")], per_expert[(e, "weight_scale")]
-            try:
-                mats.append(dequantize_mxfp4(p, s, torch.bfloat16, name=name.rsplit(".", 1)[0]))
-            except ValueError as err:
-                raise CheckpointError(f"{err} (in {path})") from err
-        else:
-            mats.append(per_expert[(e, "weight")][0])
-    return torch.stack(mats)
+        return _stack([p for (p, _, _), _ in pairs]), _stack([sc for _, (sc, _, _) in pairs])
+    if not packed:
+        return _stack([per_expert[(e, "weight")][0] for e in range(num_experts)])
+    out = torch.empty((num_experts, *_expert_matrix(config, w)), dtype=torch.bfloat16)
+    for e in range(num_experts):  # one expert's bf16 at a time beside the result
+        (p, path, name), (s, _, _) = per_expert[(e, "weight_packed")], per_expert[(e, "weight_scale")]
+        try:
+            out[e] = dequantize_mxfp4(p, s, torch.bfloat16, name=name.rsplit(".", 1)[0])
+        except ValueError as err:
+            raise CheckpointError(f"{err} (in {path})") from err
+    return out
 
 
 # ----------------------------------------------------------------------------- memory -> official
@@ -266,6 +313,14 @@ def load_pretrained(cls, name_or_path, base_from_pretrained, *model_args, **kwar
     `from_pretrained` of 0.1-0.4 s that maps the safetensors lazily (the first forward reads those pages anyway:
     load plus a first read of every weight takes 5.5-7 s either way).
 
+    Host memory (`read_tensors`): the routed experts are copied into their stacked buffers as they are read, and the
+    other tensors of each file holding experts are copied too, so that the file's map is released once it is read;
+    files without routed experts stay mapped. Resident memory then peaks at the model's bytes plus at most one
+    file's pages and ends at the model's bytes. The copies are the load's main cost: on bench/memory.py's K3 slice
+    (11.4 GB in 2 GB shards, files in the page cache, 2 CPU cores) the load takes 5-7 s and peaks 0.01 GB above
+    the model; with every file kept mapped it took 1.3-1.6 s and kept the experts' 2.2 GB of file pages resident
+    beside their stacked copies (docs/performance.md).
+
     With `output_loading_info=True` returns `(model, loading_info)` as Transformers does; which tensors may be
     missing or left over is `_match`'s rule."""
     hub_kwargs = {k: kwargs.get(k) for k in ("cache_dir", "force_download", "local_files_only", "token",
@@ -290,7 +345,8 @@ def load_pretrained(cls, name_or_path, base_from_pretrained, *model_args, **kwar
         _text_config(config).validate_kimi3()
     elif hasattr(_text_config(config), "validate_kimi3"):  # a config object may have been edited since it was built
         _text_config(config).validate_kimi3()
-    tensors = read_tensors(weight_files(folder), check_finite=check_finite)
+    tensors = read_tensors(weight_files(folder), check_finite=check_finite,
+                           num_experts=_text_config(config).num_experts)
     convert_float_dtypes(tensors, _load_dtype(config, kwargs), cls._keep_in_fp32_modules_strict or (), folder)
     # MXFP4 experts stay packed in memory unless asked otherwise; what is packed is read off the tensors
     if dequantize or not any(name.endswith(".weight_packed") for name in tensors):
