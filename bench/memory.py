@@ -11,7 +11,8 @@ is at most the loaded model plus 1.2 x the largest shard. Resident memory counts
 safetensors files that the process has touched (`RssFile`) as well as its own allocations (`RssAnon`); both are
 sampled from /proc/self/status every 10 ms and reported at the sampled peak, beside the kernel's exact peak (`VmHWM`)
 and `ru_maxrss`. Each of `--dtypes` (`default`: no dtype, as users call it; `bfloat16`) is loaded in its own
-interpreter. The folder is removed afterwards unless `--keep`; an existing one of the same shape is reused.
+interpreter, after the folder's files were read once (`load_s` is a load from the page cache). The folder is removed
+afterwards unless `--keep`; an existing one of the same shape is reused.
 
 Options: `--experts` (routed experts per MoE layer; the release has 896, 15.7 GB per layer), `--layers` (layer 0
 dense, the last one MLA, the others KDA), `--shard-gb` (the shards' target size in GB), `--work` (where the folder
@@ -185,6 +186,15 @@ def measure(folder, dtype=None):
             "after_load": {k: after[k] for k in ("VmRSS", "RssAnon", "RssFile")}, "load_s": round(seconds, 2)}
 
 
+def read_through(folder, chunk=1 << 26):
+    """Read every file of `folder` once, so that `load_s` times a load from the page cache (which is no part of a
+    process's resident memory until it maps the pages)."""
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            while f.read(chunk):
+                pass
+
+
 def measure_in_subprocess(folder, dtype=None, timeout=3600):
     """`measure` in a fresh interpreter (this file's `--measure`); the dict it prints."""
     cmd = [sys.executable, os.path.abspath(__file__), "--measure", folder] + (["--dtype", dtype] if dtype else [])
@@ -250,6 +260,7 @@ def main(argv=None):
     rows = []
     try:
         for dtype in args.dtypes.split(","):
+            read_through(folder)
             row = measure_in_subprocess(folder, None if dtype == "default" else dtype)
             row.update(verdict(row, largest))
             row["GB"] = {k: _gb(v) for k, v in (("model", row["model_bytes"]), ("largest_shard", largest),
