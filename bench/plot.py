@@ -1,9 +1,14 @@
-"""Plot a bench/e2e.py results file (4.3B Kimi Linear config): prefill tokens/s by prompt length (native and ours,
-2K to 1M), decode tokens/s by batch after a 1,024-token prompt (native, ours eager, ours static cache) and long-prompt
-prefill time and peak memory (ours chunked, native in one pass). Each point is the newest row of its kind over the
-file's runs; the titles name the trees the points come from. Needs matplotlib (not a project requirement).
+"""Redraw the plots of bench/results from their JSON files (needs matplotlib, not a project requirement):
 
-    python bench/plot_e2e.py [--json bench/results/e2e_h200.json] [--out bench/results/e2e_h200.png]
+    python bench/plot.py kda [--json bench/results/kda_h200.json] [--out bench/results/kda_h200.png]
+    python bench/plot.py e2e [--json bench/results/e2e_h200.json] [--out bench/results/e2e_h200.png]
+
+`kda`: a bench/kda.py results file, ours against fla (timed in the same process) per shape, the forward without
+autograd (prefill) and forward+backward (training), ms against T.
+`e2e`: a bench/e2e.py results file (4.3B Kimi Linear config): prefill tokens/s by prompt length (native and ours, 2K
+to 1M), decode tokens/s by batch after a 1,024-token prompt (native, ours eager, ours static cache) and long-prompt
+prefill time and peak memory (ours chunked, native in one pass). Each point is the newest row of its kind over the
+file's runs; the titles name the trees the points come from.
 """
 
 import argparse
@@ -15,6 +20,61 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import load_runs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+# ------------------------------------------------------------------------------------------------ kda
+GATES = {"k3": "K3 gate", "sp": "softplus gate"}
+PANELS = (("fwd_ms", "forward without autograd (prefill)"), ("fwdbwd_ms", "forward + backward (training)"))
+
+
+def pairs(rows, key):
+    """{H: [(T, ours_ms, fla_ms, gate)]} over the fixed-length time rows that have `key` for both (rows in run
+    order: the newest of each shape wins)."""
+    ms = {(r["impl"], r["H"], r["T"]): r for r in rows
+          if r.get("section") == "time" and "varlen" not in r and r.get(key) is not None}
+    out = {}
+    for (impl, H, T), r in sorted(ms.items()):
+        theirs = ms.get(("fla", H, T))
+        if impl == "ours" and theirs:
+            out.setdefault(H, []).append((T, r[key], theirs[key], r["gate"]))
+    return out
+
+
+def plot_kda(args, plt):
+    """bench/kda.py's time rows: ours against fla per shape, prefill and training panels, ms against T."""
+    runs = load_runs(args.json)
+    rows = [r for run in runs for r in run["rows"]]
+    panels = [(title, pairs(rows, key)) for key, title in PANELS]
+    panels = [(title, data) for title, data in panels if data]
+    if not panels:
+        raise SystemExit(f"{args.json}: no time rows with both ours and fla")
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(8, 6 * len(panels)), 5), squeeze=False)
+    for ax, (title, data) in zip(axes[0], panels):
+        for (H, pts), color in zip(sorted(data.items()), ("tab:blue", "tab:red", "tab:green")):
+            ts = [p[0] for p in pts]
+            ax.plot(ts, [p[1] for p in pts], "o-", color=color, label=f"ours H={H} ({GATES[pts[0][3]]})")
+            ax.plot(ts, [p[2] for p in pts], "s--", color=color, alpha=0.7, label=f"fla H={H}")
+            for T, ours, fla, _ in pts:
+                ax.annotate(f"{fla / ours:.2f}x", (T, ours), textcoords="offset points", xytext=(5, 5), fontsize=7,
+                            color=color)
+        ts = sorted({p[0] for pts in data.values() for p in pts})
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(ts)
+        ax.set_xticklabels([f"{t // 1024}K" for t in ts])
+        ax.set_xlabel("T (tokens, B=1)")
+        ax.set_ylabel("ms (log)")
+        ax.set_title(f"chunked KDA, {title}\nbf16, K=V=128", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    meta = runs[-1]["meta"]
+    fig.suptitle(f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, fla {meta.get('fla')}\n"
+                 "lower is better; labels: fla / ours", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print("wrote", args.out)
+
+
+# ------------------------------------------------------------------------------------------------ e2e
 IMPLS = [("native", "native (Transformers + fla)"), ("ours", "ours, eager"),
          ("ours_static_graph", "ours, static cache + CUDA graph")]
 
@@ -37,16 +97,8 @@ def trees(points):
     return ", ".join(sorted({c for _, c in points}))
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=str(RESULTS / "e2e_h200.json"))
-    ap.add_argument("--out", default=str(RESULTS / "e2e_h200.png"))
-    args = ap.parse_args()
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot_e2e(args, plt):
+    """bench/e2e.py's rows at the 4.3B config: prefill by prompt length, decode by batch, long prompts."""
     runs = [run for run in load_runs(args.json)  # the 4.3B config; K3-shaped runs name their model
             if not run["meta"].get("model", "").startswith("k3")]
     device = runs[-1]["meta"]["device"]
@@ -132,6 +184,25 @@ def main():
     fig.savefig(args.out, dpi=130)
     print(f"wrote {args.out} (prefill: {trees(pre.values())}; decode: {trees(dec.values())}; "
           f"longest: {trees(lon.values())})")
+
+
+PLOTS = {"kda": (plot_kda, "kda_h200"), "e2e": (plot_e2e, "e2e_h200")}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="plot", required=True)
+    for name, (_, stem) in PLOTS.items():
+        p = sub.add_parser(name, help=f"default: results/{stem}.json -> results/{stem}.png")
+        p.add_argument("--json", default=str(RESULTS / f"{stem}.json"))
+        p.add_argument("--out", default=str(RESULTS / f"{stem}.png"))
+    args = ap.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    PLOTS[args.plot][0](args, plt)
 
 
 if __name__ == "__main__":
