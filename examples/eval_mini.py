@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Picture questions answered by kimi-k3-mini: exact answers per question kind on scenes it never saw.
 
-    python examples/eval_mini.py --model assets/kimi-k3-mini --scenes 96 --out bench/results/eval_mini_cpu.json
+    python examples/eval_mini.py --model assets/kimi-k3-mini --scenes 96 --out examples/results/eval_mini_cpu.json
 
 Scenes come from `mini_vision.scene_example` with a seed the training never drew from (training draws seed 1234
 and, for its held-out loss, 11234), greedy answers with thinking off, parsed with `processor.parse_output`. An

@@ -2,7 +2,7 @@
 """Short fine-tunes of kimi-k3-mini on documents it never saw: Per-Head Muon against AdamW, and quantisation-aware
 fine-tuning against fine-tuning the float experts and quantising afterwards.
 
-    python examples/finetune_mini.py --data out/mini/inputs --out bench/results/finetune_mini_cpu.json   # CPU, minutes
+    python examples/finetune_mini.py --data out/mini/inputs --out examples/results/finetune_mini_cpu.json   # CPU, minutes
 
 The documents are the held-out split of the mini corpus (`train_kimi3_mini.py prepare`): the first 85 % of them are
 fine-tuned on, the rest evaluated (chunks of `--seq-len` tokens, the mean token loss). Every run starts from the

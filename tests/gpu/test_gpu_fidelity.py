@@ -19,7 +19,8 @@ from kimi3_testing import ORACLE, ORACLE_A, rel_err, tiny_model
 
 FP32 = 2e-5  # fp32 GPU vs fp32 CPU, relative to the largest reference value (3xTF32 matmuls: ~1e-6)
 FP32_GRAD = 1e-4
-# bf16 GPU model vs fp32 CPU model; "rerouted": the share of tokens whose top-k expert set differs in a MoE layer
+# bf16 GPU model vs fp32 CPU model: floors of the bounds, each bound being twice the CPU bf16 copy's error where that is
+# larger; "rerouted": the share of tokens whose top-k expert set differs in a MoE layer
 BF16 = {"logits": 6e-2, "component": 6e-2, "rerouted": 0.25}
 
 
@@ -182,46 +183,67 @@ def test_chunked_prefill_static_decode_and_generation(layout, record):
             record(f"{layout} generation {name} step logits", err, fp32_bound(layout))
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_bf16_model_per_component(layout, record):
-    """A bf16 model on the GPU against the fp32 CPU model: each layer's attention and feed-forward output and the
-    logits, with the bounds this suite states (bf16 has 8 mantissa bits; the errors compound over layers). A MoE
-    block is compared on the tokens that both models route to the same experts: on random weights router scores
-    are near ties, and a bf16 rounding that swaps one expert changes that token's output entirely (the MoE module on
-    identical inputs is `test_each_module_alone`'s); the share of swapped routes is bounded on its own."""
-    ids, mask = padded_batch(cpu_model(layout).config.vocab_size, T=120, pad=30, seed=9)
+def bf16_component_errors(layout, model, ids, mask):
+    """{component: (error against the fp32 CPU model, share of tokens routed otherwise or None)} for a bf16 `model`,
+    each layer's attention and feed-forward output compared on the valid tokens; a MoE block only on the tokens both
+    models route to the same experts (on random weights router scores are near ties, and a rounding that swaps one
+    expert changes that token's output entirely; the MoE module on identical inputs is `test_each_module_alone`'s).
+    "logits": the logits on the tokens routed alike in every MoE layer."""
     comps, routes = {}, {}
 
-    def hooks(model, tag):
+    def hooks(m, tag):
         hs = []
-        for name, mod in model.named_modules():
+        for name, mod in m.named_modules():
             if name.endswith(("self_attn", "block_sparse_moe", "mlp")) and ".layers." in name:
                 hs.append(mod.register_forward_hook(
-                    lambda m, a, o, name=name: keep(comps, (tag, name), (o[0] if isinstance(o, tuple) else o)
-                                                            .detach().float().cpu())))
+                    lambda _m, a, o, name=name: keep(comps, (tag, name), (o[0] if isinstance(o, tuple) else o)
+                                                             .detach().float().cpu())))
             if name.endswith("block_sparse_moe.gate"):  # (logits, weights, expert ids [tokens, k])
                 hs.append(mod.register_forward_hook(
-                    lambda m, a, o, name=name: keep(routes, (tag, name[:-len(".gate")]), o[2].sort(-1).values.cpu())))
+                    lambda _m, a, o, name=name: keep(routes, (tag, name[:-len(".gate")]), o[2].sort(-1).values.cpu())))
         return hs
 
-    cpu, gpu = cpu_model(layout), gpu_model(layout, torch.bfloat16)
-    hs = hooks(cpu, "cpu") + hooks(gpu, "gpu")
-    want, got = logits(cpu, ids, mask), logits(gpu, ids, mask)
+    hs = hooks(cpu_model(layout), "ref") + hooks(model, "bf16")
+    want, got = logits(cpu_model(layout), ids, mask), logits(model, ids, mask)
     for h in hs:
         h.remove()
-    v = mask.bool()
+    v, errors = mask.bool(), {}
+    alike = v.clone()
+    for (tag, name), ids_ref in routes.items():
+        if tag == "ref":
+            alike &= (ids_ref == routes[("bf16", name)]).all(-1).view(v.shape)
+    errors["logits"] = (rel_err(got[alike], want[alike]), 1 - alike[v].float().mean().item())
     for (tag, name), ref in comps.items():
-        if tag == "cpu" and ("gpu", name) in comps:
-            out = comps[("gpu", name)]
-            keep_rows = v
-            if ("cpu", name) in routes:
-                same = (routes[("cpu", name)] == routes[("gpu", name)]).all(-1).view(v.shape)
-                record(f"{layout} bf16 {name} share of tokens routed otherwise", 1 - same[v].float().mean().item(),
-                       BF16["rerouted"])
-                keep_rows = v & same
-            err = rel_err(out[keep_rows], ref[keep_rows]) if out.shape[:2] == v.shape else rel_err(out, ref)
-            record(f"{layout} bf16 {name}", err, BF16["component"])
-    record(f"{layout} bf16 logits", valid_rel(got, want, mask), BF16["logits"])
+        if tag == "ref" and ("bf16", name) in comps:
+            out, rows, rerouted = comps[("bf16", name)], v, None
+            if ("ref", name) in routes:
+                same = (routes[("ref", name)] == routes[("bf16", name)]).all(-1).view(v.shape)
+                rerouted, rows = 1 - same[v].float().mean().item(), v & same
+            errors[name] = (rel_err(out[rows], ref[rows]) if out.shape[:2] == v.shape else rel_err(out, ref), rerouted)
+    return errors
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_bf16_model_per_component(layout, record):
+    """A bf16 model on the GPU against the fp32 CPU model: each layer's attention and feed-forward output, and the
+    logits on the tokens routed alike in every layer, no further from fp32 than bf16 rounding takes the PyTorch paths
+    on the CPU. bf16 errors compound over layers (on these random models the CPU's own bf16 copy is 0.1 from fp32 by
+    the second layer's MoE, beyond 0.5 deeper, 0.78 at the K3 model's logits), so a flat bound would test the model,
+    not the kernels: each bound is twice the CPU bf16 copy's error on the same output, at least the `BF16` floor. The
+    share of tokens routed otherwise is bounded per MoE layer."""
+    ids, mask = padded_batch(cpu_model(layout).config.vocab_size, T=120, pad=30, seed=9)
+    base = bf16_component_errors(layout, copy.deepcopy(cpu_model(layout)).to(torch.bfloat16), ids, mask)
+    gpu = gpu_model(layout, torch.bfloat16)
+    got = bf16_component_errors(layout, gpu, ids, mask)
+    assert got and set(got) == set(base)
+    for name, (err, rerouted) in got.items():
+        if name == "logits":  # on the tokens routed alike in every layer
+            record(f"{layout} bf16 logits, {1 - rerouted:.0%} of tokens (CPU bf16: {base[name][0]:.2e})", err,
+                   max(BF16["logits"], 2 * base[name][0]))
+            continue
+        if rerouted is not None:
+            record(f"{layout} bf16 {name} share of tokens routed otherwise", rerouted, BF16["rerouted"])
+        record(f"{layout} bf16 {name} (CPU bf16: {base[name][0]:.2e})", err, max(BF16["component"], 2 * base[name][0]))
 
 
 @pytest.mark.skipif(not os.path.isdir(ORACLE_A), reason=f"{ORACLE_A} is not present")
