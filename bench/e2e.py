@@ -21,7 +21,8 @@ beside the file's earlier ones):
   check_fp32       the `check` comparison with both models in fp32
   check_kernels    ours with its fused inference kernels against KIMI3_INFERENCE_KERNELS=0, fp32 and bf16
   fidelity         fp32, 5 layers at the 4.3B widths: ours on the GPU (triton and fla KDA) and native (fla) against
-                   ours on the CPU, the reference that equals Moonshot's code
+                   ours on the CPU, the reference that equals Moonshot's code; each MoE router's top-k is compared
+                   too (`route_fields`: tokens routed otherwise, the error before the first reroute)
 """
 
 import argparse
@@ -153,6 +154,69 @@ def kernel_status(device):
 
 
 # ------------------------------------------------------------------------------------------------ stages
+
+
+@contextlib.contextmanager
+def record_routes(model):
+    """Yields (routes, gaps), one entry per MoE router call in call order (per MoE layer of one forward): the top-k
+    expert ids [tokens, k], sorted per token, and per token the gap between the k-th and (k+1)-th selection scores
+    (sigmoid + correction bias), both on the CPU. Ours' `Kimi3TopkRouter` and native's `KimiLinearTopkRouter` both
+    return (logits, weights, ids) and hold `top_k` and `e_score_correction_bias`."""
+    routes, gaps = [], []
+
+    def hook(module, args, out):
+        logits, ids = out[0].detach(), out[2].detach()
+        routes.append(ids.reshape(-1, ids.shape[-1]).sort(-1).values.cpu())
+        choice = logits.float().reshape(-1, logits.shape[-1]).sigmoid() + module.e_score_correction_bias.float()
+        top = choice.topk(module.top_k + 1, dim=-1).values
+        gaps.append((top[:, -2] - top[:, -1]).cpu())
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
+    try:
+        yield routes, gaps
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def route_fields(got, ref, got_routes, ref_routes, ref_gaps=None):
+    """Logits compared with the routes in view (one sequence). With random weights and 64 experts top-8, a router's
+    8th and 9th scores are near ties for a few tokens, and rounding (GPU against CPU) may swap one expert for one
+    token: that token's logits change by ~0.1 of max |logit| (forcing one such swap on the CPU gives 0.08-0.17), and
+    through attention the later tokens' by ~1e-3, with more swaps downstream. The max-based `rel` then reports that
+    token. Fields: `tokens_routed_otherwise` (share of tokens whose expert set differs in any MoE layer),
+    `route_pairs_differing` (such token-layer pairs), `logits_rel_err_same_routes` (max-based, over the tokens routed
+    alike in every layer: still ~1e-3 after the first swap), `first_rerouted_token` with the reference's k-th minus
+    (k+1)-th score gap there (`first_reroute_score_gap`, the earliest layer) and `logits_rel_err_before_first_reroute`
+    (max-based over the tokens before it, which no swap can reach: the rounding alone), and per token
+    max |diff| / max |ref| over its row: `logits_rel_err_token_median`, `_token_p99`."""
+    got = got.detach().double().cpu().reshape(-1, got.shape[-1])
+    ref = ref.detach().double().cpu().reshape(-1, ref.shape[-1])
+    per_token = (got - ref).abs().amax(-1) / ref.abs().amax(-1).clamp_min(1e-30)
+    out = dict(logits_rel_err_token_median=float(per_token.median()),
+               logits_rel_err_token_p99=float(per_token.quantile(0.99)))
+    if not ref_routes or len(got_routes) != len(ref_routes) or any(
+            a.shape != b.shape for a, b in zip(got_routes, ref_routes)):
+        out["routes_error"] = f"{len(got_routes)} router calls against {len(ref_routes)} in the reference"
+        return out
+    differ = torch.stack([(a != b).any(-1) for a, b in zip(got_routes, ref_routes)])  # [layers, tokens]
+    rerouted = differ.any(0)
+    same = ~rerouted
+    out.update(tokens_routed_otherwise=float(rerouted.float().mean()), route_pairs_differing=int(differ.sum()),
+               moe_layers=len(ref_routes),
+               logits_rel_err_same_routes=rel(got[same], ref[same]) if bool(same.any()) else None)
+    if bool(rerouted.any()):
+        first = int(rerouted.nonzero()[0])
+        layer = int(differ[:, first].nonzero()[0])
+        out.update(first_rerouted_token=first, first_reroute_moe_layer=layer,
+                   logits_rel_err_before_first_reroute=rel(got[:first], ref[:first]) if first else None)
+        if ref_gaps is not None:
+            out["first_reroute_score_gap"] = float(ref_gaps[layer][first])
+    else:
+        out["logits_rel_err_before_first_reroute"] = rel(got, ref)
+    if ref_gaps is not None:
+        out["ref_min_score_gap"] = float(torch.stack(ref_gaps).min())
+    return out
 
 
 def guarded(res, stage, fn, *args):
@@ -363,15 +427,18 @@ def stage_check_fp32(res, device, T):
         ids = torch.randint(3, native.config.vocab_size, (1, T), device=device)
         kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
         with torch.no_grad():
-            a = native(input_ids=ids, use_cache=False).logits
-            b = ours(input_ids=ids, use_cache=False).logits
+            with record_routes(native) as (routes_a, gaps_a):
+                a = native(input_ids=ids, use_cache=False).logits
+            with record_routes(ours) as (routes_b, _):
+                b = ours(input_ids=ids, use_cache=False).logits
             g_ours = ours.generate(ids[:, :64], **kw)
             g_native = native.generate(ids[:, :64], **kw)
             g_static = ours.generate(ids[:, :64], cache_implementation="static", **kw)
         res.add(stage="check_fp32", T=T, logits_rel_err_vs_native=rel(b, a),
                 argmax_agree=float((a.argmax(-1) == b.argmax(-1)).float().mean()),
                 tokens_equal_native=float((g_ours == g_native).float().mean()),
-                static_graph_tokens_equal_eager=bool(torch.equal(g_static, g_ours)))
+                static_graph_tokens_equal_eager=bool(torch.equal(g_static, g_ours)),
+                **route_fields(b, a, routes_b, routes_a, gaps_a))
     del native, ours
     free(device)
 
@@ -419,15 +486,18 @@ def stage_check_kernels(res, device, dtype, T, tiny):
 def stage_fidelity(res, device, T, tiny):
     """fp32 logits of one prompt, 5 layers at the 4.3B widths (weights drawn in bf16, loaded in fp32), against ours
     on the CPU (which equals Moonshot's code to ~5e-6): ours on the GPU with our Triton KDA, ours with
-    kda_backend="fla", and the native model (fla's KDA)."""
+    kda_backend="fla", and the native model (fla's KDA). Every MoE router's top-k is recorded in both runs:
+    `route_fields` separates the tokens an expert swap (a near tie that rounding decides) reaches from the rest."""
     config = TINY_CONFIG if tiny else dict(BENCH_CONFIG, num_hidden_layers=5)
     cpu = torch.device("cpu")
     with native_folder(config, device, torch.bfloat16) as (folder, native):
         del native
         free(device)
         ids = torch.randint(3, config["vocab_size"], (1, T))
-        with torch.no_grad():
-            ref = load_ours(folder, cpu, torch.float32)(input_ids=ids, use_cache=False).logits
+        ref_model = load_ours(folder, cpu, torch.float32)
+        with torch.no_grad(), record_routes(ref_model) as (ref_routes, ref_gaps):
+            ref = ref_model(input_ids=ids, use_cache=False).logits
+        del ref_model
         gc.collect()
         candidates = (("ours_triton", lambda: load_ours(folder, device, torch.float32, kda_backend="triton")),
                       ("ours_fla", lambda: load_ours(folder, device, torch.float32, kda_backend="fla")),
@@ -436,11 +506,12 @@ def stage_fidelity(res, device, T, tiny):
         for name, load in candidates:
             try:
                 model = load()
-                with torch.no_grad():
+                with torch.no_grad(), record_routes(model) as (routes, _):
                     got = model(input_ids=ids.to(device), use_cache=False).logits
                 res.add(stage="fidelity", impl=name, T=T, layers=config["num_hidden_layers"],
                         logits_rel_err_vs_cpu=rel(got, ref),
-                        argmax_agree=float((got.argmax(-1).cpu() == ref.argmax(-1)).float().mean()))
+                        argmax_agree=float((got.argmax(-1).cpu() == ref.argmax(-1)).float().mean()),
+                        **route_fields(got, ref, routes, ref_routes, ref_gaps))
                 del model, got
             except Exception as e:  # noqa: BLE001 - e.g. fla not installed: the other rows still count
                 res.add(stage="fidelity", impl=name, error=f"{type(e).__name__}: {e}"[:500])
@@ -548,7 +619,12 @@ def print_table(res):
             print(f"decode   {r['impl']:18s} B={r['batch']:>3d}  {r['tok_s']:>10.1f} tok/s ({r['ms_per_step']:.2f} "
                   "ms/step)")
         elif r["stage"] == "fidelity":
-            print(f"fidelity {r['impl']:18s} logits vs CPU reference {r['logits_rel_err_vs_cpu']:.1e}")
+            same = r.get("logits_rel_err_same_routes")
+            print(f"fidelity {r['impl']:18s} logits vs CPU reference {r['logits_rel_err_vs_cpu']:.1e}; "
+                  f"tokens routed otherwise {r.get('tokens_routed_otherwise', float('nan')):.3f}, same routes "
+                  f"{float('nan') if same is None else same:.1e}, before the first reroute "
+                  f"{r.get('logits_rel_err_before_first_reroute') or float('nan'):.1e}, token median "
+                  f"{r.get('logits_rel_err_token_median', float('nan')):.1e}")
         else:
             print(json.dumps({k: v for k, v in r.items() if k != "kernel_status"}, default=str)[:300])
 
