@@ -112,7 +112,9 @@ def _into_slot(slots, name, t, num_experts):
         return t.clone()
     key = (m.group(1), m.group(3))
     if key not in slots:
-        slots[key] = torch.empty((num_experts, *t.shape), dtype=t.dtype)
+        # on the tensor's own device, not a device context's (from_pretrained under `torch.device("meta")` is refused
+        # by Transformers with its own message)
+        slots[key] = torch.empty((num_experts, *t.shape), dtype=t.dtype, device=t.device)
     buf = slots[key]
     if buf.shape[1:] != t.shape or buf.dtype != t.dtype:
         return t.clone()
@@ -257,7 +259,8 @@ def _stack_experts(per_expert, config, w, label, keep_packed=False):
         return _stack([p for (p, _, _), _ in pairs]), _stack([sc for _, (sc, _, _) in pairs])
     if not packed:
         return _stack([per_expert[(e, "weight")][0] for e in range(num_experts)])
-    out = torch.empty((num_experts, *_expert_matrix(config, w)), dtype=torch.bfloat16)
+    out = torch.empty((num_experts, *_expert_matrix(config, w)), dtype=torch.bfloat16,
+                      device=per_expert[(0, "weight_packed")][0].device)
     for e in range(num_experts):  # one expert's bf16 at a time beside the result
         (p, path, name), (s, _, _) = per_expert[(e, "weight_packed")], per_expert[(e, "weight_scale")]
         try:
