@@ -319,10 +319,8 @@ def load_pretrained(cls, name_or_path, base_from_pretrained, *model_args, **kwar
     Host memory (`read_tensors`): the routed experts are copied into their stacked buffers as they are read, and the
     other tensors of each file holding experts are copied too, so that the file's map is released once it is read;
     files without routed experts stay mapped. Resident memory then peaks at the model's bytes plus at most one
-    file's pages and ends at the model's bytes. The copies are the load's main cost: on bench/memory.py's K3 slice
-    (11.4 GB in 2 GB shards, files in the page cache, 2 CPU cores) the load takes 2.7-3.0 s and peaks 0.01 GB
-    above the model; with every file kept mapped it took 1.2 s and kept the experts' 2.2 GB of file pages resident
-    beside their stacked copies (docs/performance.md).
+    file's pages and ends at the model's bytes; the copies are what this costs over mapping every file, which would
+    keep the experts' file pages resident beside their stacked copies (docs/performance.md, "Loading memory").
 
     With `output_loading_info=True` returns `(model, loading_info)` as Transformers does; which tensors may be
     missing or left over is `_match`'s rule."""
