@@ -79,9 +79,16 @@ def _weight(module):
     return getattr(base, "weight", None)
 
 
+def _qat_experts(model):
+    from .qat import QATExperts
+
+    return [m for m in model.modules() if isinstance(m, QATExperts)]
+
+
 def fsdp2_units(model):
     """The modules `apply_fsdp2` shards as units of their own, in the order it shards them (inner first; the root
-    `model` itself comes last and is not listed)."""
+    `model` itself comes last and is not listed): the QAT experts (`prepare_qat`), the blocks, then the embedding and
+    the head."""
     names = _block_class_names(model)
     if not names:
         raise ValueError(f"model ({type(model).__name__}) holds no module with `_no_split_modules`: apply_fsdp2 "
@@ -90,7 +97,7 @@ def fsdp2_units(model):
     embed, head = _embeddings(model)
     tied = embed is not None and head is not None and _weight(embed) is _weight(head)
     extra = [] if tied else [m for m in (embed, head) if m is not None and any(True for _ in m.parameters())]
-    return blocks + extra
+    return _qat_experts(model) + blocks + extra
 
 
 def _kept_in_fp32(model):
@@ -166,7 +173,9 @@ def apply_fsdp2(model, mesh=None, reshard_after_forward=True, mp_policy=None, of
 
     model: a Kimi3 / KimiLinear model (`Kimi3ForCausalLM`, `Kimi3ForConditionalGeneration`, `Kimi3Model`) or a PEFT
         model around one. Call after `get_peft_model` / `prepare_qat` / `activation_checkpointing_enable`, and build
-        the optimizer afterwards: sharding replaces every parameter by a DTensor parameter.
+        the optimizer afterwards: sharding replaces every parameter by a DTensor parameter. Each `QATExperts`
+        (`prepare_qat`) is a unit of its own that `mp_policy` does not cast: the forward quantises the masters in
+        their own dtype (fp32 masters in a bf16 model included), as `save_pretrained_fsdp2` packs them.
     mesh: a `DeviceMesh` (1-D: FSDP over its ranks; 2-D: HSDP, replicate over dim 0 and shard over dim 1). None:
         all ranks of the default process group, on its accelerator (NCCL) or on the CPU (gloo).
     reshard_after_forward: for every unit but the root (FSDP2's meaning: True frees the gathered parameters after
@@ -215,8 +224,14 @@ def apply_fsdp2(model, mesh=None, reshard_after_forward=True, mp_policy=None, of
     keep_kw = dict(kw, mp_policy=MixedPrecisionPolicy(output_dtype=mp_policy.output_dtype,
                                                       cast_forward_inputs=False))
     sharder = _Sharder(model, fully_shard, kw, keep_kw, mp_policy.param_dtype)
+    qat = _qat_experts(model)
     for unit in fsdp2_units(model):
-        sharder.unit(unit, reshard_after_forward=reshard_after_forward)
+        if any(unit is m for m in qat):
+            # QAT masters: a unit of their own, not cast (keep_kw): the forward quantises the masters themselves, as
+            # save_pretrained packs them, and their dtype may differ from the rest of the layer's
+            sharder._shard([unit], keep_kw, reshard_after_forward=reshard_after_forward)
+        else:
+            sharder.unit(unit, reshard_after_forward=reshard_after_forward)
     # the root's parameters are gathered first in the backward anyway: FSDP2's default keeps them after forward
     sharder.unit(model)
     return model
@@ -237,7 +252,8 @@ def load_full_state_dict(model, state_dict, broadcast_from_rank0=True, strict=Tr
     """Load an unsharded state dict into a `fully_shard`-ed model, each rank keeping its shards (collective).
 
     state_dict: the model's keys or the official checkpoint layout (per-expert tensors, what `save_pretrained`
-        writes: converted as `model.load_state_dict` converts it). With broadcast_from_rank0 (the default) only
+        writes: converted as `model.load_state_dict` converts it; packed MXFP4 experts are dequantised into the
+        masters of a QAT model). With broadcast_from_rank0 (the default) only
         rank 0's is read and the other ranks may pass {}: the tensors are broadcast one by one, so only rank 0
         needs the whole model in host memory (the other ranks can build theirs on the meta device, shard it and
         `to_empty(device=...)` it before this call). Without it every rank passes the same whole state dict."""
@@ -247,8 +263,10 @@ def load_full_state_dict(model, state_dict, broadcast_from_rank0=True, strict=Tr
 
     if state_dict and hasattr(model, "config"):
         from .checkpoint import state_dict_for_model
+        from .qat import masters_from_packed
 
-        state_dict = state_dict_for_model(model, state_dict)
+        # packed experts into QAT masters (prepare_qat): dequantised, as QATExperts' own loading does
+        state_dict = masters_from_packed(model, state_dict_for_model(model, state_dict))
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if (rank0 or not broadcast_from_rank0) and not state_dict:
         raise ValueError("state_dict is empty on a rank that must provide it (rank 0, or every rank without "

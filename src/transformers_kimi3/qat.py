@@ -38,7 +38,14 @@ With the callback a resumed run gives the uninterrupted run's masters bit for bi
 cost is the masters' size on disk per checkpoint (and in host memory while one is written or read): E·I·D·3
 values per MoE layer, 32 bits each for fp32 masters (16 for bf16) against the checkpoint's 4.25 bits (MXFP4 and
 one 8-bit scale per 32 values). `save_qat_masters` / `load_qat_masters` do the same in a loop of one's own.
-Sharded (DTensor, FSDP2) masters are refused.
+
+FSDP2. `prepare_qat` comes first, then `distributed.apply_fsdp2` (which gives every QATExperts a unit of its own whose
+masters an mp_policy does not cast), then the optimizer; `prepare_qat` refuses a model that is already sharded.
+With sharded (DTensor) masters, `save_qat_masters` and `load_qat_masters` are collective: every rank of the default
+process group calls them. Saving gathers each master whole, one at a time, and rank 0 (the callback: the process
+with `args.should_save`) writes the same file as one process would. Loading: every rank reads the file, checks it
+and takes its own shard of each master (`distribute_tensor` with the master's mesh and placements, no
+communication); a refusal on any rank is raised on every rank, before any master changes.
 """
 
 import copy
@@ -123,6 +130,10 @@ def prepare_qat(model, weights="mxfp4", activations=None, master_dtype=None):
     optimizer (or Trainer): the masters are new parameters."""
     if weights != "mxfp4":
         raise ValueError(f"prepare_qat: weights={weights!r} is not supported (only 'mxfp4')")
+    DTensor = _dtensor_class()
+    if DTensor is not None and any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("prepare_qat: the model is already sharded (DTensor parameters: apply_fsdp2 / fully_shard); "
+                         "call prepare_qat first, then apply_fsdp2, then build the optimizer")
     fmt = check_activation_format("bf16" if activations is None else activations)
     config = model.config.get_text_config()
     blocks = [m for m in model.modules() if isinstance(m, Kimi3SparseMoeBlock)]
@@ -156,32 +167,94 @@ def qat_masters(model):
             for name, mod in model.named_modules() if isinstance(mod, QATExperts) for n in _PROJECTIONS}
 
 
+def masters_from_packed(model, state_dict):
+    """`state_dict` (the model's keys) with the packed experts of every `QATExperts` (`<experts>.w1_packed` /
+    `_scale`, what `save_pretrained` writes) dequantised into the masters' keys and dtype, as
+    `QATExperts._load_from_state_dict` does; for loaders that match tensors to parameters by key
+    (`distributed.load_full_state_dict`)."""
+    out = dict(state_dict)
+    for name, p in qat_masters(model).items():
+        packed, scale = out.pop(f"{name}_packed", None), out.pop(f"{name}_scale", None)
+        if packed is not None and scale is not None:
+            out[name] = decode_mxfp4(packed, scale, p.dtype)
+    return out
+
+
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor
+
+
+def _sharded(masters):
+    DTensor = _dtensor_class()
+    return DTensor is not None and any(isinstance(p, DTensor) for p in masters.values())
+
+
 def _checked_masters(model, what):
     masters = qat_masters(model)
     if not masters:
         raise ValueError(f"{what}: the model has no QATExperts (call prepare_qat before training)")
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        DTensor = ()
-    sharded = [n for n, p in masters.items() if isinstance(p, DTensor)]
-    if sharded:
-        raise ValueError(f"{what}: the masters are sharded (DTensor, e.g. FSDP2: {sharded[0]}); only whole masters "
-                         "(one process, DDP) are supported")
     return masters
 
 
-def save_qat_masters(model, folder, global_step=None):
+def _whole(p):
+    """A master as one whole tensor: a DTensor's shards all-gathered (collective over its mesh)."""
+    p = p.detach()
+    DTensor = _dtensor_class()
+    if DTensor is None or not isinstance(p, DTensor):
+        return p
+    local, mesh = p.to_local(), p.device_mesh
+    if local.device.type != mesh.device_type:  # shards kept on the CPU (CPUOffloadPolicy): gather on the mesh's device
+        p = DTensor.from_local(local.to(mesh.device_type), mesh, p.placements, shape=p.shape, stride=p.stride())
+    return p.full_tensor()
+
+
+def _local_part(t, p):
+    """This rank's part of the whole tensor `t` for the DTensor `p`: cut by p's mesh and placements, as `p`'s own
+    local tensor is (no communication), on that tensor's device."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None).to_local().to(p.to_local().device)
+
+
+def _process_group():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ValueError("the QAT masters are sharded (DTensor) but no default process group is initialised")
+    return dist
+
+
+@torch.no_grad()
+def save_qat_masters(model, folder, global_step=None, write=None):
     """Write every QAT master of `model` to `folder/qat_masters.safetensors` in its own dtype (`global_step` in the
     metadata when given); returns the file's path. Written to a temporary name and renamed, so a reader never sees
-    a partial file."""
+    a partial file.
+
+    Sharded (DTensor, FSDP2) masters: collective, every rank calls it; each master is gathered whole in turn and the
+    writing process keeps it on the CPU; the ranks wait for the file before returning. `write`: whether this process
+    writes the file (default: rank 0 when the masters are sharded, else True)."""
     masters = _checked_masters(model, "save_qat_masters")
+    dist = _process_group() if _sharded(masters) else None
+    if write is None:
+        write = dist is None or dist.get_rank() == 0
     path = os.path.join(folder, QAT_MASTERS_NAME)
-    metadata = {"format": "pt"}
-    if global_step is not None:
-        metadata["global_step"] = str(int(global_step))
-    save_file({n: p.detach().cpu().contiguous() for n, p in masters.items()}, path + ".tmp", metadata=metadata)
-    os.replace(path + ".tmp", path)
+    tensors = {}
+    for name, p in masters.items():
+        t = _whole(p)  # every rank takes part in the gather
+        if write:
+            tensors[name] = t.cpu().contiguous()
+    if write:
+        metadata = {"format": "pt"}
+        if global_step is not None:
+            metadata["global_step"] = str(int(global_step))
+        save_file(tensors, path + ".tmp", metadata=metadata)
+        os.replace(path + ".tmp", path)
+    if dist is not None:
+        dist.barrier()
     return path
 
 
@@ -198,30 +271,55 @@ def load_qat_masters(model, path):
     Load the checkpoint's model weights first (Trainer does, before `on_train_begin`): every master in the file must
     be the model's master or quantise to it (`fake_quantize_mxfp4`), so masters of another checkpoint are refused.
     Refused with a ValueError naming the tensor and the file, before any master changes: a file whose names, shapes
-    or dtypes are not the model's masters', or whose values do not belong to the model's weights. Returns the path."""
+    or dtypes are not the model's masters', or whose values do not belong to the model's weights. Returns the path.
+
+    Sharded (DTensor, FSDP2) masters: collective, every rank calls it and reads the file; each rank checks and takes
+    its own shard of each master (the file's tensor cut by the master's mesh and placements). What one rank refuses
+    every rank raises (naming that rank), and no rank changes a master."""
     masters = _checked_masters(model, "load_qat_masters")
+    DTensor = _dtensor_class()
+    dist = _process_group() if _sharded(masters) else None
     if os.path.isdir(path):
         path = os.path.join(path, QAT_MASTERS_NAME)
-    loaded = {}
-    with safe_open(path, "pt") as f:
-        names = set(f.keys())
-        missing, unexpected = sorted(set(masters) - names), sorted(names - set(masters))
-        if missing or unexpected:
-            what = f"the model's master {missing[0]} is missing" if missing else f"{unexpected[0]} is no QAT master"
-            raise ValueError(f"{path}: {what} ({len(missing)} missing, {len(unexpected)} unexpected): the file "
-                             "holds the masters of another model")
-        for name, p in masters.items():
-            t = f.get_tensor(name)
-            if t.shape != p.shape or t.dtype != p.dtype:
-                raise ValueError(f"{path}: {name} is {t.dtype} {tuple(t.shape)} in the file, {p.dtype} "
-                                 f"{tuple(p.shape)} in the model")
-            t = t.to(p.device)
-            if not (torch.equal(t, p) or torch.equal(fake_quantize_mxfp4(t, name), p)):
-                raise ValueError(f"{path}: {name} does not quantise to the model's weights: the file belongs to "
-                                 "another checkpoint than the one loaded")
-            loaded[name] = t
+    loaded, error = {}, None
+    try:
+        with safe_open(path, "pt") as f:
+            names = set(f.keys())
+            missing, unexpected = sorted(set(masters) - names), sorted(names - set(masters))
+            if missing or unexpected:
+                what = f"the model's master {missing[0]} is missing" if missing else f"{unexpected[0]} is no QAT master"
+                raise ValueError(f"{path}: {what} ({len(missing)} missing, {len(unexpected)} unexpected): the file "
+                                 "holds the masters of another model")
+            for name, p in masters.items():
+                t = f.get_tensor(name)
+                if t.shape != p.shape or t.dtype != p.dtype:
+                    raise ValueError(f"{path}: {name} is {t.dtype} {tuple(t.shape)} in the file, {p.dtype} "
+                                     f"{tuple(p.shape)} in the model")
+                if DTensor is not None and isinstance(p, DTensor):  # this rank's shard of the file's tensor
+                    own, got = p.to_local(), _local_part(t, p)
+                    quantised = lambda: _local_part(fake_quantize_mxfp4(t, name), p)  # noqa: E731 (whole groups)
+                else:
+                    own, got = p, t.to(p.device)
+                    quantised = lambda: fake_quantize_mxfp4(got, name)  # noqa: E731
+                if not (torch.equal(got, own) or torch.equal(quantised(), own)):
+                    raise ValueError(f"{path}: {name} does not quantise to the model's weights: the file belongs to "
+                                     "another checkpoint than the one loaded")
+                loaded[name] = got
+    except Exception as e:  # noqa: BLE001 (sharded: every rank must learn of it before raising)
+        if dist is None:
+            raise
+        error = e
+    if dist is not None:  # one rank's refusal is every rank's: no rank may change its shards
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failed = next((r for r, e in enumerate(errors) if e), None)
+        if failed is not None:
+            raise ValueError(f"load_qat_masters: rank {failed} refused {path}: {errors[failed]}")
     for name, t in loaded.items():
-        masters[name].copy_(t)
+        p = masters[name]
+        (p.to_local() if DTensor is not None and isinstance(p, DTensor) else p).copy_(t)
     return path
 
 
@@ -245,35 +343,45 @@ class QATMastersCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             raise ValueError("QATMastersCallback needs the model (Trainer passes it to callbacks)")
-        _checked_masters(model, "QATMastersCallback")
+        masters = _checked_masters(model, "QATMastersCallback")
         self.loaded = None
         if state.global_step == 0:  # a fresh TrainerState: no checkpoint was resumed
             return
         folders = [os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")]
         if isinstance(args.resume_from_checkpoint, str) and os.path.isdir(args.resume_from_checkpoint):
             folders.insert(0, args.resume_from_checkpoint)
-        for folder in folders:
-            path = os.path.join(folder, QAT_MASTERS_NAME)
-            if os.path.isfile(path) and _masters_step(path) == state.global_step:
-                self.loaded = load_qat_masters(model, path)
-                logger.info(f"QATMastersCallback: masters loaded from {path}")
-                return
+        paths = [os.path.join(folder, QAT_MASTERS_NAME) for folder in folders]
+        found = [next((p for p in paths if os.path.isfile(p) and _masters_step(p) == state.global_step), None)]
+        if _sharded(masters):  # loading is collective: every rank takes the file rank 0 found
+            _process_group().broadcast_object_list(found, src=0)
+        if found[0] is not None:
+            self.loaded = load_qat_masters(model, found[0])
+            logger.info(f"QATMastersCallback: masters loaded from {found[0]}")
+            return
         logger.warning(f"QATMastersCallback: resumed at step {state.global_step}, but no {QAT_MASTERS_NAME} of that "
                        f"step is in {' or '.join(folders)}: the run continues from the quantised masters of the "
                        "checkpoint's weights")
 
     def on_save(self, args, state, control, model=None, **kwargs):
-        if not args.should_save:
-            return
+        """Sharded (DTensor, FSDP2) masters: every process takes part in gathering them (Trainer calls `on_save` on
+        each), and the one with `args.should_save` writes the file."""
         if model is None:
+            if not args.should_save:
+                return
             raise ValueError("QATMastersCallback needs the model (Trainer passes it to callbacks)")
+        sharded = _sharded(qat_masters(model))
+        if not args.should_save and not sharded:
+            return
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if not os.path.isdir(folder):
+        write = args.should_save
+        if write and not os.path.isdir(folder):
             logger.warning(f"QATMastersCallback: no checkpoint folder {folder}; the masters of step "
                            f"{state.global_step} are not saved")
-            return
-        save_qat_masters(model, folder, global_step=state.global_step)
+            if not sharded:
+                return
+            write = False
+        save_qat_masters(model, folder, global_step=state.global_step, write=write)
 
 
 __all__ = ["QAT_MASTERS_NAME", "QATExperts", "QATMastersCallback", "fake_quantize_mxfp4", "load_qat_masters",
-           "prepare_qat", "qat_masters", "save_qat_masters"]
+           "masters_from_packed", "prepare_qat", "qat_masters", "save_qat_masters"]

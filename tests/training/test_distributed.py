@@ -3,7 +3,9 @@ process on the same global batch: full fine-tuning with AdamW and with Per-Head 
 momentum, whole blocks kept on their shards), a bf16 model with its fp32-kept parameters and a bf16
 MixedPrecisionPolicy, LoRA on packed MXFP4 experts (buffers) under activation checkpointing, the full state dict
 gathered to rank 0, `save_pretrained_fsdp2`, an official-layout file loaded into a model built on the meta device, a
-sharded torch.distributed.checkpoint resume of model and Muon state, and Transformers' own FSDP2 + expert parallel.
+sharded torch.distributed.checkpoint resume of model and Muon state, Transformers' own FSDP2 + expert parallel, and
+quantisation-aware training (`prepare_qat`, then `apply_fsdp2`): its masters saved whole and resumed into shards, and
+its packed folder.
 
 One spawn (fork: the parent's imports are reused) runs every check; the tests read its results. Each rank trains on
 half of every batch; FSDP2 averages the two halves' gradients, so the reference is one process accumulating the same
@@ -281,6 +283,125 @@ def _run_ep(rank, folder, out):
     out["ep"] = dict(loss=float(loss) / WORLD, grads=_full_grads(model), w1_local=tuple(w1.to_local().shape))
 
 
+# ----------------------------------------------------------------------------- QAT (prepare_qat, then apply_fsdp2)
+QAT_CKPT = "qat-run/checkpoint-2"
+
+
+def _qat_small(seed=0):
+    from transformers_kimi3 import prepare_qat
+
+    return prepare_qat(tiny_model(seed=seed, **SMALL).train())
+
+
+def _qat_args(folder, rank):
+    """What QATMastersCallback reads of TrainingArguments: rank 0 writes the checkpoint (`should_save`)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(output_dir=os.path.join(folder, "qat-run"), should_save=rank == 0,
+                           resume_from_checkpoint=os.path.join(folder, QAT_CKPT))
+
+
+def _qat_resume(rank, folder, load_masters):
+    """A fresh sharded QAT model (other initial weights) given the step-2 checkpoint: the packed folder
+    (load_full_state_dict: the masters hold its quantised values), the AdamW state (dcp) and, with load_masters, the
+    exact masters (QATMastersCallback.on_train_begin); then step 3."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from transformers import TrainerControl, TrainerState
+
+    from transformers_kimi3 import QATMastersCallback
+    from transformers_kimi3.distributed import apply_fsdp2, gather_full_state_dict, load_full_state_dict
+
+    checkpoint = os.path.join(folder, QAT_CKPT)
+    model = apply_fsdp2(_qat_small(seed=1))
+    load_full_state_dict(model, load_file(os.path.join(checkpoint, "model.safetensors")) if rank == 0 else {})
+    opt = _optimizer("adamw", model)
+    state = {"optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=os.path.join(checkpoint, "optim"))
+    set_optimizer_state_dict(model, opt, state["optim"])
+    callback = QATMastersCallback()
+    if load_masters:
+        callback.on_train_begin(_qat_args(folder, rank), TrainerState(global_step=2), TrainerControl(), model=model)
+    _train(model, opt, [HALVES[rank]], steps=1, first=2)
+    return gather_full_state_dict(model), callback.loaded
+
+
+def _run_qat(rank, folder, out):
+    """QAT under FSDP2 as a user runs it: prepare_qat, apply_fsdp2, AdamW; 2 steps; the checkpoint of step 2
+    (save_pretrained_fsdp2's packed folder, QATMastersCallback.on_save's masters, the optimizer with dcp); step 3;
+    the packed folder of the trained model; resumes from the checkpoint with and without the masters; refusals."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+    from transformers import TrainerControl, TrainerState
+
+    from transformers_kimi3 import QATMastersCallback, prepare_qat
+    from transformers_kimi3.distributed import apply_fsdp2, fsdp2_units, gather_full_state_dict, save_pretrained_fsdp2
+    from transformers_kimi3.qat import QAT_MASTERS_NAME, load_qat_masters, qat_masters
+
+    model = _qat_small()
+    units = [type(m).__name__ for m in fsdp2_units(model)]
+    apply_fsdp2(model)
+    masters = qat_masters(model)
+    opt = _optimizer("adamw", model)
+    losses = _train(model, opt, [HALVES[rank]], steps=2)
+    checkpoint = os.path.join(folder, QAT_CKPT)
+    save_pretrained_fsdp2(model, checkpoint)  # Trainer's checkpoint: the masters packed
+    QATMastersCallback().on_save(_qat_args(folder, rank), TrainerState(global_step=2), TrainerControl(), model=model)
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=os.path.join(checkpoint, "optim"))
+    masters2 = {n: p.full_tensor() for n, p in masters.items()}
+    losses += _train(model, opt, [HALVES[rank]], steps=1, first=2)
+    save_pretrained_fsdp2(model, os.path.join(folder, "qat-packed"))
+    model.eval()
+    with torch.no_grad():  # the sharded model's eval forward: each rank its half of the batch
+        out[f"qat_logits{rank}"] = model(input_ids=_batch(9)[HALVES[rank]]).logits
+    state = gather_full_state_dict(model)
+    out["qat"] = dict(units=units, local=tuple(next(iter(masters.values())).to_local().shape), losses=losses,
+                      masters2=masters2, state=state)
+    out["qat_resumed"], out["qat_loaded"] = _qat_resume(rank, folder, load_masters=True)
+    out["qat_not_loaded"], _ = _qat_resume(rank, folder, load_masters=False)
+
+    # the trained model's masters with one master's values moved in rank 1's shard only (experts 4..7): both ranks
+    # refuse the file (rank 0 naming rank 1), and neither changes a master
+    bad = os.path.join(folder, "qat-bad")
+    if rank == 0:
+        os.makedirs(bad)
+        tensors = {n: state[n].clone() for n in masters}
+        tensors[next(n for n in tensors if n.endswith("experts.w1"))][4:] += 1
+        save_file(tensors, os.path.join(bad, QAT_MASTERS_NAME))
+    dist.barrier()
+    before = {n: p.to_local().clone() for n, p in masters.items()}
+    try:
+        load_qat_masters(model, bad)
+        out[f"qat_refusal{rank}"] = None
+    except ValueError as e:
+        out[f"qat_refusal{rank}"] = str(e)
+    out[f"qat_refusal_unchanged{rank}"] = all(torch.equal(p.to_local(), before[n]) for n, p in masters.items())
+    try:  # the other order
+        prepare_qat(apply_fsdp2(_small()))
+        out["qat_other_order"] = None
+    except ValueError as e:
+        out["qat_other_order"] = str(e)
+
+    # a bf16 model with fp32 masters (units of one dtype each), 2 steps; and an fp32 QAT model under a bf16
+    # MixedPrecisionPolicy: the masters reach the forward uncast
+    model = prepare_qat(_bf16(_small()), master_dtype=torch.float32)
+    apply_fsdp2(model)
+    out["qat_bf16"] = dict(losses=_train(model, _optimizer("adamw", model), [HALVES[rank]], steps=2),
+                           state=gather_full_state_dict(model))
+    model = _qat_small()
+    seen = {}
+    model.model.layers[1].block_sparse_moe.experts.register_forward_pre_hook(  # runs after FSDP2's unshard
+        lambda m, args: seen.update(w1=m.w1.dtype, sharded=isinstance(m.w1, DTensor), x=args[0].dtype))
+    apply_fsdp2(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    x = _batch(0)[HALVES[rank]]
+    model(input_ids=x, labels=x).loss.backward()
+    out["qat_mp"] = dict(seen=seen, grad_dtype=model.model.layers[1].block_sparse_moe.experts.w1.grad.dtype)
+
+
 def _worker(rank, folder):
     torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=WORLD)
@@ -294,6 +415,7 @@ def _worker(rank, folder):
         _run_lora(rank, folder, out)
         _run_ep(rank, folder, out)
         _muon_blocks(rank, out)
+        _run_qat(rank, folder, out)
         if rank == 1:
             torch.save({k: v for k, v in out.items() if k.endswith("1")}, os.path.join(folder, "rank1.pt"))
         dist.barrier()
@@ -323,6 +445,7 @@ def ranks(tmp_path_factory):
 
             import transformers_kimi3.distributed  # noqa: F401
             import transformers_kimi3.expert_lora  # noqa: F401
+            import transformers_kimi3.qat  # noqa: F401
 
             _small().save_pretrained(folder / "small")  # for Transformers' own distributed loading (_run_ep)
             mp.start_processes(_worker, args=(str(folder),), nprocs=WORLD, start_method="fork")
@@ -511,3 +634,126 @@ def test_units_and_argument_errors():
         apply_fsdp2(model, mesh="cpu")
     with pytest.raises(ValueError, match="_no_split_modules"):
         fsdp2_units(torch.nn.Linear(2, 2))
+
+
+# ----------------------------------------------------------------------------- QAT under FSDP2
+@pytest.fixture(scope="module")
+def qat_reference():
+    """One process: the QAT model trained 3 steps on the two halves of each batch, as the ranks; its masters after
+    step 2 too."""
+    from transformers_kimi3.qat import qat_masters
+
+    model = _qat_small()
+    opt = _optimizer("adamw", model)
+    losses = _train(model, opt, HALVES, steps=2)
+    masters2 = {n: p.detach().clone() for n, p in qat_masters(model).items()}
+    losses += _train(model, opt, HALVES, steps=1, first=2)
+    return model, losses, masters2
+
+
+def _masters_of(state, model):
+    from transformers_kimi3.qat import qat_masters
+
+    return {n: state[n] for n in qat_masters(model)}
+
+
+def test_qat_under_fsdp2_equals_one_process(ranks, qat_reference):
+    """prepare_qat, then apply_fsdp2 (each QATExperts a unit of its own, 4 of the 8 experts per rank), 3 AdamW steps
+    (lr 1e-2): losses, masters and every other weight gathered to rank 0 equal one process (1e-6; observed 0). The
+    masters moved, off their MXFP4 grid."""
+    from transformers_kimi3.qat import fake_quantize_mxfp4
+
+    model, losses, _ = qat_reference
+    got = ranks["qat"]
+    assert got["units"] == ["QATExperts", "Kimi3DecoderLayer", "Kimi3DecoderLayer", "Embedding", "Linear"]
+    assert got["local"] == (4, 32, 32)
+    assert max(abs(a - b) / b for a, b in zip(got["losses"], losses)) <= TOL, (got["losses"], losses)
+    ref = model.state_dict()
+    masters = _masters_of(got["state"], model)
+    assert got["state"].keys() == ref.keys() and len(masters) == 3
+    assert _max_rel(masters, _masters_of(ref, model)) <= TOL and _max_rel(got["state"], ref) <= TOL
+    assert _max_rel(masters, _masters_of(_qat_small().state_dict(), model)) > 1e-3
+    assert all(not torch.equal(w, fake_quantize_mxfp4(w)) for w in masters.values())
+
+
+def test_qat_masters_checkpoint_and_resume_under_fsdp2(ranks, qat_reference):
+    """QATMastersCallback.on_save on both ranks (rank 0 with should_save) writes one qat_masters.safetensors: the
+    whole masters of step 2 (8 experts), fp32, step 2 in its metadata, equal to one process's (1e-6). A fresh
+    sharded QAT model with other weights given the checkpoint (save_pretrained_fsdp2's packed folder through
+    load_full_state_dict, the AdamW state through dcp, the masters through on_train_begin: each rank its shard), then
+    step 3: every weight and master bit-identical to the uninterrupted sharded run. Without the masters the resumed
+    run starts from their quantised values, and every master ends elsewhere."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from transformers_kimi3.qat import QAT_MASTERS_NAME
+
+    model, _, masters2 = qat_reference
+    path = ranks["folder"] / QAT_CKPT / QAT_MASTERS_NAME
+    saved = load_file(path)
+    with safe_open(path, "pt") as f:
+        assert f.metadata()["global_step"] == "2"
+    assert saved.keys() == ranks["qat"]["masters2"].keys() == masters2.keys()
+    assert all(t.shape == (8, 32, 32) and t.dtype == torch.float32 for t in saved.values())
+    assert all(torch.equal(saved[n], t) for n, t in ranks["qat"]["masters2"].items())
+    assert _max_rel(saved, masters2) <= TOL
+
+    assert ranks["qat_loaded"] == str(path)
+    want, resumed = ranks["qat"]["state"], ranks["qat_resumed"]
+    assert resumed.keys() == want.keys() and all(torch.equal(resumed[n], want[n]) for n in want)
+    not_loaded = _masters_of(ranks["qat_not_loaded"], model)
+    assert all(not torch.equal(t, want[n]) for n, t in not_loaded.items())
+
+
+def test_qat_packed_folder_from_fsdp2_reloads_the_qat_forward(ranks, qat_reference):
+    """save_pretrained_fsdp2 of the trained sharded QAT model packs the masters to MXFP4 as the fake-quantised
+    forward used them: the folder, reloaded in one process, gives the eval logits of the one-process QAT model and
+    of the sharded model itself (fp32, relative error below 1e-6)."""
+    from kimi3_testing import rel_err
+
+    from transformers_kimi3 import Kimi3ForCausalLM
+    from transformers_kimi3.mxfp4_experts import PackedMXFP4Experts
+
+    model = qat_reference[0].eval()
+    packed = Kimi3ForCausalLM.from_pretrained(ranks["folder"] / "qat-packed", dtype=torch.float32).eval()
+    assert isinstance(packed.model.layers[1].block_sparse_moe.experts, PackedMXFP4Experts)
+    x = _batch(9)
+    with torch.no_grad():
+        got, want = packed(input_ids=x).logits, model(input_ids=x).logits
+    assert rel_err(got, want) < 1e-6
+    for rank in range(WORLD):
+        assert rel_err(got[HALVES[rank]], ranks[f"qat_logits{rank}"]) < 1e-6
+    with torch.no_grad():
+        assert rel_err(_qat_small().eval()(input_ids=x).logits, want) > 1e-3  # training moved the logits
+
+
+def test_qat_refusals_under_fsdp2(ranks):
+    """A masters file that does not fit rank 1's shard only (one master moved in experts 4..7) is refused on both
+    ranks, naming the tensor and the file (rank 0: as rank 1's refusal), and no rank changes a master. prepare_qat
+    on a sharded model is refused, naming the order."""
+    folder = str(ranks["folder"] / "qat-bad" / "qat_masters.safetensors")
+    own = ranks["qat_refusal1"]
+    assert own.startswith(folder) and "experts.w1 does not quantise to the model's weights" in own, own
+    other = ranks["qat_refusal0"]
+    assert other.startswith(f"load_qat_masters: rank 1 refused {folder}: ValueError: {own}"), other
+    assert ranks["qat_refusal_unchanged0"] and ranks["qat_refusal_unchanged1"]
+    assert "call prepare_qat first, then apply_fsdp2" in ranks["qat_other_order"]
+
+
+def test_qat_bf16_model_with_fp32_masters_and_mixed_precision(ranks):
+    """A bf16 model with fp32 masters (the QATExperts unit is fp32, the layer's bf16), 2 AdamW steps: losses and
+    weights equal one process (1e-6). An fp32 QAT model under a bf16 MixedPrecisionPolicy: the experts get bf16
+    inputs and their fp32 masters unsharded and uncast (so the forward quantises what save_pretrained packs), and
+    the masters' gradients are fp32."""
+    from transformers_kimi3 import prepare_qat
+
+    model = prepare_qat(_bf16(_small()), master_dtype=torch.float32)
+    losses = _train(model, _optimizer("adamw", model), HALVES, steps=2)
+    got = ranks["qat_bf16"]
+    assert max(abs(a - b) / b for a, b in zip(got["losses"], losses)) <= TOL, (got["losses"], losses)
+    ref = model.state_dict()
+    assert all(got["state"][n].dtype == t.dtype for n, t in ref.items())
+    assert {t.dtype for t in _masters_of(got["state"], model).values()} == {torch.float32}
+    assert _max_rel(got["state"], ref) <= TOL
+    assert ranks["qat_mp"] == dict(seen=dict(w1=torch.float32, sharded=False, x=torch.bfloat16),
+                                   grad_dtype=torch.float32)
