@@ -21,7 +21,8 @@ Stages (`--stages`, comma-separated):
             the rerun over the kept positions (Kimi3Cache.keep_rows). CUDA: each captured in a CUDA graph.
   verify    after a `--prompt`-token context on the static cache: one speculation round of k + 1 tokens (begin_round,
             the forward, keep_rows keeping all / keeping half: the rerun) against k single decode steps, each the way
-            generate() runs it (CUDA: replayed graphs).
+            generate() runs it (CUDA: replayed graphs); and keep_rows rejecting half alone, until it returns to the
+            host and until the device is done.
   generate  `--new-tokens` greedy tokens after each prompt (`copy`: a passage repeated, or random ids in a repeated
             block; `free`: an open question, or random ids) with static-cache greedy, prompt lookup
             (`--lookup-tokens`) and assisted decoding (`--assistant-tokens` per round): tok/s of the new tokens,
@@ -196,6 +197,20 @@ def static_runner(model, context_ids, extra):
     return runner
 
 
+def host_and_total(fn, reset, device, timed):
+    """(median ms until `fn` returns, median ms until the device is done), `reset` untimed before each call."""
+    host = []
+
+    def call():
+        t = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t) * 1e3)
+
+    total = timed(call, reset)
+    host = host[1:]  # timed() runs one warm-up call first
+    return sorted(host)[len(host) // 2], total
+
+
 def stage_verify(res, model, device, context, ks, timed):
     """A speculation round of k + 1 tokens against k single decode steps, as generate() runs them."""
     vocab = text_model(model).config.vocab_size
@@ -223,10 +238,19 @@ def stage_verify(res, model, device, context, ks, timed):
                 for t in range(k):
                     runner.forward(new[:, t:t + 1])
 
+            def after_forward():
+                reset()
+                runner.begin(k + 1)
+                runner.forward(new)
+
             row = dict(stage="verify", k=k, context=context)
             for name, fn in (("round_keep_all_ms", lambda: round_(k + 1)),
                              ("round_keep_half_ms", lambda: round_(k // 2 + 1)), ("steps_ms", steps)):
                 row[name] = timed(fn, reset)
+            # the rollback alone (keep_rows rejecting half, after an untimed forward): until it returns to the host
+            # and until the device is done; host time near the total means the host's launches are what it costs
+            row["keep_half_host_ms"], row["keep_half_ms"] = host_and_total(lambda: runner.keep([k // 2 + 1]),
+                                                                           after_forward, device, timed)
             row["round_over_steps"] = row["round_keep_half_ms"] / row["steps_ms"]
             row["round_over_one_step"] = row["round_keep_half_ms"] / (row["steps_ms"] / k)
             res.add(**row)
@@ -397,7 +421,8 @@ def print_table(res):
         elif r["stage"] == "verify":
             print(f"verify   k={r['k']:<2d} round {r['round_keep_all_ms']:.2f} ms (rejecting half "
                   f"{r['round_keep_half_ms']:.2f} ms) vs {r['k']} steps {r['steps_ms']:.2f} ms: "
-                  f"{r['round_over_one_step']:.2f} steps' worth")
+                  f"{r['round_over_one_step']:.2f} steps' worth; keep_rows rejecting half {r['keep_half_ms']:.2f} ms "
+                  f"({r['keep_half_host_ms']:.2f} ms on the host)")
         else:
             print(f"generate {r['prompt']:5s} {r['impl']:14s} {r['tok_s']:>9.1f} tok/s "
                   f"x{r['speedup_vs_static_greedy']:.2f}  {r['new_per_target_forward']:.2f} new/forward  "

@@ -522,4 +522,5 @@ def test_the_speculative_benchmark_runs_on_the_cpu(tmp_path):
     rows = run["rows"]
     assert [r["stage"] for r in rows] == ["rollback", "verify"] + ["generate"] * 6
     assert {r["impl"] for r in rows[2:]} == {"static_greedy", "prompt_lookup", "assisted"}
+    assert 0 < rows[1]["keep_half_host_ms"] <= rows[1]["keep_half_ms"]  # the host part is inside the total
     assert all(r["tokens_equal_static_greedy"] for r in rows[2:]) and not res.mismatches
