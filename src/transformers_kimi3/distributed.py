@@ -79,10 +79,14 @@ def _weight(module):
     return getattr(base, "weight", None)
 
 
-def _qat_experts(model):
+def _is_qat_experts(module):
     from .qat import QATExperts
 
-    return [m for m in model.modules() if isinstance(m, QATExperts)]
+    return isinstance(module, QATExperts)
+
+
+def _qat_experts(model):
+    return [m for m in model.modules() if _is_qat_experts(m)]
 
 
 def fsdp2_units(model):
@@ -141,7 +145,11 @@ class _Sharder:
         return cast or any(p.dtype not in other_dtypes for p in kept)
 
     def unit(self, module, **extra):
-        if self._needs_split(self._free(module)):
+        if _is_qat_experts(module):
+            # QAT masters: a unit of their own, not cast (keep_kw): the forward quantises the masters themselves, as
+            # save_pretrained packs them, and their dtype may differ from the rest of the layer's
+            self._shard([module], self.keep_kw, **extra)
+        elif self._needs_split(self._free(module)):
             self._split(module, **extra)
         else:
             self._shard([module], self.kw, **extra)
@@ -224,14 +232,8 @@ def apply_fsdp2(model, mesh=None, reshard_after_forward=True, mp_policy=None, of
     keep_kw = dict(kw, mp_policy=MixedPrecisionPolicy(output_dtype=mp_policy.output_dtype,
                                                       cast_forward_inputs=False))
     sharder = _Sharder(model, fully_shard, kw, keep_kw, mp_policy.param_dtype)
-    qat = _qat_experts(model)
     for unit in fsdp2_units(model):
-        if any(unit is m for m in qat):
-            # QAT masters: a unit of their own, not cast (keep_kw): the forward quantises the masters themselves, as
-            # save_pretrained packs them, and their dtype may differ from the rest of the layer's
-            sharder._shard([unit], keep_kw, reshard_after_forward=reshard_after_forward)
-        else:
-            sharder.unit(unit, reshard_after_forward=reshard_after_forward)
+        sharder.unit(unit, reshard_after_forward=reshard_after_forward)
     # the root's parameters are gathered first in the backward anyway: FSDP2's default keeps them after forward
     sharder.unit(model)
     return model

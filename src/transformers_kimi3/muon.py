@@ -62,6 +62,9 @@ from collections import namedtuple
 import torch
 from torch import nn
 
+from .dtensors import full_tensor as _full  # a module name of its own: tests count the gathers through it
+from .dtensors import is_dtensor, shard_like
+
 __all__ = ["PerHeadMuon", "build_per_head_muon", "muon_layouts", "newton_schulz", "Layout"]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -118,19 +121,6 @@ def muon_update(m, layout, ns_steps=5):
 
 
 # ----------------------------------------------------------------------------- sharded (DTensor) parameters
-def _dtensor_cls():
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
-
-
-def _full(t):
-    dtensor = _dtensor_cls()
-    return t.full_tensor() if dtensor is not None and isinstance(t, dtensor) else t
-
-
 def _local_blocks(t, layout):
     """Whether each rank's shard of DTensor t holds whole blocks of `layout`, so the blocks can be orthogonalised
     where they are. Decided from the global shape, the placements and the mesh alone: the same on every rank."""
@@ -151,22 +141,11 @@ def _local_blocks(t, layout):
 def _update(m, layout, ns_steps, p):
     """The Muon update of momentum m laid out as parameter p: on each rank's own blocks when the shards hold whole
     blocks, else from the gathered matrix (module docstring)."""
-    dtensor = _dtensor_cls()
-    if dtensor is not None and isinstance(m, dtensor) and _local_blocks(m, layout):
+    if is_dtensor(m) and _local_blocks(m, layout):
         local = muon_update(m.to_local(), layout, ns_steps).to(p.dtype)
-        return dtensor.from_local(local, m.device_mesh, m.placements, run_check=False, shape=m.shape,
+        return type(m).from_local(local, m.device_mesh, m.placements, run_check=False, shape=m.shape,
                                   stride=m.stride())
-    return _like(muon_update(_full(m), layout, ns_steps).to(p.dtype), p)
-
-
-def _like(full, p):
-    """full as p is laid out: p's own shard of it when p is a DTensor (every rank holds the same full tensor)."""
-    dtensor = _dtensor_cls()
-    if dtensor is None or not isinstance(p, dtensor):
-        return full
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+    return shard_like(muon_update(_full(m), layout, ns_steps).to(p.dtype), p)
 
 
 # ----------------------------------------------------------------------------- sorting a model's parameters

@@ -59,6 +59,7 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .dtensors import full_tensor, is_dtensor, shard_like
 from .moe import Kimi3Experts, Kimi3SparseMoeBlock
 from .mxfp4 import GROUP_SIZE, decode_mxfp4, quantize_mxfp4
 from .mxfp4_experts import PackedMXFP4Experts
@@ -130,8 +131,7 @@ def prepare_qat(model, weights="mxfp4", activations=None, master_dtype=None):
     optimizer (or Trainer): the masters are new parameters."""
     if weights != "mxfp4":
         raise ValueError(f"prepare_qat: weights={weights!r} is not supported (only 'mxfp4')")
-    DTensor = _dtensor_class()
-    if DTensor is not None and any(isinstance(p, DTensor) for p in model.parameters()):
+    if any(is_dtensor(p) for p in model.parameters()):
         raise ValueError("prepare_qat: the model is already sharded (DTensor parameters: apply_fsdp2 / fully_shard); "
                          "call prepare_qat first, then apply_fsdp2, then build the optimizer")
     fmt = check_activation_format("bf16" if activations is None else activations)
@@ -180,17 +180,8 @@ def masters_from_packed(model, state_dict):
     return out
 
 
-def _dtensor_class():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return None
-    return DTensor
-
-
 def _sharded(masters):
-    DTensor = _dtensor_class()
-    return DTensor is not None and any(isinstance(p, DTensor) for p in masters.values())
+    return any(is_dtensor(p) for p in masters.values())
 
 
 def _checked_masters(model, what):
@@ -200,24 +191,9 @@ def _checked_masters(model, what):
     return masters
 
 
-def _whole(p):
-    """A master as one whole tensor: a DTensor's shards all-gathered (collective over its mesh)."""
-    p = p.detach()
-    DTensor = _dtensor_class()
-    if DTensor is None or not isinstance(p, DTensor):
-        return p
-    local, mesh = p.to_local(), p.device_mesh
-    if local.device.type != mesh.device_type:  # shards kept on the CPU (CPUOffloadPolicy): gather on the mesh's device
-        p = DTensor.from_local(local.to(mesh.device_type), mesh, p.placements, shape=p.shape, stride=p.stride())
-    return p.full_tensor()
-
-
 def _local_part(t, p):
-    """This rank's part of the whole tensor `t` for the DTensor `p`: cut by p's mesh and placements, as `p`'s own
-    local tensor is (no communication), on that tensor's device."""
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None).to_local().to(p.to_local().device)
+    """This rank's part of the whole tensor `t` for the DTensor `p` (no communication), on p's local device."""
+    return shard_like(t, p).to_local().to(p.to_local().device)
 
 
 def _process_group():
@@ -244,7 +220,7 @@ def save_qat_masters(model, folder, global_step=None, write=None):
     path = os.path.join(folder, QAT_MASTERS_NAME)
     tensors = {}
     for name, p in masters.items():
-        t = _whole(p)  # every rank takes part in the gather
+        t = full_tensor(p.detach())  # every rank takes part in the gather
         if write:
             tensors[name] = t.cpu().contiguous()
     if write:
@@ -277,7 +253,6 @@ def load_qat_masters(model, path):
     its own shard of each master (the file's tensor cut by the master's mesh and placements). What one rank refuses
     every rank raises (naming that rank), and no rank changes a master."""
     masters = _checked_masters(model, "load_qat_masters")
-    DTensor = _dtensor_class()
     dist = _process_group() if _sharded(masters) else None
     if os.path.isdir(path):
         path = os.path.join(path, QAT_MASTERS_NAME)
@@ -295,7 +270,7 @@ def load_qat_masters(model, path):
                 if t.shape != p.shape or t.dtype != p.dtype:
                     raise ValueError(f"{path}: {name} is {t.dtype} {tuple(t.shape)} in the file, {p.dtype} "
                                      f"{tuple(p.shape)} in the model")
-                if DTensor is not None and isinstance(p, DTensor):  # this rank's shard of the file's tensor
+                if is_dtensor(p):  # this rank's shard of the file's tensor
                     own, got = p.to_local(), _local_part(t, p)
                     quantised = lambda: _local_part(fake_quantize_mxfp4(t, name), p)  # noqa: E731 (whole groups)
                 else:
@@ -319,7 +294,7 @@ def load_qat_masters(model, path):
             raise ValueError(f"load_qat_masters: rank {failed} refused {path}: {errors[failed]}")
     for name, t in loaded.items():
         p = masters[name]
-        (p.to_local() if DTensor is not None and isinstance(p, DTensor) else p).copy_(t)
+        (p.to_local() if is_dtensor(p) else p).copy_(t)
     return path
 
 
