@@ -83,6 +83,7 @@ class ExpertCache:
         self.slot_of = {}  # expert -> slot
         self.last_used = [-1] * resident_experts  # slot -> step of its last use
         self.step = 0
+        self.lut = None  # expert -> slot on the device (num_slots: not resident; one entry more for off-rank ids)
         self.reset_stats()
 
     def reset_stats(self):
@@ -143,12 +144,12 @@ class ExpertCache:
         if stream is not None and (misses or overflow):
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            changed = {}  # expert -> its new slot (num_slots: evicted), for the resident lookup table
             if not overflow:
-                view, n = self.view, self.num_slots
+                view = self.view
                 for e, s in zip(misses, free):
-                    self._admit(e, s)
+                    changed.update(self._admit(e, s))
                     self._copy(self.slots, s, self.host, e)
-                lut = [self.slot_of.get(e, n) for e in range(self.num_experts)]
             else:
                 n = len(step)
                 pos = {e: i for i, (e, _) in enumerate(step)}
@@ -159,21 +160,39 @@ class ExpertCache:
                 # the cache keeps its hits and takes the misses with the most routes into the slots it can free
                 ranked = sorted(((c, -e) for e, c in step if e not in self.slot_of), reverse=True)
                 for (_, neg), s in zip(ranked, free):
-                    self._admit(-neg, s)
+                    changed.update(self._admit(-neg, s))
                     self._copy(self.slots, s, tmp, pos[-neg])
                 view = self._view(tmp, n)
-                lut = [pos.get(e, n) for e in range(self.num_experts)]
             for e in hits:
                 self.last_used[self.slot_of[e]] = self.step
             event = stream.record_event() if stream is not None and (misses or overflow) else None
-        lut = torch.tensor(lut + [n], dtype=topk_idx.dtype, device=topk_idx.device)
+        lut = self._resident_lut(changed, topk_idx)  # on the compute stream, in order with the steps that read it
+        if overflow:  # this step's own table: its experts' positions in the temporary buffer
+            lut = [pos.get(e, n) for e in range(self.num_experts)]
+            lut = torch.tensor(lut + [n], dtype=topk_idx.dtype, device=topk_idx.device)
         return _Fetched(view, lut, event)
 
+    def _resident_lut(self, changed, topk_idx):
+        """The lookup table of the resident slots, kept on the device and changed only where experts came or went
+        (building it whole each step would cost the host a loop over every expert of every layer)."""
+        if self.lut is None or self.lut.dtype != topk_idx.dtype:
+            self.lut = torch.full((self.num_experts + 1,), self.num_slots, dtype=topk_idx.dtype,
+                                  device=topk_idx.device)
+            changed = dict(self.slot_of)
+        if changed:
+            ids, slots = zip(*changed.items())
+            self.lut[list(ids)] = torch.tensor(slots, dtype=self.lut.dtype, device=self.lut.device)
+        return self.lut
+
     def _admit(self, e, s):
-        old = self.expert_of[s]
+        """Expert e into slot s (its occupant evicted); returns {expert: new slot} of the experts whose slot changed
+        (num_slots for the evicted one)."""
+        old, changed = self.expert_of[s], {e: s}
         if old >= 0:
             del self.slot_of[old]
+            changed[old] = self.num_slots
         self.expert_of[s], self.slot_of[e], self.last_used[s] = e, s, self.step
+        return changed
 
 
 class ExpertOffload:
