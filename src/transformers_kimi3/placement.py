@@ -317,15 +317,12 @@ def plan_device_map(config_or_folder=None, gpus=8, gpu_memory="140GiB", reserve=
             key = ".".join(parts[:k])
             per_module[key] = per_module.get(key, 0) + b
 
-    def module_bytes(prefix):
-        return per_module.get(prefix, 0)
-
-    atom_bytes = [module_bytes(n) for n in names]
+    atom_bytes = [per_module.get(n, 0) for n in names]
     experts = {}  # atom index -> (experts module name, bytes) for layers with routed experts
     for i, (name, module) in enumerate(atoms):
         for sub, m in module.named_modules():
             if sub and isinstance(m, (PackedMXFP4Experts, Kimi3Experts)):
-                experts[i] = (f"{name}.{sub}", module_bytes(f"{name}.{sub}"))
+                experts[i] = (f"{name}.{sub}", per_module.get(f"{name}.{sub}", 0))
     total = sum(sizes.values())
     assert total == sum(atom_bytes), "every tensor belongs to one placed module"
     budget = gpu_memory - reserve_bytes
@@ -361,7 +358,7 @@ def plan_device_map(config_or_folder=None, gpus=8, gpu_memory="140GiB", reserve=
         for i in range(start, end):
             name, module = atoms[i]
             device_bytes[g] = device_bytes.get(g, 0) + atom_bytes[i] - (experts[i][1] if i in offloaded else 0)
-            if name.rsplit(".", 1)[-1].isdigit():
+            if is_layer[i]:
                 layers.setdefault(g, []).append(int(name.rsplit(".", 1)[-1]))
             else:
                 other.setdefault(g, []).append(name.rsplit(".", 1)[-1])
