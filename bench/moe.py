@@ -5,6 +5,7 @@ expert shapes (896 experts, top-16, latent 3584, expert width 3072; one layer).
     python bench/moe.py --tokens 64 1024 --variant triton wgmma=0 --variant tables table_free=0
     mkdir -p .mbase && git archive BASE src kernels | tar x -C .mbase      # here (.mbase ignored, then carried)
     python bench/moe.py --tokens 64 1024 --base .mbase                    # another tree's packed experts too
+    python bench/moe.py --w4a8 --out bench/results/moe_h100.json          # also MXFP8 activations (W4A8)
     TRITON_INTERPRET=1 python bench/moe.py --smoke                        # toy shapes on the CPU: checks the script
 
 Rows, per token count; every row is timed once per round and the rounds interleave them (a drift of the GPU's
@@ -18,6 +19,9 @@ clocks hits all alike); the medians are reported:
            DEQUANT_MIN_ROWS_PER_EXPERT=N) or tile table entries (tiles.TABLE.BM.out|down=BN/BK/warps/stages[/x],
            TABLE one of _TILES, _PERM_TILES, _WGMMA_TILES, _WGMMA_ROW_TILES; see kimi3_kernels/mxfp4/tiles.py)
   base     the packed forward of another tree's code (`--base DIR`), on the same weight buffers
+  w4a8     (`--w4a8`) the packed forward with `activation_format="mxfp8"`: x and the GLU output quantised to MXFP8,
+           both GEMMs on FP8 tensor cores (kimi3_kernels/mxfp4/w4a8.py); its outputs are also compared with the
+           emulated W4A8 path (fp32 on the fake-quantised values) on the first four tokens
 Up to --graph-max tokens (default 64) a row is CUDA-graph replays (what a decode step pays), above it eager calls
 timed by CUDA events. Each row's output is compared with an fp32 decode-then-matmul on the first four tokens and
 with the packed row's on all tokens (max abs error / max abs value; 0.0: the same bits). `--backward` adds
@@ -178,6 +182,16 @@ def fp32_reference(mod, x, idx, w, kind, tokens):
     return out
 
 
+def emulated_w4a8(mod, x, idx, w, tokens):
+    """The W4A8 module's exact path (fp32 on the fake-quantised MXFP8 activations) for the first `tokens` tokens."""
+    mod._kernels = lambda x, grad=False: None
+    try:
+        with torch.no_grad():
+            return mod(x[:tokens], idx[:tokens], w[:tokens])
+    finally:
+        del mod._kernels
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # variants
 
@@ -278,6 +292,7 @@ def main():
                     help="a row of the packed experts under other kernel options, attributes or tiles (repeatable)")
     ap.add_argument("--base", help="another tree's folder (its src/ and kernels/): its packed experts as a row")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 peer (and its 59 GB of weights)")
+    ap.add_argument("--w4a8", action="store_true", help="a row with MXFP8 activations (W4A8 kernels)")
     ap.add_argument("--backward", action="store_true", help="also time forward+backward (eager)")
     ap.add_argument("--out", help="results JSON (rewritten after every token count)")
     ap.add_argument("--label", help="the tree's label in the results (default: git describe)")
@@ -300,6 +315,10 @@ def main():
                   variants={v[0]: args.variant[i][1:] for i, v in enumerate(variants)})
     mod = make_packed(cls, glu_of(args.act), S, device)
     base_mod = share_buffers(base[0], base[1](args.act), mod, S) if base else None
+    a8_mod = None
+    if args.w4a8:
+        a8_mod = share_buffers(cls, glu_of(args.act), mod, S)
+        a8_mod.activation_format = "mxfp8"
     w13 = w2 = None
     if not args.no_bf16:
         w13, w2 = bf16_weights(mod, S)
@@ -317,6 +336,8 @@ def main():
             rows[v[0]] = (lambda: mod(x, idx, w), lambda v=v: applied(v, mod))
         if base_mod is not None:
             rows["base"] = (lambda: base_mod(x, idx, w), none)
+        if a8_mod is not None:
+            rows["w4a8"] = (lambda: a8_mod(x, idx, w), none)
         graph = n <= args.graph_max
         ref_tokens = min(n, 4)
         ref = fp32_reference(mod, x, idx, w, args.act, ref_tokens)
@@ -340,6 +361,9 @@ def main():
             for _ in range(args.rounds):
                 for name, timer in timers.items():
                     rounds[name].append(timer())
+        if "w4a8" in outs:
+            row["w4a8_rel_err_vs_emulation"] = rel(outs["w4a8"][:ref_tokens],
+                                                   emulated_w4a8(a8_mod, x, idx, w, ref_tokens))
         for name, t in rounds.items():
             row["ms"][name] = round(statistics.median(t), 4)
         row["rounds_ms"] = {name: [round(v, 4) for v in t] for name, t in rounds.items()}

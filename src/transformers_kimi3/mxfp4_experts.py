@@ -105,8 +105,10 @@ class PackedMXFP4Experts(nn.Module):
     into the gate+up GEMM from its `spec`, or any other callable, which runs in PyTorch between the GEMMs. The GLU
     output is rounded to x's dtype before the down projection; expert outputs and the weighted sum are fp32; the
     result has x's dtype. Gradients flow to x and to the routing weights; the packed weights are frozen.
-    With `activation_format` "mxfp8" (W4A8) the GEMMs read x and the rounded GLU output fake-quantised to MXFP8
-    (`mxfp8.py`, gradients straight through) on the exact fp32 paths: the kernels have no MXFP8 operands.
+    With `activation_format` "mxfp8" (W4A8) the GEMMs read x and the rounded GLU output quantised to MXFP8
+    (`mxfp8.py`): without autograd, bf16 / fp16 activations on the kernels' device run the W4A8 kernels (FP8 tensor
+    cores: the same codes and scales as the emulation, fp32 sums in another order); fp32 activations and training
+    (gradients straight through the quantiser) take the exact fp32 paths on the fake-quantised values.
     """
 
     # Without autograd, up to this many routes (2 tokens at K3's top-16) skip sorting: the packed GEMM runs one route
@@ -212,15 +214,19 @@ class PackedMXFP4Experts(nn.Module):
         on = kernels.kernel_device(self.w1_packed) and ops is not None and ops.available(self.w1_packed.device)
         return "triton" if on else "torch-per-expert"
 
-    def _kernels(self, x):
+    def _kernels(self, x, grad=False):
         """The MXFP4 kernels (`kernels.mxfp4_ops()`) where they compute x's experts, else None: bf16 / fp16
         activations on a kernel device that holds the buffers. fp32 takes the exact paths: the GEMMs' operands
-        are bf16."""
+        are bf16. MXFP8 activations: the W4A8 kernels, forward only (`grad`: the exact paths)."""
         if (x.dtype not in (torch.bfloat16, torch.float16) or x.device != self.w1_packed.device
-                or not kernels.kernel_device(x) or self.activation_format != "bf16"):
+                or not kernels.kernel_device(x)):
             return None
         ops = kernels.mxfp4_ops()
-        return ops if ops is not None and ops.available(x.device) else None
+        if ops is None or not ops.available(x.device):
+            return None
+        if self.activation_format == "mxfp8" and (grad or not ops.w4a8_available(x.device)):
+            return None
+        return ops
 
     # ---- forward
     def check_inputs(self, x, topk_idx, topk_w):
@@ -237,7 +243,7 @@ class PackedMXFP4Experts(nn.Module):
             return x.new_zeros(x.shape)
         T, k = topk_idx.shape
         grad = torch.is_grad_enabled() and (x.requires_grad or topk_w.requires_grad)
-        ops = self._kernels(x)
+        ops = self._kernels(x, grad)
         if not grad and ops is not None and T * k <= self.UNSORTED_MAX_ROUTES and kernels.moe_ops is not None:
             # decode sizes: one launch per projection straight from topk_idx, nothing sorted
             with kernels.on_device(x):
@@ -317,7 +323,7 @@ class PackedMXFP4Experts(nn.Module):
 
     # ---- kernel paths (`ops` = kimi3_kernels.mxfp4)
     def _dequantized_path(self, x, rows):
-        return (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        return (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and self.activation_format == "bf16"
                 and rows >= self.DEQUANT_MIN_ROWS_PER_EXPERT * self.num_experts
                 and not _capturing(x)  # it reads the chunk bounds on the host
                 and kernels.inference_kernels_enabled())
@@ -377,6 +383,8 @@ class PackedMXFP4Experts(nn.Module):
         activations, else 0; nib: the order of the Gluon kernel's table-free decode) and whether gate+up writes h
         straight in the down tile's order. The tile choice is cached per call shape and `tile_state` (a decode step
         asks once); the table-free check has its own cache (`_table_free_ok`)."""
+        if self.activation_format == "mxfp8":  # the W4A8 kernel reads activations in stored K order
+            return 0, False, 0, False, False
         key = (M, E, one_row, ops.tile_state(device))
         tiles = self._tiles.get(key)
         if tiles is None:
@@ -400,20 +408,27 @@ class PackedMXFP4Experts(nn.Module):
         pairs of columns in every n-tile; `up_rows` / `down_rows` say how rows map to experts, inputs and outputs
         (the kernels' keyword arguments). A GLUActivation runs in the gate+up epilogue at every tile height."""
         bk_up, nib_up, bk_dn, nib_dn, h_direct = tiles
+        dtype, a8 = x.dtype, {}
+        if self.activation_format == "mxfp8":  # W4A8: both GEMMs read MXFP8 codes and scales (stored K order)
+            x, scale = ops.quantize_mxfp8(x, "routed expert activations")
+            a8 = dict(a_scale=scale)
         up = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, dual="out", a_kperm=bk_up, a_nib=nib_up,
-                  **up_rows)
+                  **up_rows, **a8)
         if self._fused is not None:
             h = ops.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, act=self._fused[0],
-                                       act_params=self._fused[1:], out_dtype=x.dtype,
+                                       act_params=self._fused[1:], out_dtype=dtype,
                                        c_kperm=bk_dn if h_direct else 0, c_nib=nib_dn, **up)
         else:
             gu = ops.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, **up)
             I = self.intermediate_size
-            h = self._act(gu[:, :I], gu[:, I:]).to(x.dtype)
+            h = self._act(gu[:, :I], gu[:, I:]).to(dtype)
         if bk_dn and not h_direct:
             h = ops.permute_k(h, bk_dn, nib=nib_dn)
+        if a8:
+            h, scale = ops.quantize_mxfp8(h, "routed expert activations (GLU output)")
+            a8 = dict(a_scale=scale)
         return ops.mxfp4_grouped_gemm(h, self.w2_packed, self.w2_scale, offsets, a_kperm=bk_dn, a_nib=nib_dn,
-                                      **down_rows)
+                                      **down_rows, **a8)
 
     def _up_input(self, ops, x, M, E, one_row=False):
         """(x, a_kperm, a_nib) for the gate+up GEMM of M rows: x copied into the K order of its default tile

@@ -2,7 +2,8 @@
 PyTorch reference with the same signature.
 
 - `decode.py`: the E2M1 decodes (inline PTX, shared by both GEMMs) and the K orders they feed the MMAs in.
-- `kernel.py`: the Triton kernels; `wgmma.py`: the Gluon kernel for Hopper.
+- `kernel.py`: the Triton kernels; `wgmma.py`: the Gluon kernel for Hopper; `w4a8.py`: MXFP8 activations (the
+  quantiser and the FP8 tensor-core GEMM).
 - `tiles.py`: the measured tile tables and the tile choice; `options.py`: the alternatives bench/ and tests time.
 - `gemm.py`: `mxfp4_grouped_gemm` (checks, launch plans, launches) and the small helper launches.
 - `reference.py`: `mxfp4_grouped_gemm_ref`, `dequant_ref`.
@@ -27,6 +28,12 @@ from .gemm import (
 from .options import variant
 from .reference import dequant_ref, mxfp4_grouped_gemm_ref
 from .tiles import default_config, kperm_bk, kperm_tile, tile_state, wgmma_enabled
+from .w4a8 import fp8_capable, quantize_mxfp8
+
+
+def w4a8_available(device):
+    """Whether the W4A8 kernels (MXFP8 activations on FP8 tensor cores) run on `device`."""
+    return available(device) and fp8_capable(device)
 
 
 def table_free_enabled():
@@ -45,6 +52,8 @@ def status(device):
         "table_free_decode": bool(wg and table_free_enabled()),
         # ... reading each weight row's next 128-byte line into L2 ahead of its copies (bytes)
         "l2_prefetch_bytes": options.get("l2_prefetch") if wg else None,
+        # routed experts with moe_activation_format="mxfp8", without autograd: FP8 tensor cores (sm_89+)
+        "w4a8": bool(w4a8_available(device)),
     }
     if hasattr(_launch, "status"):  # later launches straight to the compiled kernel (host time)
         out.update(_launch.status())
@@ -55,5 +64,5 @@ __all__ = [
     "HAS_TRITON", "available", "status", "mxfp4_grouped_gemm", "mxfp4_grouped_gemm_ref", "dequant_ref",
     "dequantize_bf16", "route_expert_ids", "block_prefix", "tail_split", "scales_fit_table_free", "permute_k",
     "kperm_index", "kperm_position", "kperm_tile", "kperm_bk", "default_config", "tile_state", "wgmma_enabled",
-    "decode_mode", "clear_plans", "variant", "table_free_enabled",
+    "decode_mode", "clear_plans", "variant", "table_free_enabled", "w4a8_available", "quantize_mxfp8",
 ]

@@ -11,7 +11,8 @@ One call computes, for every expert e of a layer and every sorted row m of its s
 where W_e / B_e are MXFP4 matrices as compressed-tensors stores them (`decode.py`): `packed` uint8 [E, rows,
 cols/2] and `scale` uint8 [E, rows, cols/32]. With trans_w=False the stored matrix is [N, K] (a forward projection,
 groups along K); with trans_w=True it is [K, N] and used untransposed (the backward of a projection, groups along
-N). Operands are bf16 (A is rounded to bf16 in registers), accumulation is fp32.
+N). Operands are bf16 (A is rounded to bf16 in registers), accumulation is fp32. With `a_scale`, A is MXFP8 (E4M3
+codes and their E8M0 scales) and the forward layouts run on FP8 tensor cores (W4A8, `w4a8.py`).
 
 On sm_90 the forward tiles of one and two rows per expert run the Gluon kernel (same decode, bit-identical outputs
 in the table decode's K order). `reference.mxfp4_grouped_gemm_ref` has the same signature and semantics in PyTorch.
@@ -22,7 +23,7 @@ import torch
 
 from .. import _launch
 from .._host import cdiv, interpreter_enabled, next_pow2
-from . import tiles, wgmma
+from . import tiles, w4a8, wgmma
 from .decode import HAS_TRITON, decode_mode, kperm_index, kperm_position
 from .kernel import _block_prefix_kernel, _dequant_kernel, _mxfp4_grouped_gemm_kernel, _route_ids_kernel
 
@@ -121,7 +122,7 @@ def _shapes(a, w_packed, w_scale, trans_w):
 def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a_rows=None, c_rows=None,
                        num_c_rows=None, a2=None, b_packed=None, b_scale=None, dual=None, act=None,
                        act_params=(4.0, 25.0), out_dtype=torch.float32, config=None, a_kperm=0, expert_ids=None,
-                       a_row_div=1, a_nib=False, c_kperm=0, c_nib=False):
+                       a_row_div=1, a_nib=False, c_kperm=0, c_nib=False, a_scale=None):
     """Grouped MXFP4 GEMM (see the module docstring).
 
     a [Ra, K] float (bf16 preferred); w_packed/w_scale stacked MXFP4 [E, N, K/2]/[E, N, K/32] (or [E, K, N/2]/
@@ -141,6 +142,9 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     c_kperm=BK (c_nib): C's columns written in the order of `permute_k(C, BK, nib=c_nib)`, the `a_kperm` / `a_nib`
     input of the GEMM that reads C next (gate+up with the GLU fused, then down), instead of a copy in between; the
     Gluon tiles only. (The Triton kernel's 2-byte scattered stores would cost more than `permute_k` afterwards.)
+    a_scale uint8 [Ra, K/32] (W4A8): `a` holds MXFP8 elements (float8_e4m3fn, or their uint8 codes) and these are
+    their E8M0 scales (`w4a8.quantize_mxfp8`); forward layouts only (trans_w=False, dual None or "out"), activations
+    in stored K order (no a_kperm / a_nib / c_kperm), on the Triton W4A8 kernel.
     config: a tile of the caller's own (bench/ and tests: BM, BN, BK, num_warps, num_stages, PERM, TAIL, WG, PAIR).
     Launch plans: what this function works out from a call's shapes, strides and options (the checks, the tiles, the
     tail launches, each kernel's constexprs) is kept per call signature (`_plan_key`), so a repeated call (every
@@ -148,7 +152,10 @@ def mxfp4_grouped_gemm(a, w_packed, w_scale, expert_offsets, *, trans_w=False, a
     signature (`tiles.tile_state`); after patching this package's functions, `clear_plans()`. Calls with a
     `config` are planned afresh every time.
     """
-    opts = (trans_w, num_c_rows, dual, act, tuple(act_params), out_dtype, a_kperm, a_row_div, a_nib, c_kperm, c_nib)
+    opts = (trans_w, num_c_rows, dual, act, tuple(act_params), out_dtype, a_kperm, a_row_div, a_nib, c_kperm, c_nib,
+            a_scale is not None)
+    if a_scale is not None:  # W4A8: the scales ride in the kernel's second activation slot (no dual="in" there)
+        a2 = a_scale
     key = None if config else _plan_key(a, w_packed, w_scale, expert_offsets, a_rows, c_rows, a2, b_packed, b_scale,
                                         expert_ids, opts)
     plan = _PLANS.get(key) if key is not None else None
@@ -182,13 +189,32 @@ def _plan_key(a, w_packed, w_scale, expert_offsets, a_rows, c_rows, a2, b_packed
             expert_offsets is None, c_rows is None, opts, tiles.tile_state(a.device))
 
 
+def _check_a8(a, a_scale, trans_w, dual, permuted, config):
+    """The W4A8 call's operands: E4M3 elements [Ra, K] with uint8 scales [Ra, K/32], a forward layout in stored K
+    order."""
+    fp8 = w4a8.FP8_E4M3
+    if a.dtype not in (torch.uint8, fp8) or a.dim() != 2:
+        raise ValueError(f"W4A8: a must hold MXFP8 elements (float8_e4m3fn or uint8 codes) [rows, K], got {a.dtype} "
+                         f"{tuple(a.shape)}")
+    if a_scale.dtype != torch.uint8 or a_scale.shape != (a.shape[0], a.shape[1] // 32):
+        raise ValueError(f"W4A8: a_scale must be uint8 [{a.shape[0]}, {a.shape[1] // 32}] (one E8M0 scale per 32 "
+                         f"elements of a), got {a_scale.dtype} {tuple(a_scale.shape)}")
+    if trans_w or dual == "in" or permuted:
+        raise ValueError("W4A8 runs the forward layouts (trans_w=False, dual None or 'out') in stored K order "
+                         "(no a_kperm, a_nib or c_kperm)")
+    if config and int(config.get("WG", 0)):
+        raise ValueError("W4A8 runs on the Triton kernel, not the Gluon tiles (WG)")
+
+
 class _Plan:
     """The launches of one call signature of `mxfp4_grouped_gemm`: the checks, the tile, the tail launches and
     their kernels, worked out once."""
 
     def __init__(self, a, w_packed, w_scale, expert_offsets, a_rows, c_rows, a2, b_packed, b_scale, expert_ids, opts,
                  config):
-        trans_w, num_c_rows, dual, act, act_params, out_dtype, a_kperm, a_row_div, a_nib, c_kperm, c_nib = opts
+        trans_w, num_c_rows, dual, act, act_params, out_dtype, a_kperm, a_row_div, a_nib, c_kperm, c_nib, a8 = opts
+        if a8:
+            _check_a8(a, a2, trans_w, dual, a_kperm or a_nib or c_kperm, config)
         E, N, K = _shapes(a, w_packed, w_scale, trans_w)
         if K % 32 or N % 32:
             raise ValueError("MXFP4 grouped GEMM needs N and K to be multiples of 32")
@@ -209,6 +235,8 @@ class _Plan:
         # one row per program with expert_ids: the tiles of one row per expert (BM=16)
         cfg = dict(tiles.default_config(M, M if expert_ids is not None else E, N, K, dual, trans_w,
                                         row_expert=expert_ids is not None))
+        if a8:  # the W4A8 kernel: the default tile's height, its own tile table, plain K order, one launch
+            cfg = w4a8.a8_tile(cfg["BM"], K)
         if config:
             if {"BM", "BN", "BK"} & set(config):  # a tile of the caller's own: plain K order, one launch unless asked
                 cfg.update(PERM=0, TAIL=())
@@ -233,7 +261,7 @@ class _Plan:
                 raise ValueError("a_nib: activations in the table-free decode's order need a_kperm and a Gluon tile "
                                  f"(WG=1; `kperm_tile`), got a_kperm={a_kperm}, tile {cfg}")
             cfg["NIB"] = 1
-        if a2 is not None and a2.shape != a.shape:
+        if a2 is not None and a2.shape != a.shape and not a8:
             raise ValueError("a2 must have the shape of a")
         b_packed = w_packed if b_packed is None else b_packed
         b_scale = w_scale if b_scale is None else b_scale
@@ -268,6 +296,8 @@ class _Plan:
         if not self.steps:
             return c
         a = a.contiguous()
+        if a.dtype == w4a8.FP8_E4M3:  # W4A8: the kernel reads the codes as bytes
+            a = a.view(torch.uint8)
         ids = expert_ids if expert_ids is not None else a  # a placeholder where not read
         head = (a, a if a2 is None else a2.contiguous(), ids if a_rows is None else a_rows, a.stride(0), w_packed,
                 w_scale, w_packed if b_packed is None else b_packed, w_scale if b_scale is None else b_scale,
@@ -301,6 +331,12 @@ class _GemmLaunch:
             EVEN=not trans_w and K % BK == 0 and N % BN == 0,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         gluon = False
+        if int(cfg.get("A8", 0)):
+            if trans_w or meta["DUAL"] == 2 or BK % 32 or K % BK:
+                raise ValueError(f"the W4A8 kernel computes forward layouts with whole 32-column K blocks (tile {cfg})")
+            self.grid, self.kernel = (nblocks * cdiv(N, BN),), w4a8.launcher(self.meta)
+            self.run = self._run_a8
+            return
         if int(cfg.get("WG", 0)):
             gluon = wgmma.supported(self.meta, cfg, N, K)
             # NIB, c_pos: no other kernel reads / writes those K orders
@@ -311,6 +347,9 @@ class _GemmLaunch:
 
     def __call__(self, head, lo, hi, eid, rest):
         self.run(head + (lo, hi, eid if self.row_expert else block_prefix(lo, hi, self.BM), eid) + rest)
+
+    def _run_a8(self, args):
+        self.kernel(self.grid, args)
 
     def _run_triton(self, args):
         if self.kernel is None:

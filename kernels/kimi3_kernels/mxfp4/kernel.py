@@ -154,6 +154,37 @@ if HAS_TRITON:
             carry += tl.sum(blocks, 0)
 
     @triton.jit
+    def _segment_rows(pid_m, lo_ptr, hi_ptr, bcum_ptr, E, BM: tl.constexpr, E_CHUNK: tl.constexpr,
+                      NUM_E_CHUNKS: tl.constexpr):
+        """(expert, sorted rows [BM], their mask) of row block pid_m (< bcum[E]): the expert is the number of experts
+        whose block range ends at or before pid_m (`_block_prefix_kernel`'s sums, searched in chunks)."""
+        e = pid_m * 0
+        for i in range(NUM_E_CHUNKS):
+            idx = 1 + i * E_CHUNK + tl.arange(0, E_CHUNK)
+            ends = tl.load(bcum_ptr + idx, mask=idx <= E, other=2147483647)
+            e += tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+        blk0 = tl.load(bcum_ptr + e)
+        seg_end = tl.load(hi_ptr + e)
+        offs_m = tl.load(lo_ptr + e) + (pid_m - blk0) * BM + tl.arange(0, BM)
+        return e, offs_m, offs_m < seg_end
+
+    @triton.jit
+    def _zero_route_row(pid_m, pid_n, c_ptr, c_rows_ptr, stride_cm, N, BN: tl.constexpr, DUAL: tl.constexpr,
+                        ACT: tl.constexpr, SCATTER_C: tl.constexpr):
+        """Zeros in the BN output columns of route row pid_m a program would have computed (its expert is another
+        rank's)."""
+        zn = pid_n * BN + tl.arange(0, BN)
+        if SCATTER_C:
+            zrow = tl.load(c_rows_ptr + pid_m).to(tl.int64)
+        else:
+            zrow = pid_m.to(tl.int64)
+        z_ptrs = c_ptr + zrow * stride_cm + zn
+        zero = tl.zeros([BN], dtype=c_ptr.dtype.element_ty)
+        tl.store(z_ptrs, zero, mask=zn < N)
+        if DUAL == 1 and ACT == 0:
+            tl.store(z_ptrs + N, zero, mask=zn < N)
+
+    @triton.jit
     def _mxfp4_grouped_gemm_kernel(
         a_ptr, a2_ptr, a_rows_ptr, stride_am,
         w_ptr, ws_ptr, b_ptr, bs_ptr, stride_we, stride_wr, stride_se, stride_sr,
@@ -174,34 +205,14 @@ if HAS_TRITON:
             # one row per program (decode sizes), its expert read from expert_ids: no sorted segments at all
             e = tl.load(eid_ptr + pid_m)
             if e >= E:  # another rank's expert: zeros, not computed (the output is not zero-filled beforehand)
-                zn = pid_n * BN + tl.arange(0, BN)
-                if SCATTER_C:
-                    zrow = tl.load(c_rows_ptr + pid_m).to(tl.int64)
-                else:
-                    zrow = pid_m.to(tl.int64)
-                z_ptrs = c_ptr + zrow * stride_cm + zn
-                zero = tl.zeros([BN], dtype=c_ptr.dtype.element_ty)
-                tl.store(z_ptrs, zero, mask=zn < N)
-                if DUAL == 1 and ACT == 0:
-                    tl.store(z_ptrs + N, zero, mask=zn < N)
+                _zero_route_row(pid_m, pid_n, c_ptr, c_rows_ptr, stride_cm, N, BN, DUAL, ACT, SCATTER_C)
                 return
             offs_m = pid_m + tl.arange(0, BM)
             m_mask = tl.arange(0, BM) < 1
         else:
-            total_blocks = tl.load(bcum_ptr + E)
-            if pid_m >= total_blocks:
+            if pid_m >= tl.load(bcum_ptr + E):
                 return
-            # expert = number of experts whose block range ends at or before pid_m
-            e = pid_m * 0
-            for i in range(NUM_E_CHUNKS):
-                idx = 1 + i * E_CHUNK + tl.arange(0, E_CHUNK)
-                ends = tl.load(bcum_ptr + idx, mask=idx <= E, other=2147483647)
-                e += tl.sum((ends <= pid_m).to(tl.int32), axis=0)
-            blk0 = tl.load(bcum_ptr + e)
-            seg_end = tl.load(hi_ptr + e)
-            m_start = tl.load(lo_ptr + e) + (pid_m - blk0) * BM
-            offs_m = m_start + tl.arange(0, BM)
-            m_mask = offs_m < seg_end
+            e, offs_m, m_mask = _segment_rows(pid_m, lo_ptr, hi_ptr, bcum_ptr, E, BM, E_CHUNK, NUM_E_CHUNKS)
         if GATHER_A:
             rows = tl.load(a_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
         else:
