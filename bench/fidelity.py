@@ -9,7 +9,10 @@ piece, no padding):
                    too): top-1 agreement of the next-token prediction and the two perplexities
   mxfp4 vs bf16    the packed MXFP4 experts as shipped against the trained bf16/fp32 expert weights (--unquantized),
                    both run in bf16: perplexity
-Goals (issue text): agreement >= 99.5 %, perplexity bf16 vs fp32 within 0.5 %, MXFP4 vs unquantized within 2 %.
+  mxfp8 vs bf16    (--mxfp8) the same bf16 model with MXFP8 routed-expert activations (`moe_activation_format`,
+                   the W4A8 kernels on a GPU with FP8 tensor cores) against bf16 activations: perplexity, agreement
+Goals (issue text): agreement >= 99.5 %, perplexity bf16 vs fp32 within 0.5 %, MXFP4 vs unquantized within 2 %,
+MXFP8 activations vs bf16 within 1 %.
 
 Against Transformers' native Kimi Linear (a model in the Kimi Linear layout, e.g. the "linear-text" phase of
 examples/train_kimi3_mini.py):
@@ -66,6 +69,15 @@ def load_native(folder, dtype, device):
     the CPU, where fla is hidden while the module is imported: bench/e2e.py)."""
     from e2e import native_class
     return native_class(torch.device(device)).from_pretrained(folder, dtype=dtype).to(device).eval()
+
+
+def kernel_status(model, device):
+    """Whether the packed experts' W4A8 kernels run for this bf16 model on `device` (else the emulated path)."""
+    from transformers_kimi3.mxfp4_experts import PackedMXFP4Experts
+
+    probe = torch.zeros(1, 1, dtype=torch.bfloat16, device=device)
+    experts = [m for m in model.modules() if isinstance(m, PackedMXFP4Experts)]
+    return bool(experts) and all(m._kernels(probe) is not None for m in experts)
 
 
 @torch.no_grad()
@@ -180,6 +192,7 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=64, help="greedy rows (--native): prompts")
     ap.add_argument("--prompt-len", type=int, default=32, help="greedy rows (--native): tokens per prompt")
     ap.add_argument("--new-tokens", type=int, default=64, help="greedy rows (--native): new tokens per prompt")
+    ap.add_argument("--mxfp8", action="store_true", help="add the MXFP8-activation (W4A8) row")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -199,6 +212,12 @@ def main(argv=None):
         res["rows"]["mxfp4_vs_unquantized"] = {"ppl_unquantized_bf16": perplexity(raw), "ppl_mxfp4_bf16": p16,
                                                "ppl_rel_diff": p16 / perplexity(raw) - 1,
                                                "top1_agreement": agreement(bf16, raw)}
+    if args.mxfp8:
+        a8 = load(args.model, torch.bfloat16, args.device, moe_activation_format="mxfp8")
+        res["meta"]["w4a8_kernels"] = kernel_status(a8, args.device)
+        q = predictions(a8, chunks, args.device)
+        res["rows"]["mxfp8_vs_bf16"] = {"ppl_bf16_activations": p16, "ppl_mxfp8_activations": perplexity(q),
+                                        "ppl_rel_diff": perplexity(q) / p16 - 1, "top1_agreement": agreement(q, bf16)}
     print(json.dumps(res["rows"], indent=1))
     if args.out:
         with open(args.out, "w") as f:

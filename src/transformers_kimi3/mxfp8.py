@@ -11,12 +11,12 @@ bug upstream that a quantiser must not hide.
 What is quantised: the routed experts' input x and the GLU output rounded to x's dtype (the tensors the bf16 path
 feeds the gate/up and the down GEMMs), each in blocks of 32 along the GEMM's K dimension.
 
-This module is the emulation, and the reference for a fused W4A8 GPU kernel (not part of this package yet): the
-codes and scales of `quantize_mxfp8` are what such a kernel must produce bit for bit. The expert GEMMs run on the
+This module is the emulation, and the reference of the W4A8 GPU kernels (`kimi3_kernels.mxfp4.w4a8`): their
+quantiser produces the codes and scales of `quantize_mxfp8` bit for bit. The emulated expert GEMMs run on the
 fake-quantised activations (`fake_quantize_mxfp8`, the dequantised values) and the exactly decoded MXFP4 weights in
 fp32: every E2M1 weight is an E4M3 value and every E4M3 x E4M3 product is exact in fp32, so this is an FP8 x FP8
-GEMM with fp32 accumulation; a kernel's outputs equal it up to the order (and, on Hopper's FP8 tensor cores, the
-precision) of that accumulation.
+GEMM with fp32 accumulation; the kernels' outputs equal it up to the order (and, on the FP8 tensor cores, the
+precision) of that accumulation. Training and fp32 activations run this emulation.
 
 The values are built from their bits (powers of two as fp32 exponents, E4M3 codes through the fp32 subnormal
 range), so they are exact on every device and need no float8 support; `quantize_mxfp8` returns its elements as
