@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from kimi3_testing import once_per_run
+from kimi3_testing import once_per_run, run_decode_ptx
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -234,6 +234,42 @@ def test_packed_experts_w4a8_kernels_equal_the_emulation(results):
         assert results[f"module_{name}_grad_equal_emulation"] == [True, True, True], results
 
 
+def _e4m3_code_of_e2m1(c):
+    """The E4M3 code of E2M1 code c (sEEM), from the values: the reference of both weight decodes."""
+    e2m1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+    v = e2m1[c & 7]
+    if v == 0:
+        code = 0
+    elif v < 1:  # 0.5 = 2^-1: exponent field -1 + 7
+        code = 6 << 3
+    else:
+        e = int(v).bit_length() - 1  # 1, 1.5 -> 0; 2, 3 -> 1; 4, 6 -> 2
+        code = ((e + 7) << 3) | (4 if v / 2 ** e == 1.5 else 0)
+    return code | ((c & 8) << 4)
+
+
+def test_ptx_weight_decode_gives_the_e4m3_codes():
+    """The GPU kernel's byte-lookup decode (its PTX run by the few-opcode emulator of kimi3_testing) on every byte in
+    every position of a word and on random words: each byte's two nibbles become the E4M3 codes of their values, in
+    column order."""
+    import random
+
+    for p in (ROOT / "src", ROOT / "kernels"):
+        if str(p) not in sys.path:
+            sys.path.insert(0, str(p))
+    from kimi3_kernels.mxfp4.w4a8 import E2M1_TO_E4M3_PTX
+
+    asm = E2M1_TO_E4M3_PTX.replace("$2", "$4")  # the emulator's input register
+    rng = random.Random(0)
+    words = [b << (8 * i) for b in range(256) for i in range(4)] + [rng.getrandbits(32) for _ in range(500)]
+    for x in words:
+        out = run_decode_ptx(asm, x, [], n_out=2)
+        got = [out[0] & 0xFFFF, out[0] >> 16, out[1] & 0xFFFF, out[1] >> 16]
+        want = [_e4m3_code_of_e2m1(b & 15) | (_e4m3_code_of_e2m1(b >> 4) << 8)
+                for b in ((x >> (8 * i)) & 0xFF for i in range(4))]
+        assert got == want, (hex(x), [hex(g) for g in got], [hex(w) for w in want])
+
+
 def _compile_sm90(BM, dual):
     """The W4A8 kernel of the default tile of height BM (gate+up with SiTU fused, or down) compiled for sm_90:
     (its SASS, its resource usage)."""
@@ -246,7 +282,8 @@ def _compile_sm90(BM, dual):
     tile = w4a8.a8_tile(BM, 3072)
     kern = w4a8._w4a8_grouped_gemm_kernel
     consts = dict(BM=BM, BN=tile["BN"], BK=tile["BK"], E_CHUNK=1024, NUM_E_CHUNKS=1, DUAL=int(dual),
-                  ACT=2 if dual else 0, LINEAR_UP=False, GATHER_A=dual, A_DIV=1, SCATTER_C=not dual, ROW_EXPERT=False)
+                  ACT=2 if dual else 0, LINEAR_UP=False, GATHER_A=dual, A_DIV=1, SCATTER_C=not dual, ROW_EXPERT=False,
+                  PTX=True)
     sig, attrs = {}, {}
     for i, a in enumerate(kern.arg_names):
         if a in consts:

@@ -24,6 +24,28 @@ from .decode import HAS_TRITON
 
 FP8_E4M3 = getattr(torch, "float8_e4m3fn", None)
 
+# E2M1 -> E4M3 for 4 packed bytes ($2) in 9 instructions: E4M3 codes of the low and high nibble of each byte as one
+# 16-bit pair (low nibble = even column), bytes 0-1 in $0 and 2-3 in $1. A prmt selector nibble's 3 low bits pick
+# one of the 8 bytes {a, b}, the codes of the E2M1 magnitudes 0, .5, 1, 1.5 | 2, 3, 4, 6: the bytes masked to
+# 0x77777777 are the selectors, in column order. The signs: with bit 3 set, prmt replicates the top bit of the byte
+# it picks, which for an odd nibble is its own sign and for an even one is its sign once the word is shifted left by
+# 4; lop3 keeps bit 7 of that (a | (b & c), 0xF8). Each output pair depends only on its own input byte, so Triton's
+# choice of which 4 elements share a pack does not matter.
+E2M1_TO_E4M3_PTX = "{" + "\n".join(ln.strip() for ln in """
+    .reg .b32 m, m2, x4, ta, tb, c0, c1, sg0, sg1;
+    mov.b32 ta, 0x3C383000;
+    mov.b32 tb, 0x4C484440;
+    and.b32 m, $2, 0x77777777;
+    shr.u32 m2, m, 16;
+    shl.b32 x4, $2, 4;
+    prmt.b32 c0, ta, tb, m;
+    prmt.b32 c1, ta, tb, m2;
+    prmt.b32 sg0, $2, x4, 0x9D8C;
+    prmt.b32 sg1, $2, x4, 0xBFAE;
+    lop3.b32 $0, c0, sg0, 0x80808080, 0xF8;
+    lop3.b32 $1, c1, sg1, 0x80808080, 0xF8;
+""".strip().splitlines()) + "}"
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -75,6 +97,8 @@ if HAS_TRITON:
         gm = (r[:, None] < R) & (g[None, :] < K // 32)
         tl.store(s_ptr + r.to(tl.int64)[:, None] * (K // 32) + g[None, :], (se + 127).to(tl.uint8), mask=gm)
 
+    _E2M1_TO_E4M3 = tl.constexpr(E2M1_TO_E4M3_PTX)
+
     @triton.jit
     def _e4m3_of_e2m1(c):
         """E2M1 codes sEEM (int32 0..15) -> the E4M3 codes of the same values: 0.5 -> 0x30, magnitudes 1..6
@@ -85,12 +109,18 @@ if HAS_TRITON:
 
     @triton.jit
     def _weight_block(w_ptr, ws_ptr, e64, offs_n, n_mask, kb, stride_we, stride_wr, stride_se, stride_sr,
-                      BN: tl.constexpr):
-        """K block kb (32 columns) of the weight rows offs_n: (E4M3 codes [BN, 32] as fp8, scales [BN] fp32)."""
+                      BN: tl.constexpr, PTX: tl.constexpr):
+        """K block kb (32 columns) of the weight rows offs_n: (E4M3 codes [BN, 32] as fp8, scales [BN] fp32).
+        PTX: the byte-lookup decode (E2M1_TO_E4M3_PTX); else integer arithmetic (the interpreter)."""
         pc = kb * 16 + tl.arange(0, 16)
         p = tl.load(w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wr + pc[None, :],
-                    mask=n_mask[:, None], other=0).to(tl.int32)
-        codes = tl.reshape(tl.join(_e4m3_of_e2m1(p & 15), _e4m3_of_e2m1(p >> 4)), (BN, 32))
+                    mask=n_mask[:, None], other=0)
+        if PTX:
+            pair = tl.inline_asm_elementwise(_E2M1_TO_E4M3, "=r,=r,r", [p], dtype=tl.int16, is_pure=True, pack=4)
+            codes = tl.reshape(tl.join((pair & 0xFF).to(tl.uint8), ((pair >> 8) & 0xFF).to(tl.uint8)), (BN, 32))
+        else:
+            p = p.to(tl.int32)
+            codes = tl.reshape(tl.join(_e4m3_of_e2m1(p & 15), _e4m3_of_e2m1(p >> 4)), (BN, 32))
         s = tl.load(ws_ptr + e64 * stride_se + offs_n.to(tl.int64) * stride_sr + kb, mask=n_mask, other=127)
         return codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True), _e8m0_to_f32(s)
 
@@ -104,6 +134,7 @@ if HAS_TRITON:
         E_CHUNK: tl.constexpr, NUM_E_CHUNKS: tl.constexpr,
         DUAL: tl.constexpr, ACT: tl.constexpr, LINEAR_UP: tl.constexpr,
         GATHER_A: tl.constexpr, A_DIV: tl.constexpr, SCATTER_C: tl.constexpr, ROW_EXPERT: tl.constexpr,
+        PTX: tl.constexpr,
     ):
         """C^T tiles [BN, BM] as in `_mxfp4_grouped_gemm_kernel`; a_ptr: E4M3 codes [Ra, K] (row stride
         stride_am), as_ptr: their scales [Ra, K/32] (contiguous). K is a multiple of BK, BK of 32."""
@@ -141,11 +172,11 @@ if HAS_TRITON:
                              other=0).to(tl.float8e4nv, bitcast=True)  # [32, BM]
                 sa = _e8m0_to_f32(tl.load(as_ptr + rows * G + kb, mask=m_mask, other=127))
                 w, sw = _weight_block(w_ptr, ws_ptr, e64, offs_n, n_mask, kb, stride_we, stride_wr, stride_se,
-                                      stride_sr, BN)
+                                      stride_sr, BN, PTX)
                 acc += tl.dot(w, at) * sw[:, None] * sa[None, :]
                 if DUAL != 0:
                     b, sb = _weight_block(b_ptr, bs_ptr, e64, offs_n, n_mask, kb, stride_we, stride_wr, stride_se,
-                                          stride_sr, BN)
+                                          stride_sr, BN, PTX)
                     acc2 += tl.dot(b, at) * sb[:, None] * sa[None, :]
 
         if SCATTER_C:
@@ -200,11 +231,12 @@ def quantize_mxfp8(x, name="activation"):
 
 
 # W4A8 tiles by BM (rows of one expert per tile): (BN, BK, num_warps, num_stages), the same for gate+up (dual) and
-# down. Chosen so that no tile spills registers on sm_90 (tests/mxfp4/test_w4a8_triton.py compiles them): from
-# BM=64 on, BK=32 keeps one K block's MMA and its scaled partial sums live at a time (BK=64 spilled 72-168 bytes).
+# down. Chosen so that no tile spills registers on sm_90 (tests/mxfp4/test_w4a8_triton.py compiles them): a longer K
+# step unrolls more 32-column blocks, each with its MMA result and scaled partial sums live (BM=32 at BK=128 and
+# BM=64 at BK=64 spilled); not yet timed on a GPU.
 A8_TILES = {
     16: (64, 128, 4, 4),
-    32: (64, 128, 4, 3),
+    32: (64, 64, 4, 3),
     64: (64, 32, 4, 3),
     128: (64, 32, 8, 3),
 }
@@ -222,5 +254,5 @@ def a8_tile(BM, K):
 def launcher(meta):
     """The W4A8 kernel's launcher for a plan's meta (the constexprs of `_GemmLaunch`)."""
     keep = ("BM", "BN", "BK", "E_CHUNK", "NUM_E_CHUNKS", "DUAL", "ACT", "LINEAR_UP", "GATHER_A", "A_DIV", "SCATTER_C",
-            "ROW_EXPERT", "num_warps", "num_stages")
+            "ROW_EXPERT", "PTX", "num_warps", "num_stages")
     return _launch.Launcher(_w4a8_grouped_gemm_kernel, **{k: meta[k] for k in keep})
