@@ -108,20 +108,18 @@ if HAS_TRITON:
         return body | ((c & 8) << 4)
 
     @triton.jit
-    def _weight_block(w_ptr, ws_ptr, e64, offs_n, n_mask, kb, stride_we, stride_wr, stride_se, stride_sr,
-                      BN: tl.constexpr, PTX: tl.constexpr):
-        """K block kb (32 columns) of the weight rows offs_n: (E4M3 codes [BN, 32] as fp8, scales [BN] fp32).
-        PTX: the byte-lookup decode (E2M1_TO_E4M3_PTX); else integer arithmetic (the interpreter)."""
-        pc = kb * 16 + tl.arange(0, 16)
-        p = tl.load(w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wr + pc[None, :],
-                    mask=n_mask[:, None], other=0)
+    def _weight_block(w_ptrs, s_ptrs, n_mask, BN: tl.constexpr, PTX: tl.constexpr):
+        """A 32-column K block of BN weight rows from its packed bytes' pointers [BN, 16] and its scales' [BN]:
+        (E4M3 codes [BN, 32] as fp8, scales [BN] fp32). PTX: the byte-lookup decode (E2M1_TO_E4M3_PTX); else
+        integer arithmetic (the interpreter)."""
+        p = tl.load(w_ptrs, mask=n_mask[:, None], other=0)
         if PTX:
             pair = tl.inline_asm_elementwise(_E2M1_TO_E4M3, "=r,=r,r", [p], dtype=tl.int16, is_pure=True, pack=4)
             codes = tl.reshape(tl.join((pair & 0xFF).to(tl.uint8), ((pair >> 8) & 0xFF).to(tl.uint8)), (BN, 32))
         else:
             p = p.to(tl.int32)
             codes = tl.reshape(tl.join(_e4m3_of_e2m1(p & 15), _e4m3_of_e2m1(p >> 4)), (BN, 32))
-        s = tl.load(ws_ptr + e64 * stride_se + offs_n.to(tl.int64) * stride_sr + kb, mask=n_mask, other=127)
+        s = tl.load(s_ptrs, mask=n_mask, other=127)
         return codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True), _e8m0_to_f32(s)
 
     @triton.jit
@@ -160,24 +158,31 @@ if HAS_TRITON:
         offs_n = pid_n * BN + tl.arange(0, BN)
         n_mask = offs_n < N
         e64 = e.to(tl.int64)
-        G = K // 32
-        kk = tl.arange(0, 32)
+        # pointers of the first 32-column block, advanced by one K step per iteration (the loop adds offsets, it
+        # does not recompute row addresses)
+        a_ptrs = a_ptr + rows[None, :] * stride_am + tl.arange(0, 32)[:, None]  # [32, BM]
+        as_ptrs = as_ptr + rows * (K // 32)
+        w_off = e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wr + tl.arange(0, 16)[None, :]  # [BN, 16]
+        s_off = e64 * stride_se + offs_n.to(tl.int64) * stride_sr
+        w_ptrs, b_ptrs, ws_ptrs, bs_ptrs = w_ptr + w_off, b_ptr + w_off, ws_ptr + s_off, bs_ptr + s_off
 
         acc = tl.zeros((BN, BM), dtype=tl.float32)
         acc2 = tl.zeros((BN, BM), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        for _ in range(0, K, BK):
             for j in tl.static_range(BK // 32):
-                kb = k0 // 32 + j
-                at = tl.load(a_ptr + rows[None, :] * stride_am + kb * 32 + kk[:, None], mask=m_mask[None, :],
-                             other=0).to(tl.float8e4nv, bitcast=True)  # [32, BM]
-                sa = _e8m0_to_f32(tl.load(as_ptr + rows * G + kb, mask=m_mask, other=127))
-                w, sw = _weight_block(w_ptr, ws_ptr, e64, offs_n, n_mask, kb, stride_we, stride_wr, stride_se,
-                                      stride_sr, BN, PTX)
+                at = tl.load(a_ptrs + 32 * j, mask=m_mask[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+                sa = _e8m0_to_f32(tl.load(as_ptrs + j, mask=m_mask, other=127))
+                w, sw = _weight_block(w_ptrs + 16 * j, ws_ptrs + j, n_mask, BN, PTX)
                 acc += tl.dot(w, at) * sw[:, None] * sa[None, :]
                 if DUAL != 0:
-                    b, sb = _weight_block(b_ptr, bs_ptr, e64, offs_n, n_mask, kb, stride_we, stride_wr, stride_se,
-                                          stride_sr, BN, PTX)
+                    b, sb = _weight_block(b_ptrs + 16 * j, bs_ptrs + j, n_mask, BN, PTX)
                     acc2 += tl.dot(b, at) * sb[:, None] * sa[None, :]
+            a_ptrs += BK
+            as_ptrs += BK // 32
+            w_ptrs += BK // 2
+            b_ptrs += BK // 2
+            ws_ptrs += BK // 32
+            bs_ptrs += BK // 32
 
         if SCATTER_C:
             crow = tl.load(c_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
