@@ -279,16 +279,26 @@ def kl_decode(res, name, model, device, batches, prompt, new_tokens, clock, toke
             ids = ids_for(model.config.vocab_size, (B, prompt), device, seed=100 + B)
             ms, tokens = e2e.decode_ms_per_step(model, ids, new_tokens, device, **extra)
             out = dict(ms_per_step=ms, tok_s=B / ms * 1e3, peak_gib=peak_gib(device))
-            tokens = tokens.cpu()
             if name == "native":
-                tokens_of[B] = tokens
+                tokens_of[B] = tokens.cpu()
             elif B in tokens_of:
-                out["tokens_equal_native"] = float((tokens == tokens_of[B]).float().mean())
+                out.update(compare_tokens(model, ids, tokens, tokens_of[B], "native"))
             return out
 
         measured(res, row, run, device)
         if hasattr(model, "release_static_caches"):
             model.release_static_caches()
+
+
+def compare_tokens(model, ids, tokens, reference, name):
+    """The share of greedy tokens equal to `reference`'s and, where they part, e2e.first_difference: the step and
+    how far apart the two tokens' logits are there (a gap far below the logits' spread is a near-tie that bf16
+    rounding decides, not a defect)."""
+    reference = reference.to(tokens.device)
+    out = {f"tokens_equal_{name}": float((tokens == reference).float().mean())}
+    if not torch.equal(tokens, reference):
+        out[f"first_difference_vs_{name}"] = e2e.first_difference(model, ids, tokens, reference)
+    return out
 
 
 def kl_longest(res, name, model, device, lengths, chunk, clock):
@@ -861,9 +871,7 @@ def stage_offload(res, args, device, dtype, clock):
             if label == "all_on_device_eager":
                 reference.update(tokens=tokens.cpu(), logits=logits)
             elif reference:
-                tokens = tokens.cpu()
-                out.update(tokens_equal_all_on_device=bool(torch.equal(tokens, reference["tokens"])),
-                           tokens_equal_fraction=float((tokens == reference["tokens"]).float().mean()))
+                out.update(compare_tokens(model, ids, tokens, reference["tokens"], "all_on_device"))
                 if logits is not None:
                     out.update(forced_logits_equal_all_on_device=bool(torch.equal(logits, reference["logits"])),
                                forced_logits_rel_err=rel(logits, reference["logits"]))
