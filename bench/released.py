@@ -542,6 +542,19 @@ class ModuleTimer:
         return out
 
 
+def spin_ms(device):
+    """How long ModuleTimer's spin holds the GPU (None on the CPU): a module's device time is free of launch gaps
+    where its `host_ms` stays below this."""
+    if device.type != "cuda":
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(SPIN_CYCLES)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def timer_groups(model):
     """Three passes of modules that do not nest: the decoder layers; their attention and feed-forward blocks;
     their routed experts."""
@@ -605,7 +618,8 @@ def stage_k3_slice(res, args, device, dtype, clock):
     kinds = [layer_kind(config, i) for i in range(layers)]
     res.add(stage="k3_slice", part="build", layers=layers, kinds=kinds, experts=config.num_experts,
             experts_per_token=config.num_experts_per_token, hidden=config.hidden_size, s=build_s,
-            free_gib_before=free_gib, weight_gib=weight_bytes(model) / GIB, peak_gib=peak_gib(device))
+            free_gib_before=free_gib, weight_gib=weight_bytes(model) / GIB, peak_gib=peak_gib(device),
+            spin_ms=spin_ms(device))
     rows = [dict(stage="k3_slice", part="layer", layer=i, kind=kinds[i], prefill=None, decode={},
                  weight_gib=weight_bytes(model.model.layers[i]) / GIB) for i in range(layers)]
     totals = {}  # regime -> (tokens, the whole slice's ms)
