@@ -13,11 +13,13 @@ state cannot be un-applied. The cache therefore keeps KDA states where they may 
   candidate costs one recurrent kernel call per KDA layer, and the memory is one state per layer plus a few vectors
   per position, instead of one state per position.
 - A speculation round (`begin_round()` ... `keep_rows(counts)`, what generate()'s speculative loop runs) is the same
-  record made explicit and per row: row b keeps the first counts[b] positions fed in the round. Each KDA layer reruns
-  the recurrence once from the round's base state over the round's stored inputs, the positions a row drops turned
-  into no-ops (raw gate and beta at -inf: decay 1, update 0), and takes its conv window at counts[b]. The rows' MLA
-  positions stay aligned: the positions a row drops become holes of the padding mask (`compact()` removes them).
-  Every step has fixed shapes, so the static cache's recorded CUDA graphs can hold the round's forwards.
+  record made explicit and per row: row b keeps the first counts[b] positions fed in the round. The KDA layers rerun
+  their recurrences from the round's base states over the round's stored inputs, the positions a row drops turned
+  into no-ops (raw gate and beta at -inf: decay 1, update 0), and take their conv windows at counts[b]; all layers
+  at once (their heads side by side in one recurrence), so a round costs a fixed number of device operations
+  however many KDA layers there are. The rows' MLA positions stay aligned: the positions a row drops become holes of
+  the padding mask (`compact()` removes them). Every step has fixed shapes, so the static cache's recorded CUDA
+  graphs can hold the round's forwards.
 """
 
 import contextlib
@@ -77,8 +79,9 @@ class Kimi3Cache(Cache):
         self.valid = None  # static mode, while a speculative loop runs: the padding mask as a [B, max_length] buffer
         self._valid_buffer = None
         self._round = None  # during a speculation round: {"base": position, "capacity": positions, "layers": set()}
-        self._round_bufs = {}  # KDA layer -> {"conv", "recurrent": base states, "inputs": [B, capacity, ...], "gate"}
+        self._round_bufs = {}  # KDA layer -> {"conv", "recurrent": base states, "inputs": [B, capacity, 6D+H], "gate"}
         self._round_base_t = None  # the round's base position as a device tensor [1] (addressed forwards)
+        self._slots = None  # ((seen_tokens, T, device), positions): where the current forward writes in the round
 
     def __len__(self):
         return len(self.layer_types)
@@ -90,13 +93,13 @@ class Kimi3Cache(Cache):
         recording would freeze."""
         if self.max_length is None:
             raise ValueError("Only a static cache (max_length given) can be addressed by a device position")
-        self.position = position
+        self.position, self._slots = position, None
         if self.valid is not None:  # the new positions are tokens (a speculative loop's padding mask)
             self.valid.index_fill_(1, position, True)
         try:
             yield self
         finally:
-            self.position = None
+            self.position = self._slots = None
 
     def position_mask(self, device):
         """Inside addressed_by(): the static latent positions each of the T new tokens may attend,
@@ -329,18 +332,21 @@ class Kimi3Cache(Cache):
     def begin_round(self, capacity):
         """Open a speculation round at the current position. The forwards until `keep_rows()` (at most `capacity`
         positions in all, every one a token: no padding inside the round) record each KDA layer's inputs; the KDA
-        states here are the round's base, copied into buffers that keep their addresses from round to round."""
+        states here are the round's base, copied into buffers that keep their addresses from round to round (two
+        multi-tensor copies, conv states and recurrent states, however many KDA layers there are)."""
         if self.record_past:
             raise ValueError("begin_round() cannot run while the cache records for crop() (activate_past_recording)")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive number of positions, not {capacity!r}")
         self._round = {"base": self.seen_tokens, "capacity": capacity, "layers": set()}
+        self._slots = None
         if self.max_length is not None:
             device = (self._valid_buffer if self._valid_buffer is not None else next(self._tensors())).device
             if self._round_base_t is None or self._round_base_t.device != device:
                 self._round_base_t = torch.zeros(1, dtype=torch.long, device=device)
                 self.storage_version += 1
             self._round_base_t.fill_(self.seen_tokens)
+        copies = ([], [], [], [])  # conv buffers, live conv states, recurrent buffers, live recurrent states
         for i, conv in enumerate(self.conv_states):
             buf = self._round_bufs.get(i)
             if conv is None:
@@ -354,15 +360,20 @@ class Kimi3Cache(Cache):
                 buf["conv"] = tuple(c.clone() for c in conv)
                 buf["recurrent"] = rec.float().clone()
             else:
-                for b, c in zip(buf["conv"], conv):
-                    b.copy_(c)
-                buf["recurrent"].copy_(rec)
+                copies[0].extend(buf["conv"])
+                copies[1].extend(conv)
+                copies[2].append(buf["recurrent"])
+                copies[3].append(rec)
+        for targets, sources in (copies[:2], copies[2:]):
+            if targets:
+                torch._foreach_copy_(targets, sources)
 
     def record_round(self, layer_idx, gate, conv_inputs, kernel_inputs, conv_width, padding=None):
         """Called by a KDA layer inside a round before it updates its state: `gate` (A_log, dt_bias, lower_bound,
         backend), its conv inputs (q, k, v projections [B, T, D]) and recurrence inputs (k, v, g [B, T, H, K], beta
-        [B, T, H]) of this forward's T positions, written into the round's buffers at the positions' offsets from
-        the round's base (device offsets inside `addressed_by`, so a recorded graph writes where it should)."""
+        [B, T, H]) of this forward's T positions, written into the round's buffer at the positions' offsets from
+        the round's base (device offsets inside `addressed_by`, so a recorded graph writes where it should). The
+        seven go side by side into one buffer [B, capacity, 6D + H] per layer: one concatenation and one write."""
         if padding is not None:
             raise ValueError("A speculation round's forwards feed tokens only: padding inside a round is not supported")
         xs = tuple(conv_inputs) + tuple(kernel_inputs)
@@ -374,58 +385,63 @@ class Kimi3Cache(Cache):
             H, K = kernel_inputs[0].shape[2:]
             buf["conv"] = tuple(x.new_zeros(B, x.shape[2], conv_width) for x in conv_inputs)
             buf["recurrent"] = torch.zeros(B, H, K, K, dtype=torch.float32, device=xs[0].device)
-        capacity = self._round["capacity"]
-        old = buf["inputs"]
-        if (old is None or old[0].shape[1] < capacity
-                or any(o.shape[0] != B or o.shape[2:] != x.shape[2:] or o.dtype != x.dtype for o, x in zip(old, xs))):
-            buf["inputs"] = tuple(x.new_zeros(B, capacity, *x.shape[2:]) for x in xs)
+        row = torch.cat([x.reshape(B, T, -1) for x in xs], dim=-1).detach()
+        old, capacity = buf["inputs"], self._round["capacity"]
+        if (old is None or old.shape[0] != B or old.shape[1] < capacity or old.shape[2] != row.shape[2]
+                or old.dtype != row.dtype or old.device != row.device):
+            buf["inputs"] = row.new_zeros(B, capacity, row.shape[2])
             self.storage_version += 1
         buf["gate"] = gate
         self._round["layers"].add(layer_idx)
-        if self.position is not None:
-            slots = self.position - self._round_base_t
-        else:
-            offset = self.seen_tokens - self._round["base"]
-            if offset + T > buf["inputs"][0].shape[1]:
-                raise ValueError(f"The speculation round holds {buf['inputs'][0].shape[1]} positions; {offset} are "
-                                 f"used and this forward adds {T}")
-            slots = torch.arange(offset, offset + T, device=xs[0].device)
-        for b, x in zip(buf["inputs"], xs):
-            b.index_copy_(1, slots, x.detach().to(b.dtype))
+        buf["inputs"].index_copy_(1, self._round_slots(T, row.device), row)
+
+    def _round_slots(self, T, device):
+        """The round-buffer positions this forward's T tokens go to, made once per forward (and device) for all its
+        KDA layers: the offsets from the round's base; inside `addressed_by` computed from the device position and
+        kept only within that block (a recorded graph computes them itself)."""
+        key = (self.seen_tokens, T, device)
+        if self._slots is None or self._slots[0] != key:
+            if self.position is not None:
+                slots = (self.position - self._round_base_t).to(device)
+            else:
+                offset = self.seen_tokens - self._round["base"]
+                if offset + T > self._round["capacity"]:
+                    raise ValueError(f"The speculation round holds {self._round['capacity']} positions; {offset} are "
+                                     f"used and this forward adds {T}")
+                slots = torch.arange(offset, offset + T, device=device)
+            self._slots = (key, slots)
+        return self._slots[1]
 
     def keep_rows(self, counts, longest=None):
-        """End the round: row b keeps the first `counts[b]` positions fed since `begin_round()` (a list of ints or a
-        long tensor [B]; `longest` = max(counts) if the caller knows it). KDA states are those after each row's kept
-        positions; the cache ends `longest` positions after the base, and a row that keeps fewer has holes in its
-        padding mask where the rest were (its MLA queries never see them). Returns nothing."""
+        """End the round: row b keeps the first `counts[b]` positions fed since `begin_round()` (a list of ints, or a
+        long tensor [B], which is read on the host once; `longest`, if given, must be max(counts)). KDA states are
+        those after each row's kept positions; the cache ends `longest` positions after the base, and a row that
+        keeps fewer has holes in its padding mask where the rest were (its MLA queries never see them). Returns
+        nothing."""
         if self._round is None:
             raise ValueError("keep_rows() ends a speculation round: call begin_round() first")
         base = self._round["base"]
         n = self.seen_tokens - base
-        device = next(self._tensors()).device if n else None
-        rows = None  # the rows that drop positions, where the host knows them
-        if isinstance(counts, torch.Tensor):
-            counts_t = counts.to(device).long()
-            longest = int(counts_t.max()) if longest is None else int(longest)
-            uniform = bool((counts_t == longest).all())
-        else:
-            counts = [int(c) for c in counts]
-            counts_t = torch.tensor(counts, dtype=torch.long, device=device)
-            longest, uniform = max(counts, default=0), len(set(counts)) <= 1
-            rows = [b for b, c in enumerate(counts) if c < n]
-        if n and counts_t.shape[0] != self.batch_size:
-            raise ValueError(f"keep_rows() got {counts_t.shape[0]} counts for a cache of {self.batch_size} rows")
-        if not 0 <= longest <= n:
+        counts = [int(c) for c in (counts.tolist() if isinstance(counts, torch.Tensor) else counts)]
+        if n and len(counts) != self.batch_size:
+            raise ValueError(f"keep_rows() got {len(counts)} counts for a cache of {self.batch_size} rows")
+        if not all(0 <= c <= n for c in counts):
             raise ValueError(f"keep_rows(): the round fed {n} positions; a row can keep between 0 and {n}")
-        if not (uniform and longest == n):  # a row drops positions: rerun the KDA recurrences from the base
+        if longest is not None and int(longest) != max(counts, default=0):
+            raise ValueError(f"keep_rows(): longest={longest} is not max(counts) = {max(counts, default=0)}")
+        longest = max(counts, default=0)
+        dropping = [b for b, c in enumerate(counts) if c < n]
+        if dropping:  # rerun the KDA recurrences from the base for the rows from the first to the last that drop
+            device = next(self._tensors()).device
+            counts_t = torch.tensor(counts, dtype=torch.long, device=device)
             keep = torch.arange(n, device=device)[None, :] < counts_t[:, None]
-            for i in sorted(self._round["layers"]):
-                self._keep_kda(i, keep, counts_t, n, rows)
+            rows = slice(dropping[0], dropping[-1] + 1)
+            self._keep_kda(keep[rows], counts_t[rows], rows, any(c == n for c in counts[rows]))
             if self.valid is not None:
                 self.valid[:, base:base + n] = keep
-            elif not uniform or self.attention_mask is not None:
+            elif len(set(counts)) > 1 or self.attention_mask is not None:
                 hist = (self.attention_mask[:, :base] if self.attention_mask is not None
-                        else torch.ones(counts_t.shape[0], base, dtype=torch.long, device=device))
+                        else torch.ones(len(counts), base, dtype=torch.long, device=device))
                 self.attention_mask = torch.cat([hist, keep[:, :longest].to(hist.dtype)], dim=1)
         drop = n - longest
         if drop:
@@ -437,38 +453,71 @@ class Kimi3Cache(Cache):
             self.seen_tokens -= drop
             self.source_tokens -= drop
             self.checkpoints = {k: v for k, v in self.checkpoints.items() if k <= self.source_tokens}
-        self._round = None
+        self._round = self._slots = None
 
-    def _keep_kda(self, i, keep, counts, n, rows=None):
-        """KDA layer i's states after each row's kept positions of the round, in place. `rows` (host indices, when
-        known): only those rows dropped positions; the others' live states are already the ones after the round."""
+    def _keep_kda(self, keep, counts, rows, some_full):
+        """The KDA states of the batch rows `rows` after each one's kept positions (`keep` [R, n], `counts` [R]), in
+        place; the rows outside keep every position, so their live states are already the ones after the round.
+        `some_full`: a row inside keeps every position too, and keeps its live states.
+
+        The layers run together, a fixed number of launches whatever their number: the recurrences as one whose
+        heads are every layer's heads side by side (the kernels read A_log and dt_bias per head, so each head keeps
+        its layer's gate), the conv windows as one gather. Layers differing in shapes, dtypes, device or gate kind
+        form separate groups."""
+        for layers in self._round_groups():
+            self._keep_group(layers, keep, counts, rows, some_full)
+
+    def _round_groups(self):
+        """The round's KDA layers in groups that can rerun together (one group when the KDA layers are alike)."""
+        groups = {}
+        for i in sorted(self._round["layers"]):
+            buf = self._round_bufs[i]
+            x, conv = buf["inputs"], buf["conv"][0]
+            key = (x.device, x.dtype, x.shape[2], buf["recurrent"].shape, conv.shape, conv.dtype,
+                   self.conv_states[i][0].dtype, buf["gate"][2], buf["gate"][3])
+            groups.setdefault(key, []).append(i)
+        return list(groups.values())
+
+    def _keep_group(self, layers, keep, counts, rows, some_full):
         from .kda import kda_state_after
 
-        buf = self._round_bufs[i]
-        inputs, base_state, base_conv = [t[:, :n] for t in buf["inputs"]], buf["recurrent"], buf["conv"]
-        live_state, live_conv = self.recurrent_states[i], self.conv_states[i]
-        if rows is not None and len(rows) < counts.shape[0]:
-            index = torch.tensor(rows, device=counts.device)
-            pick = lambda t: t.index_select(0, index)  # noqa: E731
-            inputs, base_state, base_conv = [pick(t) for t in inputs], pick(base_state), [pick(t) for t in base_conv]
-            keep, counts = pick(keep), pick(counts)
-        else:
-            index = None
-        xq, xk, xv, k, v, g, beta = inputs
-        g = g.masked_fill(~keep[:, :, None, None], float("-inf"))
-        beta = beta.masked_fill(~keep[:, :, None], float("-inf"))
-        state = kda_state_after(buf["gate"], base_state, k, v, g, beta, out=live_state if index is None else None)
-        W = base_conv[0].shape[-1]
-        window = (counts[:, None, None] + torch.arange(W, device=counts.device))  # [rows, 1, W]
-        convs = [torch.cat([b, x.transpose(1, 2).to(b.dtype)], dim=-1)  # [rows, D, W + n]
-                 .gather(-1, window.expand(-1, b.shape[1], -1)) for b, x in zip(base_conv, (xq, xk, xv))]
-        if index is None:
-            for live, new in zip(live_conv, convs):
-                live.copy_(new)
-        else:
-            live_state.index_copy_(0, index, state)
-            for live, new in zip(live_conv, convs):
-                live.index_copy_(0, index, new.to(live.dtype))
+        bufs = [self._round_bufs[i] for i in layers]
+        device = bufs[0]["inputs"].device
+        keep, counts = keep.to(device), counts.to(device)
+        (R, n), L = keep.shape, len(layers)
+        _, H, K, V = bufs[0]["recurrent"].shape
+        D, W = bufs[0]["conv"][0].shape[1:]
+        full = keep[:, -1] if some_full else None  # the rows that keep every position
+        x = torch.stack([b["inputs"][rows, :n] for b in bufs], dim=2)  # [R, n, L, 6D + H]
+        _, _, _, k, v, g, beta = x.split((D, D, D, H * K, H * V, H * K, H), dim=-1)
+
+        # the recurrence from the base state; a dropped position gets raw gate and beta -inf (a no-op)
+        def heads(t):  # [R, n, L, H * d] -> [R, n, L * H, d]: every layer's heads side by side
+            return t.reshape(R, n, L * H, -1)
+
+        g = heads(torch.where(keep[:, :, None, None], g, float("-inf")))
+        beta = torch.where(keep[:, :, None, None], beta, float("-inf")).reshape(R, n, L * H)
+        gate = (torch.cat([b["gate"][0] for b in bufs]), torch.cat([b["gate"][1] for b in bufs])) + bufs[0]["gate"][2:]
+        state = torch.stack([b["recurrent"][rows] for b in bufs], dim=1).view(R, L * H, K, V)
+        kda_state_after(gate, state, heads(k), heads(v), g, beta, out=state)
+        self._write_back([self.recurrent_states[i][rows] for i in layers],
+                         state.view(R, L, H, K, V).transpose(0, 1), full)
+
+        # the conv states: the W inputs before each row's first dropped position, from (base conv state, inputs)
+        conv = torch.stack([c[rows] for b in bufs for c in b["conv"]], dim=1).unflatten(1, (L, 3))  # [R, L, 3, D, W]
+        xs = x[..., :3 * D].unflatten(-1, (3, D)).permute(0, 2, 3, 4, 1)  # [R, L, 3, D, n]
+        seq = torch.cat([conv, xs.to(conv.dtype)], dim=-1).permute(1, 2, 0, 3, 4)  # [L, 3, R, D, W + n]
+        window = counts[:, None] + torch.arange(W, device=device)  # [R, W]
+        conv = seq.gather(-1, window[None, None, :, None].expand(L, 3, R, D, W))
+        self._write_back([c[rows] for i in layers for c in self.conv_states[i]], conv.flatten(0, 1), full)
+
+    @staticmethod
+    def _write_back(live, new, full):
+        """live[j] = new[j] for every j in one multi-tensor copy (one launch on CUDA: new is made dense, so each
+        new[j] has live[j]'s layout); where `full` [R] (rows that keep every position) the live values stay."""
+        if full is not None:
+            new = torch.where(full.view((1, -1) + (1,) * (new.dim() - 2)), torch.stack(live), new)
+        torch._foreach_copy_(live, list(new.contiguous().unbind(0)))
 
     def compact(self):
         """Remove the positions no row attends (a speculative loop's holes, left padding) from the MLA latents:
@@ -568,11 +617,11 @@ class Kimi3Cache(Cache):
             self._valid_buffer = fn(self._valid_buffer)
             self.valid = None if self.valid is None else self._valid_buffer
         for buf in self._round_bufs.values():  # the round's base states and inputs follow the rows
-            for key in ("conv", "inputs"):
+            if buf["conv"] is not None:
+                buf["conv"] = tuple(fn(t) for t in buf["conv"])
+            for key in ("recurrent", "inputs"):
                 if buf[key] is not None:
-                    buf[key] = tuple(fn(t) for t in buf[key])
-            if buf["recurrent"] is not None:
-                buf["recurrent"] = fn(buf["recurrent"])
+                    buf[key] = fn(buf[key])
         self.storage_version += 1
 
     def reorder_cache(self, beam_idx):
@@ -615,7 +664,7 @@ class Kimi3Cache(Cache):
             self._valid_buffer, self._round_bufs, self._round_base_t = None, {}, None
             self.storage_version += 1
         self.seen_tokens = self.source_tokens = self.media_end = 0
-        self.attention_mask = self.valid = self._round = None
+        self.attention_mask = self.valid = self._round = self._slots = None
         self.checkpoints = {}
         self._restart_record(0 if self.record_past else None)
 

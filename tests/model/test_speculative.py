@@ -4,6 +4,7 @@ behind prefix reuse: speculation rounds (begin_round / keep_rows / compact), cro
 batch_repeat_interleave. In fp32 on the CPU greedy speculative decoding returns exactly plain greedy's tokens (asserted
 with torch.equal); speculative sampling keeps the sampling distribution (a chi-square test)."""
 
+import contextlib
 import copy
 import math
 import os
@@ -11,6 +12,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kimi3_testing import ROOT, rel_err, tiny_model
 from transformers_kimi3 import Kimi3Cache
@@ -412,6 +414,83 @@ def test_keep_rows_then_compact(model, static):
     assert rel_err(after, before) < TOL and rel_err(after, want) < TOL
     with pytest.raises(ValueError, match="call begin_round"):
         cache.keep_rows([1, 1])
+
+
+class DeviceOps(TorchDispatchMode):
+    """Counts the tensor operations that do work, views left out: on a GPU each is a launch and its host time."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def round_ops(model, static):
+    """Operations of a speculation round of 5 positions on a batch of 3 rows keeping 2, 5 and 1 of them (the row that
+    keeps all lies between two that drop some), after a first round: (begin_round + keep_rows, record_round)."""
+    from transformers_kimi3.decode_graphs import addressed_step
+
+    x = ids(33, seed=21).view(3, 11)
+    cache = Kimi3Cache(model.config, max_length=16 if static else None)
+    with torch.no_grad():
+        model(input_ids=x[:, :6], past_key_values=cache)
+        if static:
+            cache.track_valid(3, "cpu")
+        rounds, record = DeviceOps(), DeviceOps()
+        record_round = cache.record_round
+
+        def counted_record(*args, **kwargs):
+            with record:
+                return record_round(*args, **kwargs)
+
+        cache.record_round = counted_record
+        for counts in ([5, 5, 5], [2, 5, 1]):  # the first round allocates the buffers
+            counting = counts != [5, 5, 5]
+            with rounds if counting else contextlib.nullcontext():
+                cache.begin_round(5)
+            record.n = 0
+            if static:
+                addressed_step(model, cache, x[:, 6:11])
+            else:
+                model(input_ids=x[:, 6:11], past_key_values=cache)
+            with rounds if counting else contextlib.nullcontext():
+                cache.keep_rows(counts)
+    return rounds.n, record.n
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_round_costs_the_same_operations_for_any_number_of_kda_layers(static):
+    """begin_round + keep_rows run a fixed number of device operations whatever the number of KDA layers (base
+    states copied with one multi-tensor copy, every layer's recurrence rerun as one, the conv windows one gather), and
+    record_round two per layer and forward (the inputs concatenated, then written): a stack of 2 KDA layers against
+    one of 6 (one MLA layer each)."""
+    small = tiny_model(seed=3, num_hidden_layers=3,
+                       linear_attn_config=dict(LAC, kda_layers=[1, 2], full_attn_layers=[3]))
+    large = tiny_model(seed=3, num_hidden_layers=7,
+                       linear_attn_config=dict(LAC, kda_layers=[1, 2, 3, 4, 5, 6], full_attn_layers=[7]))
+    (round_small, record_small), (round_large, record_large) = (round_ops(m, static) for m in (small, large))
+    assert round_large - round_small < 4, (round_small, round_large)  # fewer than one per added KDA layer
+    assert record_large - record_small <= 2 * 4, (record_small, record_large)
+
+
+def test_a_row_that_keeps_every_position_between_rows_that_drop_keeps_its_states(model):
+    """keep_rows reruns the rows from the first to the last that drop positions; a row between them that keeps every
+    position keeps its live states bit for bit, the others equal a fresh prefill of their kept tokens."""
+    x = ids(33, seed=22).view(3, 11)
+    cache = Kimi3Cache(model.config)
+    with torch.no_grad():
+        model(input_ids=x[:, :6], past_key_values=cache)
+        cache.begin_round(5)
+        model(input_ids=x[:, 6:11], past_key_values=cache)
+        live = [t.clone() for t in states(cache, 1)]
+        cache.keep_rows([2, 5, 1])
+        assert all(torch.equal(a, b) for a, b in zip(states(cache, 1), live))
+        for row, keep in ((0, 8), (2, 7)):
+            ref = prefilled(model, x[row:row + 1, :keep])
+            assert all(rel_err(a, b) < TOL for a, b in zip(states(cache, row), states(ref)))
 
 
 def test_crop_while_recording_reruns_the_kda_recurrence(model):
