@@ -6,6 +6,7 @@ config with packed MXFP4 experts (ours only: Transformers has no native K3).
     python bench/e2e.py --stages fidelity --out bench/results/e2e_h100.json       # fp32: ours and fla vs the CPU
     python bench/e2e.py --model k3 --stages prefill,decode --impls ours,ours_static_graph
     python bench/e2e.py --tiny --stages check,prefill,decode                       # toy sizes, runs on the CPU
+    python bench/e2e.py --model k3 --stages finetune --out bench/results/e2e_h200.json   # LoRA / QAT memory
 
 Stages (`--stages`, comma-separated; each row is written to `--out` as soon as it is measured, as one more run
 beside the file's earlier ones):
@@ -23,6 +24,10 @@ beside the file's earlier ones):
   fidelity         fp32, 5 layers at the 4.3B widths: ours on the GPU (triton and fla KDA) and native (fla) against
                    ours on the CPU, the reference that equals Moonshot's code; each MoE router's top-k is compared
                    too (`route_fields`: tokens routed otherwise, the error before the first reroute)
+  finetune         the K3-shaped config (always K3), a few AdamW steps with gradient checkpointing on one fixed batch
+                   (`--ft-batch` x `--ft-seq-len`), one model on the device at a time: LoRA on the packed MXFP4
+                   experts, LoRA on the same experts dequantised to bf16, QAT of the packed experts' masters; peak
+                   memory, step time, trainable parameters, losses, whether the experts moved (`stage_finetune`)
 """
 
 import argparse
@@ -33,6 +38,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -518,6 +524,179 @@ def stage_fidelity(res, device, T, tiny):
             free(device)
 
 
+# ------------------------------------------------------------------------------------------------ finetune
+
+# LoRA targets of the `finetune` stage besides the routed experts: docs/finetuning.md's list (KDA and MLA
+# projections, the output / forget / beta gates, the dense and shared-expert MLPs, the latent MoE projections).
+FT_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+              "g_proj", "f_a_proj", "f_b_proj", "b_proj", "gate_proj", "up_proj", "down_proj",
+              "routed_expert_down_proj", "routed_expert_up_proj"]
+FT_VARIANTS = {
+    "packed_lora": "LoRA r=16 on the packed MXFP4 experts (PackedExpertsLoraLayer, grouped-GEMM path) and FT_MODULES",
+    "bf16_lora": "the experts dequantised to bf16 Kimi3Experts; LoRA r=16 on them (PEFT target_parameters) and "
+                 "FT_MODULES",
+    "packed_qat": "prepare_qat on the packed experts: their masters (w1, w3, w2) trained in full, the rest frozen",
+}
+FT_RANK, FT_LR = 16, 1e-3
+
+
+def moe_blocks(model):
+    from transformers_kimi3.moe import Kimi3SparseMoeBlock
+
+    return [m for m in model.modules() if isinstance(m, Kimi3SparseMoeBlock)]
+
+
+def to_float_experts(model, dtype):
+    """Every `PackedMXFP4Experts` replaced by the float `Kimi3Experts` holding its exact values in `dtype`, one layer
+    at a time (the bf16 experts of a `dequantize=True` load)."""
+    from transformers_kimi3.moe import Kimi3Experts
+
+    config = model.config.get_text_config()
+    for block in moe_blocks(model):
+        packed = block.experts
+        with torch.device("meta"):
+            plain = Kimi3Experts(config, packed.hidden_size)
+        for n, w in zip(("w1", "w3", "w2"), packed.dequantize(dtype)):
+            setattr(plain, n, torch.nn.Parameter(w))
+        block.experts = plain
+    config.checkpoint_quantization_config = None
+
+
+def ft_prepare(variant, model, dtype):
+    """`model` made trainable as `variant` says (FT_VARIANTS), gradient checkpointing on. Returns (the model to
+    train, the routed experts' tensors: packed buffers, bf16 weights or QAT masters)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # every decoder layer recomputed, non-reentrant
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:  # Transformers before 5.2x
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if variant == "packed_qat":
+        from transformers_kimi3.qat import prepare_qat, qat_masters
+
+        prepare_qat(model)
+        model.requires_grad_(False)
+        masters = list(qat_masters(model).values())
+        for p in masters:
+            p.requires_grad_(True)
+        return model, masters
+    from peft import LoraConfig, get_peft_model  # optional: without PEFT this variant is an error row
+
+    lora = dict(r=FT_RANK, lora_alpha=2 * FT_RANK)
+    if variant == "packed_lora":
+        from transformers_kimi3.expert_lora import packed_experts_lora_config
+
+        experts = [t for b in moe_blocks(model) for t in b.experts.buffers()]
+        config = packed_experts_lora_config(target_modules=FT_MODULES + ["experts"], **lora)
+    else:
+        to_float_experts(model, dtype)
+        experts = [p for b in moe_blocks(model) for p in (b.experts.w1, b.experts.w3, b.experts.w2)]
+        config = LoraConfig(target_modules=FT_MODULES, target_parameters=["experts.w1", "experts.w2", "experts.w3"],
+                            **lora)
+    return get_peft_model(model, config), experts
+
+
+def timed_ms(fn, device):
+    """fn() and its milliseconds: between two CUDA events on the GPU, wall time on the CPU."""
+    if device.type != "cuda":
+        t = time.perf_counter()
+        out = fn()
+        return out, (time.perf_counter() - t) * 1e3
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    out = fn()
+    b.record()
+    torch.cuda.synchronize()
+    return out, a.elapsed_time(b)
+
+
+def ft_step(model, opt, ids):
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def ft_steps(model, params, ids, steps, device):
+    """A warm-up step and `steps` timed ones of AdamW (no weight decay: only a gradient moves a weight) on the same
+    batch. Returns (the loss of every step, warm-up first; the timed steps' milliseconds; optimizer state bytes)."""
+    opt = torch.optim.AdamW(params, lr=FT_LR, weight_decay=0.0, fused=device.type == "cuda")
+    losses, times = [], []
+    for i in range(steps + 1):
+        loss, ms = timed_ms(lambda: ft_step(model, opt, ids), device)
+        losses.append(loss)
+        times += [ms] if i else []
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    return losses, times, state
+
+
+def tensor_gib(model):
+    """Parameters and buffers of `model` (each storage once), GiB."""
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
+    return sum(tensors.values()) / 2**30
+
+
+def changed_fraction(tensors, before):
+    """The share of the elements of `tensors` that differ from their copies `before` (on the host)."""
+    changed = sum(int((t.detach() != b.to(t.device)).sum()) for t, b in zip(tensors, before))
+    return changed / max(1, sum(b.numel() for b in before))
+
+
+def cuda_memory(device, **fields):
+    """The peak allocated / reserved memory since the last reset (GiB), or None on the CPU with the reason."""
+    if device.type != "cuda":
+        return dict({k: None for k in ("peak_allocated_gib", "peak_reserved_gib", *fields)},
+                    memory_note="CPU run: no CUDA memory counters (step times are wall time)")
+    return dict(peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+                peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+                **{k: v / 2**30 for k, v in fields.items()})
+
+
+def finetune_variant(row, variant, config, device, dtype, batch, seq_len, steps):
+    """One variant on a freshly built model (seed 0: the same weights every time), its fields written into `row`."""
+    model = build_k3(config, device, dtype).train()
+    ids = torch.randint(3, model.config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(1))
+    model, experts = ft_prepare(variant, model, dtype)
+    before = [t.detach().to("cpu", copy=True) for t in experts]
+    params = [p for p in model.parameters() if p.requires_grad]
+    row.update(trainable_params=sum(p.numel() for p in params), weight_gib=tensor_gib(model),
+               adapter_params=sum(p.numel() for n, p in model.named_parameters() if "lora_" in n and p.requires_grad),
+               expert_gib=sum(b.numel() * b.element_size() for b in before) / 2**30)
+    allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    losses, times, state = ft_steps(model, params, ids.to(device), steps, device)
+    row.update(cuda_memory(device, allocated_before_steps_gib=allocated), optimizer_state_gib=state / 2**30,
+               step_ms_median=sorted(times)[len(times) // 2], step_ms=times, losses=losses, loss_first=losses[0],
+               loss_last=losses[-1], experts_changed_fraction=changed_fraction(experts, before))
+
+
+def stage_finetune(res, device, dtype, tiny, batch, seq_len, steps, deadline):
+    """LoRA with packed experts against LoRA with bf16 experts, and QAT (FT_VARIANTS), on the K3-shaped config: peak
+    allocated / reserved memory over the training steps (warm-up included: AdamW's states appear there), memory
+    before the steps, weight and optimizer-state memory, trainable and adapter parameter counts, the median step
+    time (warm-up excluded), the loss of every step and the share of the routed experts' elements that changed.
+    One model on the device at a time; a failure, an out-of-memory included, is a row with what was measured
+    until then."""
+    config = K3_TINY_CONFIG if tiny else K3_BENCH_CONFIG
+    for variant, trains in FT_VARIANTS.items():
+        row = dict(stage="finetune", variant=variant, trains=trains, config="K3_TINY_CONFIG" if tiny else
+                   "K3_BENCH_CONFIG", dtype=str(dtype).replace("torch.", ""), batch=batch, seq_len=seq_len,
+                   steps=steps, lr=FT_LR, timer="cuda events" if device.type == "cuda" else "wall")
+        if time.time() > deadline:
+            res.add(**row, error="not run: --budget-s reached")
+            continue
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            finetune_variant(row, variant, config, device, dtype, batch, seq_len, steps)
+        except Exception as e:  # noqa: BLE001 - an out-of-memory (or PEFT missing) is a row; the next variant runs
+            traceback.print_exc()
+            kind = "out of memory" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
+            row.update(cuda_memory(device), error=f"{kind}: {str(e)[:400]}")
+        res.add(**row)
+        free(device)
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -538,6 +717,9 @@ def parse(argv):
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="decode: generate(prefill_chunk_size=N) for every implementation (long prompts at B>1)")
     ap.add_argument("--impls", default=None, help="rows to run, e.g. ours,ours_static_graph (default: all)")
+    ap.add_argument("--ft-batch", type=int, default=None, help="finetune: rows per step (default 1; --tiny 2)")
+    ap.add_argument("--ft-seq-len", type=int, default=None, help="finetune: tokens per row (default 4096; --tiny 32)")
+    ap.add_argument("--ft-steps", type=int, default=4, help="finetune: timed steps after the warm-up step")
     return ap.parse_args(argv)
 
 
@@ -576,6 +758,9 @@ def main(argv=None):
             guarded(res, "check_kernels", stage_check_kernels, res, device, dt, 64 if args.tiny else 512, args.tiny)
     if "fidelity" in stages:
         guarded(res, "fidelity", stage_fidelity, res, device, 64 if args.tiny else 512, args.tiny)
+    if "finetune" in stages:
+        stage_finetune(res, device, dtype, args.tiny, args.ft_batch or (2 if args.tiny else 1),
+                       args.ft_seq_len or (32 if args.tiny else 4096), args.ft_steps, deadline)
     return res
 
 
@@ -612,7 +797,7 @@ def print_table(res):
     print(f"{m['device']} | torch {m['torch']} | transformers {m['transformers']} | {m['tree']}")
     for r in res.rows:
         if "error" in r:
-            print(f"{r['stage']:8s} {r.get('impl', '-'):18s}: {r['error']}")
+            print(f"{r['stage']:8s} {r.get('impl', r.get('variant', '-')):18s}: {r['error']}")
         elif r["stage"] == "prefill":
             print(f"prefill  {r['impl']:18s} T={r['T']:>7d}  {r['tok_s']:>10.0f} tok/s")
         elif r["stage"] == "decode":
@@ -625,6 +810,11 @@ def print_table(res):
                   f"{float('nan') if same is None else same:.1e}, before the first reroute "
                   f"{r.get('logits_rel_err_before_first_reroute') or float('nan'):.1e}, token median "
                   f"{r.get('logits_rel_err_token_median', float('nan')):.1e}")
+        elif r["stage"] == "finetune":
+            mem = r["peak_allocated_gib"]
+            print(f"finetune {r['variant']:18s} peak {float('nan') if mem is None else mem:6.1f} GiB, step "
+                  f"{r['step_ms_median']:9.1f} ms, trainable {r['trainable_params']:,}, loss {r['loss_first']:.3f} "
+                  f"-> {r['loss_last']:.3f}, experts changed {r['experts_changed_fraction']:.3f}")
         else:
             print(json.dumps({k: v for k, v in r.items() if k != "kernel_status"}, default=str)[:300])
 

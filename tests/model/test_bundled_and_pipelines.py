@@ -1,6 +1,7 @@
 """The bundled tiny checkpoint (rebuilt bit for bit by its script) and the Transformers pipelines on it."""
 
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -139,3 +140,47 @@ def test_bench_k3_shaped_mxfp4_runs_on_cpu(tmp_path):
     assert {(r["stage"], r.get("impl")) for r in rows} == {("prefill", "ours"), ("decode", "ours"),
                                                            ("decode", "ours_static_graph")}
     assert all(r["tokens_equal_to_ours"] == 1.0 for r in rows if r.get("impl") == "ours_static_graph")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="the LoRA variants need PEFT")
+def test_bench_finetune_stage_runs_on_cpu(tmp_path):
+    # bench/e2e.py --stages finetune at toy sizes (the H200 run's code path): LoRA on the packed MXFP4 experts, LoRA
+    # on the same experts in float, QAT of the packed experts' masters; what each row reports is checked against
+    # counts taken here from the model's shapes
+    from transformers_kimi3.mxfp4_experts import PackedMXFP4Experts
+
+    spec = importlib.util.spec_from_file_location("bench_e2e", os.path.join(ROOT, "bench", "e2e.py"))
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    out = tmp_path / "ft.json"
+    e2e.main(["--tiny", "--model", "k3", "--stages", "finetune", "--ft-steps", "3", "--out", str(out)])
+    run = json.loads(out.read_text())["runs"][-1]
+    rows = {r["variant"]: r for r in run["rows"]}
+    assert set(rows) == {"packed_lora", "bf16_lora", "packed_qat"}
+    assert not [r for r in rows.values() if "error" in r], rows
+
+    model = e2e.build_k3(e2e.K3_TINY_CONFIG, torch.device("cpu"), torch.float32)  # the stage's weights
+    r = 16
+    kinds = {"q_proj", "k_proj", "v_proj", "o_proj", "g_proj", "f_a_proj", "f_b_proj", "b_proj",  # KDA
+             "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # MLA
+             "gate_proj", "up_proj", "down_proj", "routed_expert_down_proj", "routed_expert_up_proj"}
+    linears = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in kinds]
+    experts = [m for m in model.modules() if isinstance(m, PackedMXFP4Experts)]
+    assert len(linears) > 40 and len(experts) == 7
+    adapters = (sum(r * (m.in_features + m.out_features) for m in linears)
+                + sum(3 * m.num_experts * r * (m.hidden_size + m.intermediate_size) for m in experts))
+    masters = sum(3 * m.num_experts * m.hidden_size * m.intermediate_size for m in experts)
+    for variant in ("packed_lora", "bf16_lora"):  # only the adapters train; the experts stay as they were
+        assert rows[variant]["trainable_params"] == rows[variant]["adapter_params"] == adapters, rows[variant]
+        assert rows[variant]["experts_changed_fraction"] == 0.0
+    assert rows["packed_qat"]["trainable_params"] == masters and rows["packed_qat"]["adapter_params"] == 0
+    assert rows["packed_qat"]["experts_changed_fraction"] > 0.5  # the masters moved
+    assert rows["packed_lora"]["expert_gib"] < rows["bf16_lora"]["expert_gib"] / 3  # packed vs float experts
+    for row in rows.values():
+        assert len(row["losses"]) == 4 and len(row["step_ms"]) == 3
+        assert row["loss_last"] < row["loss_first"] - 1e-2, row["losses"]  # a frozen setup would not move
+    # the same weights and batch everywhere: the first step's loss is one function of them (fp32, exact experts)
+    firsts = [row["loss_first"] for row in rows.values()]
+    assert max(firsts) - min(firsts) < 1e-5, firsts
+    if run["meta"]["device"] == "cpu":
+        assert all(row["peak_allocated_gib"] is None and "CPU" in row["memory_note"] for row in rows.values())
