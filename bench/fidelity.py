@@ -9,6 +9,8 @@ piece, no padding):
                    too): top-1 agreement of the next-token prediction and the two perplexities
   mxfp4 vs bf16    the packed MXFP4 experts as shipped against the trained bf16/fp32 expert weights (--unquantized),
                    both run in bf16: perplexity
+  fp32 logits      (--fp32-logits) the bf16 model with `fp32_logits=True` (the LM head's output in fp32) against
+                   the fp32 model: the agreement that bf16 rounding of the logits alone costs
   mxfp8 vs bf16    (--mxfp8) the same bf16 model with MXFP8 routed-expert activations (`moe_activation_format`,
                    the W4A8 kernels on a GPU with FP8 tensor cores) against bf16 activations: perplexity, agreement
 Goals (issue text): agreement >= 99.5 %, perplexity bf16 vs fp32 within 0.5 %, MXFP4 vs unquantized within 2 %,
@@ -193,6 +195,7 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=32, help="greedy rows (--native): tokens per prompt")
     ap.add_argument("--new-tokens", type=int, default=64, help="greedy rows (--native): new tokens per prompt")
     ap.add_argument("--mxfp8", action="store_true", help="add the MXFP8-activation (W4A8) row")
+    ap.add_argument("--fp32-logits", action="store_true", help="add the row of the bf16 model with fp32 logits")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -212,6 +215,11 @@ def main(argv=None):
         res["rows"]["mxfp4_vs_unquantized"] = {"ppl_unquantized_bf16": perplexity(raw), "ppl_mxfp4_bf16": p16,
                                                "ppl_rel_diff": p16 / perplexity(raw) - 1,
                                                "top1_agreement": agreement(bf16, raw)}
+    if args.fp32_logits:
+        wide = predictions(load(args.model, torch.bfloat16, args.device, fp32_logits=True), chunks, args.device)
+        res["rows"]["bf16_fp32_logits_vs_fp32"] = {"top1_agreement": agreement(wide, fp32), "ppl_fp32": p32,
+                                                   "ppl_bf16_fp32_logits": perplexity(wide),
+                                                   "ppl_rel_diff": perplexity(wide) / p32 - 1}
     if args.mxfp8:
         a8 = load(args.model, torch.bfloat16, args.device, moe_activation_format="mxfp8")
         res["meta"]["w4a8_kernels"] = kernel_status(a8, args.device)

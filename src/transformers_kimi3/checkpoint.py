@@ -340,7 +340,8 @@ def load_pretrained(cls, name_or_path, base_from_pretrained, *model_args, **kwar
             f"or Kimi3Model; {cls.__name__} needs a K3 folder (model_type {cls.config_class.model_type!r}) with its "
             "vision tower")
     if config is None or isinstance(config, (str, os.PathLike)):
-        config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ("kda_backend", "moe_activation_format")}
+        config_kwargs = {k: kwargs.pop(k) for k in list(kwargs)
+                         if k in ("kda_backend", "moe_activation_format", "fp32_logits")}
         config = cls.config_class.from_pretrained(config if config is not None else folder)
         _text_config(config).update(config_kwargs)  # text-model settings, also where a K3 config nests them
         _text_config(config).validate_kimi3()

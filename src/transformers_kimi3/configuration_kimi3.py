@@ -266,6 +266,7 @@ class Kimi3TextConfig(PretrainedConfig):
         self.output_router_logits = output_router_logits
         self.kda_backend = kda_backend
         self.moe_activation_format = kwargs.pop("moe_activation_format", "bf16")  # routed experts' inputs: mxfp8.py
+        self.fp32_logits = kwargs.pop("fp32_logits", False)  # the LM head's output in fp32 (modeling: Kimi3LMHead)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -369,6 +370,8 @@ class Kimi3TextConfig(PretrainedConfig):
         _check_types({k: getattr(self, k) for k in _TEXT_FIELD_TYPES}, _TEXT_FIELD_TYPES)
         _check_eps("rms_norm_eps", self.rms_norm_eps)
         check_activation_format(self.moe_activation_format)
+        if not isinstance(self.fp32_logits, bool):
+            _fail("fp32_logits", f"= {self.fp32_logits!r} must be true or false")
         L = self.num_hidden_layers
         lac = self.linear_attn_config
         _check_types(lac, {"gate_lower_bound": "float?"}, "linear_attn_config.")
@@ -455,6 +458,8 @@ class Kimi3TextConfig(PretrainedConfig):
             out["quantization_config"] = q
         if out.get("kda_backend") is None:
             out.pop("kda_backend", None)
+        if not out.get("fp32_logits"):  # written only where asked for: the released configs do not have it
+            out.pop("fp32_logits", None)
         return out
 
 

@@ -426,6 +426,28 @@ def embedding_rows(embedding):
     return rows if rows is not None else embedding.weight.shape[0]
 
 
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(a, b, out_dtype=...): bf16 / fp16 in, fp32 out (CUDA)
+
+
+class Kimi3LMHead(nn.Linear):
+    """The LM head (checkpoint name `lm_head.weight`). With `config.fp32_logits` a bf16 / fp16 model returns its logits
+    in fp32: the GEMM accumulates in fp32 anyway, and rounding its output to bf16 (8 bits of mantissa: steps of 1/16
+    at a logit of 10) decides near-ties between candidates arbitrarily. On CUDA the same bf16 GEMM writes fp32 (no
+    fp32 copy of the weight); elsewhere the weight is upcast for the product."""
+
+    def __init__(self, config):
+        super().__init__(config.hidden_size, config.vocab_size, bias=False)
+        self.fp32_out = bool(getattr(config, "fp32_logits", False))
+
+    def forward(self, x):
+        if not self.fp32_out or x.dtype == torch.float32 or self.weight.dtype == torch.float32:
+            return super().forward(x)
+        if x.is_cuda and x.dtype == self.weight.dtype and _MM_OUT_DTYPE:
+            return torch.mm(x.reshape(-1, x.shape[-1]), self.weight.t(), out_dtype=torch.float32).view(
+                *x.shape[:-1], -1)
+        return F.linear(x.float(), self.weight.float())
+
+
 class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
     # With tie_word_embeddings (off in the released configs) the head is the input embedding: saved once, and tied
     # again by Transformers after loading (in a K3 model too, where this class is `language_model`)
@@ -436,7 +458,7 @@ class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
         super().__init__(config)
         self.model = Kimi3Model(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Kimi3LMHead(config)
         self.post_init()
 
     def get_input_embeddings(self):

@@ -339,3 +339,25 @@ def test_kda_backward_of_packed_documents(K, dtype, record):
     assert proc.returncode == 0, proc.stderr[-3000:]
     record(f"KDA varlen forward+backward K={K} {dtype}", float(proc.stdout.split()[-1]),
            FP32_GRAD if dtype == "float32" else BF16["component"])
+
+
+def test_fp32_logits_on_cuda(record):
+    """config.fp32_logits on the GPU: the bf16 head's GEMM writes fp32 (no fp32 copy of the weight), equal to the fp32
+    product of the same bf16 operands up to the order of the sums; static-cache generation (the recorded decode
+    graphs hold the head) runs on it."""
+    from kimi3_testing import ROOT
+    from transformers_kimi3 import Kimi3ForCausalLM
+
+    model = Kimi3ForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "kimi-k3-mini"), dtype=torch.bfloat16,
+                                             fp32_logits=True).cuda().eval()
+    ids = torch.randint(3, 7900, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        h = model.model(input_ids=ids).last_hidden_state
+        logits = model(input_ids=ids).logits
+    assert logits.dtype == torch.float32
+    record("fp32_logits: bf16 GEMM with fp32 output vs fp32 product of the same operands",
+           rel_err(logits, h.float() @ model.lm_head.weight.float().t()), 1e-5)
+    static = model.generate(ids, cache_implementation="static", do_sample=False, max_new_tokens=12)
+    assert static.shape == (2, 76)
+    record("fp32_logits: static-cache generation's first token against the prompt's fp32 logits' argmax",
+           float((static[:, 64] != logits[:, -1].argmax(-1)).sum()), 0.5)

@@ -170,3 +170,35 @@ def test_4d_mask_in_a_model_without_kda_layers():
         model(input_ids=shared, attention_mask=additive[..., :5])
     with pytest.raises(ValueError, match="attention_mask is a 4-D torch.int64 mask"):
         model(input_ids=shared, attention_mask=allowed.long())
+
+
+def test_fp32_logits_resolve_only_bf16_rounding_ties():
+    """config.fp32_logits: a bf16 model's logits come out in fp32, the product of the same bf16 hidden states and head
+    weight; where their argmax differs from the bf16 logits' argmax, the two candidates are a tie in bf16 (within one
+    bf16 rounding step of each other), so the option changes near-ties only. The setting is saved only when on and a
+    non-bool is refused by name."""
+    import torch.nn.functional as F
+
+    from kimi3_testing import ROOT
+    from transformers_kimi3 import Kimi3ForCausalLM
+
+    folder = f"{ROOT}/assets/kimi-k3-mini"
+    plain = Kimi3ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    wide = Kimi3ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, fp32_logits=True).eval()
+    x = torch.randint(3, 7900, (2, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        h = wide.model(input_ids=x).last_hidden_state
+        a, b = plain(input_ids=x).logits, wide(input_ids=x).logits
+    assert a.dtype == torch.bfloat16 and b.dtype == torch.float32
+    assert torch.equal(b, F.linear(h.float(), wide.lm_head.weight.float()))
+    ulp = 2.0 ** (torch.floor(torch.log2(b.abs().clamp_min(1e-30))) - 7)  # bf16's rounding step at each logit
+    assert ((a.float() - b).abs() <= ulp).float().mean() > 0.99  # the bf16 logits are these, rounded (CPU bf16 GEMMs
+    # may round partial sums too, so not every one)
+    pa, pb = a.argmax(-1), b.argmax(-1)
+    moved = (pa != pb).nonzero().tolist()
+    assert len(moved) < 0.1 * pa.numel(), len(moved)
+    for i, t in moved:  # within two rounding steps in bf16: a tie the rounding made
+        assert a[i, t, pa[i, t]] - a[i, t, pb[i, t]] <= 2 * ulp[i, t, pa[i, t]], (i, t)
+    assert "fp32_logits" not in plain.config.to_dict() and wide.config.to_dict()["fp32_logits"] is True
+    with pytest.raises(ValueError, match="fp32_logits"):
+        Kimi3ForCausalLM.from_pretrained(folder, fp32_logits=1)
