@@ -185,6 +185,27 @@ if HAS_TRITON:
             tl.store(z_ptrs + N, zero, mask=zn < N)
 
     @triton.jit
+    def _store_ct(acc, acc2, c_ptr, c_rows_ptr, stride_cm, offs_m, m_mask, offs_n, n_mask, N, beta1, beta2,
+                  TWO: tl.constexpr, ACT: tl.constexpr, LINEAR_UP: tl.constexpr, SCATTER_C: tl.constexpr):
+        """Store the C^T tiles [BN, BM] of a program: acc (TWO: and acc2 beside it at column N, or the fused GLU of
+        the two) into C's rows (c_rows[m] with SCATTER_C, else m) in C's dtype."""
+        if SCATTER_C:
+            crow = tl.load(c_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        else:
+            crow = offs_m.to(tl.int64)
+        c_mask = m_mask[:, None] & n_mask[None, :]
+        c_ptrs = c_ptr + crow[:, None] * stride_cm + offs_n[None, :]
+        if TWO:
+            if ACT == 0:
+                tl.store(c_ptrs, tl.trans(acc).to(c_ptr.dtype.element_ty), mask=c_mask)
+                tl.store(c_ptrs + N, tl.trans(acc2).to(c_ptr.dtype.element_ty), mask=c_mask)
+            else:
+                h = _glu(acc, acc2, beta1, beta2, ACT, LINEAR_UP)
+                tl.store(c_ptrs, tl.trans(h).to(c_ptr.dtype.element_ty), mask=c_mask)
+        else:
+            tl.store(c_ptrs, tl.trans(acc).to(c_ptr.dtype.element_ty), mask=c_mask)
+
+    @triton.jit
     def _mxfp4_grouped_gemm_kernel(
         a_ptr, a2_ptr, a_rows_ptr, stride_am,
         w_ptr, ws_ptr, b_ptr, bs_ptr, stride_we, stride_wr, stride_se, stride_sr,
@@ -254,18 +275,5 @@ if HAS_TRITON:
                 else:
                     acc2 = _dot(bt, at, acc2, OP_F32)
 
-        if SCATTER_C:
-            crow = tl.load(c_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-        else:
-            crow = offs_m.to(tl.int64)
-        c_mask = m_mask[:, None] & n_mask[None, :]
-        c_ptrs = c_ptr + crow[:, None] * stride_cm + offs_n[None, :]
-        if DUAL == 1:
-            if ACT == 0:
-                tl.store(c_ptrs, tl.trans(acc).to(c_ptr.dtype.element_ty), mask=c_mask)
-                tl.store(c_ptrs + N, tl.trans(acc2).to(c_ptr.dtype.element_ty), mask=c_mask)
-            else:
-                h = _glu(acc, acc2, beta1, beta2, ACT, LINEAR_UP)
-                tl.store(c_ptrs, tl.trans(h).to(c_ptr.dtype.element_ty), mask=c_mask)
-        else:
-            tl.store(c_ptrs, tl.trans(acc).to(c_ptr.dtype.element_ty), mask=c_mask)
+        _store_ct(acc, acc2, c_ptr, c_rows_ptr, stride_cm, offs_m, m_mask, offs_n, n_mask, N, beta1, beta2,
+                  DUAL == 1, ACT, LINEAR_UP, SCATTER_C)

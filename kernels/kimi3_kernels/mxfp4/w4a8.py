@@ -51,7 +51,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .decode import _e8m0_to_f32
-    from .kernel import _glu, _segment_rows, _zero_route_row
+    from .kernel import _segment_rows, _store_ct, _zero_route_row
 
     @triton.jit
     def _pow2(e):
@@ -184,21 +184,8 @@ if HAS_TRITON:
             ws_ptrs += BK // 32
             bs_ptrs += BK // 32
 
-        if SCATTER_C:
-            crow = tl.load(c_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-        else:
-            crow = offs_m.to(tl.int64)
-        c_mask = m_mask[:, None] & n_mask[None, :]
-        c_ptrs = c_ptr + crow[:, None] * stride_cm + offs_n[None, :]
-        if DUAL != 0:
-            if ACT == 0:
-                tl.store(c_ptrs, tl.trans(acc).to(c_ptr.dtype.element_ty), mask=c_mask)
-                tl.store(c_ptrs + N, tl.trans(acc2).to(c_ptr.dtype.element_ty), mask=c_mask)
-            else:
-                h = _glu(acc, acc2, beta1, beta2, ACT, LINEAR_UP)
-                tl.store(c_ptrs, tl.trans(h).to(c_ptr.dtype.element_ty), mask=c_mask)
-        else:
-            tl.store(c_ptrs, tl.trans(acc).to(c_ptr.dtype.element_ty), mask=c_mask)
+        _store_ct(acc, acc2, c_ptr, c_rows_ptr, stride_cm, offs_m, m_mask, offs_n, n_mask, N, beta1, beta2,
+                  DUAL != 0, ACT, LINEAR_UP, SCATTER_C)
 
 
 def fp8_capable(device):
