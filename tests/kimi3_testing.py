@@ -222,3 +222,23 @@ def once_per_run(tmp_path_factory, name, make):
             make(folder)
             done.touch()
     return folder
+
+
+def interpreted_results(tmp_path_factory, name, script):
+    """The JSON a test file's worker prints (`RESULT {...}`) when `script` runs under TRITON_INTERPRET=1 in a
+    subprocess (Triton reads the variable at launch, and other test files in the process compile for real), once per
+    test run (`once_per_run`): a second pytest-xdist worker reads them instead of running the interpreter again."""
+    import json
+    import subprocess
+    import sys
+
+    def run(folder):
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore",
+                   PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600,
+                              cwd=ROOT)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        (folder / "results.json").write_text(lines[-1][len("RESULT "):])
+
+    return json.loads((once_per_run(tmp_path_factory, name, run) / "results.json").read_text())

@@ -7,13 +7,11 @@ file is also the subprocess's script (`python tests/test_mxfp4_triton.py` prints
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from kimi3_testing import once_per_run, run_decode_ptx
+from kimi3_testing import interpreted_results, run_decode_ptx
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -451,17 +449,7 @@ def results(tmp_path_factory):
     """The worker's results, once per test run (kimi3_testing.once_per_run): a second pytest-xdist worker that gets
     some of this file's tests reads them instead of running the interpreter for another minute."""
     pytest.importorskip("triton", reason="triton is not installed")
-
-    def run(folder):
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore",
-                   PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
-        proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
-                              cwd=str(ROOT))
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        (folder / "results.json").write_text(lines[-1][len("RESULT "):])
-
-    return json.loads((once_per_run(tmp_path_factory, "mxfp4_triton", run) / "results.json").read_text())
+    return interpreted_results(tmp_path_factory, "mxfp4_triton", __file__)
 
 
 def test_interpreter_active(results):

@@ -7,7 +7,6 @@ As in test_mxfp4_triton.py, the checks run in a subprocess with TRITON_INTERPRET
 """
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from kimi3_testing import once_per_run, run_decode_ptx
+from kimi3_testing import interpreted_results, run_decode_ptx
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -174,17 +173,7 @@ def _worker():
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     pytest.importorskip("triton", reason="triton is not installed")
-
-    def run(folder):
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore",
-                   PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
-        proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
-                              cwd=str(ROOT))
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        (folder / "results.json").write_text(lines[-1][len("RESULT "):])
-
-    return json.loads((once_per_run(tmp_path_factory, "w4a8_triton", run) / "results.json").read_text())
+    return interpreted_results(tmp_path_factory, "w4a8_triton", __file__)
 
 
 def test_interpreter_active(results):
