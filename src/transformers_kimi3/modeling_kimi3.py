@@ -439,6 +439,17 @@ class Kimi3LMHead(nn.Linear):
         super().__init__(config.hidden_size, config.vocab_size, bias=False)
         self.fp32_out = bool(getattr(config, "fp32_logits", False))
 
+    @classmethod
+    def holding(cls, linear, config):
+        """A head over the weight of `linear` (a plain bias-free nn.Linear, e.g. the one resize_token_embeddings
+        builds), so that a resized head keeps `config.fp32_logits`."""
+        with torch.device("meta"):
+            head = cls(config)
+        head.in_features, head.out_features, head.weight = linear.in_features, linear.out_features, linear.weight
+        if getattr(linear, "_is_hf_initialized", False):  # Transformers' mark: post_init must not initialise it again
+            head._is_hf_initialized = True
+        return head
+
     def forward(self, x):
         if not self.fp32_out or x.dtype == torch.float32 or self.weight.dtype == torch.float32:
             return super().forward(x)
@@ -471,6 +482,8 @@ class Kimi3ForCausalLM(Kimi3PreTrainedModel, Kimi3GenerationMixin):
         return self.lm_head
 
     def set_output_embeddings(self, value):
+        if type(value) is nn.Linear and value.bias is None:
+            value = Kimi3LMHead.holding(value, self.config)
         self.lm_head = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -545,7 +558,7 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
         return self.language_model.lm_head
 
     def set_output_embeddings(self, value):  # resize_token_embeddings replaces the head through this
-        self.language_model.lm_head = value
+        self.language_model.set_output_embeddings(value)
 
     def get_image_features(self, pixel_values, grid_thws):
         """[sum_i h_i*w_i/4, text hidden] projector rows for the packed images / videos."""

@@ -202,3 +202,6 @@ def test_fp32_logits_resolve_only_bf16_rounding_ties():
     assert "fp32_logits" not in plain.config.to_dict() and wide.config.to_dict()["fp32_logits"] is True
     with pytest.raises(ValueError, match="fp32_logits"):
         Kimi3ForCausalLM.from_pretrained(folder, fp32_logits=1)
+    wide.resize_token_embeddings(8200, mean_resizing=False)  # Transformers builds a plain nn.Linear head
+    with torch.no_grad():
+        assert wide(input_ids=x[:, :4]).logits.dtype == torch.float32

@@ -574,7 +574,7 @@ def test_lora_on_packed_experts_under_fsdp2(ranks):
     from transformers_kimi3.expert_lora import load_packed_experts_adapter
 
     got = ranks["lora"]
-    assert got["units"] == {"Kimi3DecoderLayer", "Embedding", "Linear"}
+    assert got["units"] == {"Kimi3DecoderLayer", "Embedding", "Kimi3LMHead"}
     model = _lora_model()
     losses = _train(model, _optimizer("adamw", model), HALVES)
     ref = model.state_dict()
@@ -618,7 +618,7 @@ def test_units_and_argument_errors():
     from transformers_kimi3.distributed import apply_fsdp2, fsdp2_units
 
     model = tiny_model(**SMALL)
-    assert [type(u).__name__ for u in fsdp2_units(model)] == ["Kimi3DecoderLayer"] * 2 + ["Embedding", "Linear"]
+    assert [type(u).__name__ for u in fsdp2_units(model)] == ["Kimi3DecoderLayer"] * 2 + ["Embedding", "Kimi3LMHead"]
     tied = tiny_model(tie_word_embeddings=True, **SMALL)  # a tied embedding and head stay in the root unit
     assert [type(u).__name__ for u in fsdp2_units(tied)] == ["Kimi3DecoderLayer"] * 2
     k3 = AutoModelForCausalLM.from_pretrained(ASSET, dtype=torch.float32)
@@ -665,7 +665,7 @@ def test_qat_under_fsdp2_equals_one_process(ranks, qat_reference):
 
     model, losses, _ = qat_reference
     got = ranks["qat"]
-    assert got["units"] == ["QATExperts", "Kimi3DecoderLayer", "Kimi3DecoderLayer", "Embedding", "Linear"]
+    assert got["units"] == ["QATExperts", "Kimi3DecoderLayer", "Kimi3DecoderLayer", "Embedding", "Kimi3LMHead"]
     assert got["local"] == (4, 32, 32)
     assert max(abs(a - b) / b for a, b in zip(got["losses"], losses)) <= TOL, (got["losses"], losses)
     ref = model.state_dict()
