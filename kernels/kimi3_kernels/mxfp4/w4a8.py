@@ -108,6 +108,14 @@ if HAS_TRITON:
         return body | ((c & 8) << 4)
 
     @triton.jit
+    def _mma_order(x, R: tl.constexpr):
+        """[R, 32] columns of a K block in the MMA's K order: K index 16 h + 4 t + r takes stored column
+        8 t + 4 h + r. A thread of the FP8 MMA's register operand holds K indices 4 t .. 4 t + 3 and 16 + 4 t ..
+        16 + 4 t + 3 of its rows; in this order they are 4 adjacent packed weight bytes, one 32-bit piece instead of
+        two 16-bit ones to be joined. Weights and activations take the same order: the same sum, in another order."""
+        return tl.reshape(tl.permute(tl.reshape(x, (R, 4, 2, 4)), (0, 2, 1, 3)), (R, 32))
+
+    @triton.jit
     def _weight_block(w_ptrs, s_ptrs, n_mask, BN: tl.constexpr, PTX: tl.constexpr):
         """A 32-column K block of BN weight rows from its packed bytes' pointers [BN, 16] and its scales' [BN]:
         (E4M3 codes [BN, 32] as fp8, scales [BN] fp32). PTX: the byte-lookup decode (E2M1_TO_E4M3_PTX); else
@@ -119,6 +127,7 @@ if HAS_TRITON:
         else:
             p = p.to(tl.int32)
             codes = tl.reshape(tl.join(_e4m3_of_e2m1(p & 15), _e4m3_of_e2m1(p >> 4)), (BN, 32))
+        codes = _mma_order(codes, BN)
         s = tl.load(s_ptrs, mask=n_mask, other=127)
         return codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True), _e8m0_to_f32(s)
 
@@ -160,7 +169,7 @@ if HAS_TRITON:
         e64 = e.to(tl.int64)
         # pointers of the first 32-column block, advanced by one K step per iteration (the loop adds offsets, it
         # does not recompute row addresses)
-        a_ptrs = a_ptr + rows[None, :] * stride_am + tl.arange(0, 32)[:, None]  # [32, BM]
+        a_ptrs = a_ptr + rows[:, None] * stride_am + tl.arange(0, 32)[None, :]  # [BM, 32], stored order
         as_ptrs = as_ptr + rows * (K // 32)
         w_off = e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wr + tl.arange(0, 16)[None, :]  # [BN, 16]
         s_off = e64 * stride_se + offs_n.to(tl.int64) * stride_sr
@@ -170,7 +179,8 @@ if HAS_TRITON:
         acc2 = tl.zeros((BN, BM), dtype=tl.float32)
         for _ in range(0, K, BK):
             for j in tl.static_range(BK // 32):
-                at = tl.load(a_ptrs + 32 * j, mask=m_mask[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+                at = _mma_order(tl.load(a_ptrs + 32 * j, mask=m_mask[:, None], other=0), BM)
+                at = tl.trans(at).to(tl.float8e4nv, bitcast=True)  # [32, BM]
                 sa = _e8m0_to_f32(tl.load(as_ptrs + j, mask=m_mask, other=127))
                 w, sw = _weight_block(w_ptrs + 16 * j, ws_ptrs + j, n_mask, BN, PTX)
                 acc += tl.dot(w, at) * sw[:, None] * sa[None, :]
