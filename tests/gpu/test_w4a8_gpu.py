@@ -79,7 +79,7 @@ def test_bundled_model_with_mxfp8_activations(record):
     ids = torch.randint(3, 1000, (2, 96), generator=torch.Generator().manual_seed(2)).cuda()
     logits = {}
     for fmt in ("bf16", "mxfp8"):
-        model = Kimi3ForConditionalGeneration.from_pretrained(folder, torch_dtype=torch.bfloat16,
+        model = Kimi3ForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16,
                                                               moe_activation_format=fmt).cuda().eval()
         with torch.no_grad():
             logits[fmt] = model(input_ids=ids).logits.float()
