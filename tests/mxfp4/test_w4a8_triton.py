@@ -106,7 +106,8 @@ def _gemm_checks(G, w4a8, EM, torch):
         out[f"gemm_K{K}_row_expert"] = _rel(c, R(xd, wp, ws, None, **kw))
         out[f"gemm_K{K}_row_expert_zero_row"] = bool((c[4] == 0).all())
     refusals = {"scale_shape": dict(a_scale=s[:, :2]), "trans_w": dict(a_scale=s, trans_w=True),
-                "a_kperm": dict(a_scale=s, a_kperm=64), "dual_in": dict(a_scale=s, dual="in", a2=q, **two)}
+                "a_kperm": dict(a_scale=s, a_kperm=64), "dual_in": dict(a_scale=s, dual="in", a2=q, **two),
+                "tile_bk": dict(a_scale=s, config=dict(BM=16, BN=32, BK=48))}
     for name, kw in refusals.items():
         try:
             G.mxfp4_grouped_gemm(q, wp, ws, offs, **rows, **kw)
@@ -205,6 +206,7 @@ def test_gemm_refuses_layouts_it_does_not_compute(results):
     assert "a_scale must be uint8" in results["refused_scale_shape"], results
     for name in ("trans_w", "a_kperm", "dual_in"):
         assert "forward layouts" in results[f"refused_{name}"], (name, results[f"refused_{name}"])
+    assert "whole 32-column K blocks" in results["refused_tile_bk"], results["refused_tile_bk"]
 
 
 def test_packed_experts_w4a8_kernels_equal_the_emulation(results):

@@ -331,9 +331,9 @@ class _GemmLaunch:
             EVEN=not trans_w and K % BK == 0 and N % BN == 0,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         gluon = False
-        if int(cfg.get("A8", 0)):
-            if trans_w or meta["DUAL"] == 2 or BK % 32 or K % BK:
-                raise ValueError(f"the W4A8 kernel computes forward layouts with whole 32-column K blocks (tile {cfg})")
+        if int(cfg.get("A8", 0)):  # the layout was checked with the plan (`_check_a8`); a caller's tile here
+            if BK % 32 or K % BK:
+                raise ValueError(f"the W4A8 kernel computes whole 32-column K blocks (tile {cfg}, K={K})")
             self.grid, self.kernel = (nblocks * cdiv(N, BN),), w4a8.launcher(self.meta)
             self.run = self._run_a8
             return

@@ -145,6 +145,7 @@ if HAS_TRITON:
     ):
         """C^T tiles [BN, BM] as in `_mxfp4_grouped_gemm_kernel`; a_ptr: E4M3 codes [Ra, K] (row stride
         stride_am), as_ptr: their scales [Ra, K/32] (contiguous). K is a multiple of BK, BK of 32."""
+        # the program's rows as in `_mxfp4_grouped_gemm_kernel` (its helpers; the early returns stay in each kernel)
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BN)
         pid_m = pid // num_n
