@@ -1,6 +1,7 @@
 """Released sizes on one GPU, weights drawn at random directly on the device (the checkpoints are larger than the
 GPU machine's disk): Kimi-Linear-48B-A3B ours against native Transformers (fla's KDA), a K3 slice at the released
-widths with per-layer times and a projection to the full 93 layers on 16 GPUs, and expert offloading on that slice.
+widths with per-layer times and a projection to the full 93 layers on 16 GPUs, and expert offloading on that slice;
+on the CPU, the host memory of `from_pretrained` on a many-shard MXFP4 folder of that slice.
 
     python bench/released.py --stages kimi_linear --parts check,prefill,decode --out bench/results/released_h200.json
     python bench/released.py --stages kimi_linear --parts longest --impls native --out ...
@@ -8,7 +9,9 @@ widths with per-layer times and a projection to the full 93 layers on 16 GPUs, a
     python bench/released.py --stages kimi_linear --parts longest --impls ours --longest 1048576 --out ...
     python bench/released.py --stages k3_slice --out ...
     python bench/released.py --stages offload --out ...
-    python bench/released.py --tiny                    # all three stages at toy widths on the CPU, ~30 s
+    python bench/released.py --tiny                    # the three GPU stages at toy widths on the CPU, ~30 s
+    python bench/released.py --stages memory --experts 64 --layers 3 --shard-gb 2 --work /tmp/rss_work \
+        --out bench/results/released_cpu.json           # CPU, ~2 min: 11.4 GB on disk, 12 GB of RAM
 
 Stages (`--stages`, comma-separated; each row is written to `--out` as soon as it is measured, one more run beside
 the file's earlier ones; `--deadline-minutes` stops starting measurements before one device call's 10 minutes):
@@ -35,6 +38,20 @@ the file's earlier ones; `--deadline-minutes` stops starting measurements before
                experts on the device (CUDA-graph and eager steps), then with `--host-fractions` of each layer's
                routed experts kept only on the host (`offload_experts`, an LRU cache of the rest on the device), the
                greedy tokens compared with all-on-device's.
+  memory       (only when named: a CPU run that needs ~12 GB of RAM and 11.4 GB of disk at its defaults) the peak
+               host memory of `Kimi3ForCausalLM.from_pretrained` on a many-shard MXFP4 folder: the K3 slice with
+               `--experts` routed experts (default 64; the release has 896, 15.7 GB per layer) and `--layers` layers
+               (default 3: layer 0 dense, the last one MLA, the others KDA), written shard by shard (`--shard-gb`
+               GB each) under `--work` in the official layout (per-expert `weight_packed` / `weight_scale`, the
+               compressed-tensors `quantization_config`), then loaded in a fresh interpreter for each of `--dtypes`
+               (`default`: no dtype, as users call it; `bfloat16`) after the folder's files were read once (`load_s`
+               is a load from the page cache). The goal: the load's peak resident memory above the interpreter's
+               (torch, Transformers and this package imported) is at most the loaded model plus 1.2 x the largest
+               shard. Resident memory counts the pages of the memory-mapped safetensors files that the process has
+               touched (`RssFile`) as well as its own allocations (`RssAnon`); both are sampled from
+               /proc/self/status every 10 ms and reported at the sampled peak, beside the kernel's exact peak
+               (`VmHWM`) and `ru_maxrss`. The folder is removed afterwards unless `--keep`; an existing one of the
+               same shape is reused. With `--tiny`, toy widths (the test's scale).
 
 A failing or out-of-memory measurement is a row (`{"oom": true}` / `{"error": ...}`) and the run goes on. On the CPU
 (`--tiny`, fp32) native runs its PyTorch fallback, the offload copies are plain, and device times are wall times.
@@ -42,8 +59,16 @@ A failing or out-of-memory measurement is a row (`{"oom": true}` / `{"error": ..
 
 import argparse
 import contextlib
+import copy
+import gc
+import importlib.util
+import json
 import os
+import resource
+import shutil
+import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -52,11 +77,18 @@ START = time.time()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import e2e  # noqa: E402  (native_class, chunked_prefill, decode_ms_per_step, fla_usable, kernel_status)
-import memory  # noqa: E402  (slice_config: the K3 slice at the released widths)
 from _timing import Results, rel  # noqa: E402
 
-GIB = 2**30
+GIB, GB = 2**30, 10**9
 TINY_K3_EXPERTS = 20  # 25 / 50 / 90 % of 20 experts are whole numbers
+# the K3 slice's toy widths (`--tiny`): every K3 mechanism, sizes that build and load in a second
+TINY_K3 = dict(hidden_size=256, vocab_size=4096, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32,
+               qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, intermediate_size=512, moe_intermediate_size=256,
+               routed_expert_hidden_size=256, num_shared_experts=1, num_experts_per_token=2, head_dim=64, heads=4)
+# k3_slice and offload run it with narrower experts (the CPU path decodes every MXFP4 expert at each call); the memory
+# stage keeps TINY_K3's, where the packed experts are most of the bytes as in the release
+TINY_K3_RUN = dict(TINY_K3, moe_intermediate_size=64, routed_expert_hidden_size=64)
+SCALE_BYTES = (119, 122)  # E8M0 exponents of the random scales: 2^-8 .. 2^-6 (finite; 0xFF would be NaN)
 SPIN_CYCLES = 20_000_000  # ~10 ms of GPU spin before each timed module (ModuleTimer)
 
 
@@ -92,12 +124,19 @@ def free_bytes(device):
     return host_available()
 
 
-def host_available():
-    with open("/proc/meminfo") as f:
+def proc_bytes(path, keys):
+    """{key: bytes} of the `key: N kB` lines of a /proc file (/proc/meminfo, /proc/self/status)."""
+    out = {}
+    with open(path) as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            key, _, value = line.partition(":")
+            if key in keys:
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def host_available():
+    return proc_bytes("/proc/meminfo", ("MemAvailable",)).get("MemAvailable", 0)
 
 
 def measured(res, row, fn, device):
@@ -116,20 +155,22 @@ def measured(res, row, fn, device):
     return fields
 
 
+def once_s(fn, device):
+    """Seconds of one `fn()` between two synchronisations."""
+    e2e.sync(device)
+    t = time.perf_counter()
+    fn()
+    e2e.sync(device)
+    return time.perf_counter() - t
+
+
 def timed_s(fn, device, long_s=20.0):
     """Seconds of `fn()`: the faster of two passes after a first one, or the first alone where it took more than
     `long_s` (a 128K-token prefill of the 48B model: the time limit has no room for three). Returns (s, passes)."""
-    def once():
-        e2e.sync(device)
-        t = time.perf_counter()
-        fn()
-        e2e.sync(device)
-        return time.perf_counter() - t
-
-    first = once()
+    first = once_s(fn, device)
     if first > long_s:
         return first, 1
-    return min(once(), once()), 2
+    return min(once_s(fn, device), once_s(fn, device)), 2
 
 
 @contextlib.contextmanager
@@ -318,11 +359,7 @@ def kl_longest(res, name, model, device, lengths, chunk, clock):
 
         def run():
             ids = ids_for(model.config.vocab_size, (1, T), device, seed=T)
-            e2e.sync(device)
-            t = time.perf_counter()
-            prefill_once(model, ids, chunk)
-            e2e.sync(device)
-            s = time.perf_counter() - t
+            s = once_s(lambda: prefill_once(model, ids, chunk), device)
             return dict(s=s, tok_s=T / s, peak_gib=peak_gib(device))
 
         fields = measured(res, row, run, device)
@@ -413,19 +450,11 @@ def layer_kind(config, i):
     return "kda_moe" if config.layer_types[i] == "linear_attention" else "mla_moe"
 
 
-def slice_experts(tiny):
-    return TINY_K3_EXPERTS if tiny else 896
-
-
 def conversion_importable():
-    """memory.slice_config takes the release's MXFP4 settings from kimi3_conversion, which an installed package
-    provides but `PYTHONPATH=src:kernels` (how a GPU machine without the package runs the tree) does not: there the
-    folder conversion/ is registered under that name."""
-    try:
-        import kimi3_conversion  # noqa: F401
-    except ImportError:
-        import importlib.util
-
+    """slice_config takes the release's MXFP4 settings from kimi3_conversion, which an installed package provides but
+    `PYTHONPATH=src:kernels` (how a GPU machine without the package runs the tree) does not: there the folder
+    conversion/ is registered under that name."""
+    if importlib.util.find_spec("kimi3_conversion") is None:
         folder = os.path.join(ROOT, "conversion")
         spec = importlib.util.spec_from_file_location("kimi3_conversion", os.path.join(folder, "__init__.py"),
                                                       submodule_search_locations=[folder])
@@ -433,14 +462,25 @@ def conversion_importable():
         spec.loader.exec_module(sys.modules["kimi3_conversion"])
 
 
-def slice_config(layers, tiny):
-    """memory.slice_config at the released widths, or at its toy widths with narrower experts (the CPU path decodes
-    every MXFP4 expert at each call)."""
+def slice_config(layers, tiny, experts=None, toy=TINY_K3_RUN):
+    """The K3 text config at the released widths (hidden 7168, 96 KDA / MLA heads, latent MoE 3584 with expert width
+    3072, top-16, vocabulary 163840), or at `toy`'s with `tiny`, with `experts` routed experts (default 896, or
+    TINY_K3_EXPERTS with `tiny`) and `layers` layers: layer 0 dense, layers 0 .. layers-2 KDA, the last one MLA; the
+    routed experts MXFP4, described as the release describes them. Every stage's K3 slice is this config."""
     conversion_importable()
-    config = memory.slice_config(slice_experts(tiny), layers, tiny=tiny)
-    if tiny:
-        config.update(dict(moe_intermediate_size=64, routed_expert_hidden_size=64))
-        config.validate_kimi3()
+    from kimi3_conversion.quantize_job import MXFP4_QUANTIZATION_CONFIG
+    from transformers_kimi3 import Kimi3TextConfig
+
+    if layers < 2:
+        raise SystemExit("--layers must be at least 2 (the dense layer 0 and one MoE layer)")
+    sizes = dict(toy) if tiny else {}
+    heads, head_dim = sizes.pop("heads", 96), sizes.pop("head_dim", 128)
+    config = Kimi3TextConfig.k3(
+        num_hidden_layers=layers, num_experts=experts or (TINY_K3_EXPERTS if tiny else 896), **sizes,
+        linear_attn_config=dict(num_heads=heads, head_dim=head_dim, short_conv_kernel_size=4, gate_lower_bound=-5.0,
+                                use_full_rank_gate=True, kda_layers=list(range(1, layers)), full_attn_layers=[layers]),
+        quantization_config=copy.deepcopy(MXFP4_QUANTIZATION_CONFIG))
+    config.architectures = ["Kimi3ForCausalLM"]
     return config
 
 
@@ -471,7 +511,7 @@ def slice_layers(args, device):
 
 
 def build_slice(layers, tiny, device, dtype):
-    """The K3 slice (memory.slice_config: layer 0 dense, KDA layers, the last one MLA) built on the device, its
+    """The K3 slice (slice_config: layer 0 dense, KDA layers, the last one MLA) built on the device, its
     packed experts random (codes uniform, E8M0 scales 2^-8..2^-6, as e2e.build_k3 draws them)."""
     from transformers_kimi3 import Kimi3ForCausalLM
 
@@ -481,7 +521,7 @@ def build_slice(layers, tiny, device, dtype):
     gen = torch.Generator(device=device).manual_seed(0)
     for name, buf in model.named_buffers():
         if buf.dtype == torch.uint8:
-            buf.random_(*((0, 256) if "packed" in name else memory.SCALE_BYTES), generator=gen)
+            buf.random_(*((0, 256) if "packed" in name else SCALE_BYTES), generator=gen)
     return model, s
 
 
@@ -649,7 +689,7 @@ def stage_k3_slice(res, args, device, dtype, clock):
                 res.add(**row, skipped="deadline")
     for row in rows:
         res.add(**row)
-    del model
+    model = None  # the slice's memory freed before the projection
     e2e.free(device)
     e2e.guarded(res, "k3_slice", lambda: res.add(stage="k3_slice", part="projection",
                                                **projection(rows, totals, args)))
@@ -722,8 +762,6 @@ def kinds_count(kind_of, layer_ids):
 
 def projection(layer_rows, totals, a):
     """The full K3 (93 layers) on `a.gpus` GPUs from the slice's per-layer times, as arithmetic with its inputs."""
-    import copy
-
     from transformers_kimi3 import Kimi3TextConfig
     from transformers_kimi3.placement import DEFAULT_RESERVE, RELEASED_MXFP4, parse_size, plan_device_map
 
@@ -918,7 +956,7 @@ def stage_offload(res, args, device, dtype, clock):
             return out
 
         measured(res, row, run, device)
-    del model, handle
+    model = handle = None
     e2e.free(device)
 
 
@@ -927,9 +965,202 @@ def resident_for(E, host_fraction):
     return min(E, max(1, round(E * (1 - host_fraction))))
 
 
+# ------------------------------------------------------------------------------------------------ memory
+
+
+def official_plan(config):
+    """[(official name, shape, dtype)] in the model's order: what `save_pretrained` writes, from the meta model.
+    Floating-point tensors are stored in bf16 except those the model keeps in fp32 (and `A_log`, stored padded)."""
+    from transformers_kimi3.checkpoint import to_official_layout
+    from transformers_kimi3.placement import meta_model
+
+    model = meta_model(config)
+    fp32 = set(model._keep_in_fp32_modules_strict)
+    plan = []
+    for name, t in to_official_layout(model.state_dict(), config).items():
+        dtype = t.dtype if not t.is_floating_point() else (
+            torch.float32 if not fp32.isdisjoint(name.split(".")) else torch.bfloat16)
+        plan.append((name, tuple(t.shape), dtype))
+    return plan
+
+
+def random_tensor(name, shape, dtype, config, gen):
+    """A tensor the loader accepts: random MXFP4 codes, E8M0 scales in `SCALE_BYTES`, N(0, 0.02) floats; `A_log`
+    holds one value per head and zeros in its padded tail (the loader refuses anything else there)."""
+    if name.endswith("weight_scale"):
+        return torch.empty(shape, dtype=dtype).random_(*SCALE_BYTES, generator=gen)
+    if dtype == torch.uint8:
+        return torch.empty(shape, dtype=dtype).random_(0, 256, generator=gen)
+    if name.endswith("A_log"):
+        t = torch.zeros(shape, dtype=dtype)
+        t[:config.kda_num_heads].uniform_(-1, 1, generator=gen)
+        return t
+    return torch.empty(shape, dtype=dtype).normal_(0, 0.02, generator=gen)
+
+
+def build_folder(config, folder, shard_bytes, seed=0):
+    """Write the official-layout folder tensor by tensor, one shard in memory at a time (shards of at most
+    `shard_bytes`, or one tensor where a tensor is larger), with `model.safetensors.index.json` and config.json.
+    Returns {"tensors", "total_bytes", "shard_bytes": [...]}."""
+    from safetensors.torch import save_file
+
+    plan = official_plan(config)
+    shards, current, size = [], [], 0
+    for name, shape, dtype in plan:
+        n = dtype.itemsize * int(torch.Size(shape).numel())
+        if current and size + n > shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append((name, shape, dtype))
+        size += n
+    shards.append(current)
+    os.makedirs(folder, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    weight_map, sizes = {}, []
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: random_tensor(name, shape, dtype, config, gen) for name, shape, dtype in shard}
+        save_file(tensors, os.path.join(folder, file), metadata={"format": "pt"})
+        sizes.append(sum(t.nbytes for t in tensors.values()))
+        weight_map.update({name: file for name in tensors})
+        del tensors
+        gc.collect()
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, f, indent=1)
+    config.save_pretrained(folder)
+    return {"tensors": len(plan), "total_bytes": sum(sizes), "shard_bytes": sizes}
+
+
+def proc_status():
+    """{field: bytes} of the memory lines of /proc/self/status."""
+    return proc_bytes("/proc/self/status", ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"))
+
+
+class Sampler(threading.Thread):
+    """/proc/self/status every `period` seconds: the sample with the largest VmRSS, and the largest RssAnon."""
+
+    def __init__(self, period=0.01):
+        super().__init__(daemon=True)
+        self.period, self.stop, self.peak, self.anon = period, threading.Event(), proc_status(), 0
+
+    def run(self):
+        while not self.stop.is_set():
+            s = proc_status()
+            if s["VmRSS"] > self.peak["VmRSS"]:
+                self.peak = s
+            self.anon = max(self.anon, s["RssAnon"])
+            self.stop.wait(self.period)
+
+
+def measure_load(folder, dtype=None):
+    """In this interpreter (a fresh one): resident memory before and during `from_pretrained(folder)`, and the bytes
+    of the loaded model's parameters and buffers."""
+    importlib.import_module("transformers")  # imported before the baseline, as this package is
+    from transformers_kimi3 import Kimi3ForCausalLM
+
+    gc.collect()
+    before = proc_status()
+    sampler = Sampler()
+    sampler.start()
+    t = time.perf_counter()
+    kwargs = {} if dtype is None else {"dtype": getattr(torch, dtype)}
+    model = Kimi3ForCausalLM.from_pretrained(folder, **kwargs)
+    seconds = time.perf_counter() - t
+    sampler.stop.set()
+    sampler.join()
+    after = proc_status()
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    dtypes = {}
+    for v in tensors.values():
+        dtypes[str(v.dtype)[6:]] = dtypes.get(str(v.dtype)[6:], 0) + v.nbytes
+    return {"dtype_arg": dtype, "model_bytes": sum(v.nbytes for v in tensors.values()), "bytes_by_dtype": dtypes,
+            "baseline_rss": before["VmRSS"], "peak_rss": after["VmHWM"],
+            "baseline": {k: before[k] for k in ("VmRSS", "RssAnon", "RssFile")},
+            "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "sampled_peak": {k: sampler.peak[k] for k in ("VmRSS", "RssAnon", "RssFile")},
+            "max_rss_anon": max(sampler.anon, after["RssAnon"]),
+            "after_load": {k: after[k] for k in ("VmRSS", "RssAnon", "RssFile")}, "load_s": round(seconds, 2)}
+
+
+def read_through(folder, chunk=1 << 26):
+    """Read every file of `folder` once, so that `load_s` times a load from the page cache (which is no part of a
+    process's resident memory until it maps the pages)."""
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            while f.read(chunk):
+                pass
+
+
+def measure_in_subprocess(folder, dtype=None, timeout=3600):
+    """`measure_load` in a fresh interpreter (this file's `--measure`, which returns before anything else is
+    imported or measured); the dict it prints."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--measure", folder] + (["--dtype", dtype] if dtype else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def verdict(row, largest_shard, allowance=0):
+    """The goal: peak - baseline <= model + 1.2 x the largest shard (+ `allowance`)."""
+    bound = row["model_bytes"] + 1.2 * largest_shard + allowance
+    return {"load_bytes": row["peak_rss"] - row["baseline_rss"], "bound_bytes": int(bound),
+            "within_goal": row["peak_rss"] - row["baseline_rss"] <= bound}
+
+
+def memory_folder(args, config, layers):
+    """The folder of this shape under `--work`: reused where an earlier run left it whole (its `built.json`), else
+    written. Returns (folder, what build_folder returned)."""
+    shape = f"{'tiny' if args.tiny else 'k3'}-e{args.experts}-l{layers}-s{args.shard_gb:g}"
+    folder = os.path.join(args.work, shape)
+    stamp = os.path.join(folder, "built.json")
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            return folder, json.load(f)
+    shutil.rmtree(folder, ignore_errors=True)
+    t = time.perf_counter()
+    built = build_folder(config, folder, int(args.shard_gb * GB))
+    built["build_s"] = round(time.perf_counter() - t, 1)
+    with open(stamp, "w") as f:
+        json.dump(built, f)
+    return folder, built
+
+
+def stage_memory(res, args, device, dtype, clock):
+    layers = args.layers or 3
+    config = slice_config(layers, args.tiny, experts=args.experts, toy=TINY_K3)
+    folder, built = memory_folder(args, config, layers)
+    largest = max(built["shard_bytes"])
+    res.add(stage="memory", part="folder", shards=len(built["shard_bytes"]), folder_bytes=built["total_bytes"],
+            largest_shard_bytes=largest, build_s=built.get("build_s"), cpu_cores=os.cpu_count(),
+            slice=dict(hidden_size=config.hidden_size, vocab_size=config.vocab_size, layers=layers,
+                       dense_layers=config.first_k_dense_replace, kda_layers=layers - 1, mla_layers=1,
+                       num_attention_heads=config.num_attention_heads, kda_heads=config.kda_num_heads,
+                       routed_experts=args.experts, experts_per_token=config.num_experts_per_token,
+                       routed_expert_hidden_size=config.routed_expert_hidden_size,
+                       moe_intermediate_size=config.moe_intermediate_size, shared_experts=config.num_shared_experts,
+                       intermediate_size=config.intermediate_size))
+    try:
+        for name in args.dtypes.split(","):
+            read_through(folder)
+            row = measure_in_subprocess(folder, None if name == "default" else name)
+            row.update(verdict(row, largest))
+            row["GB"] = {k: round(v / GB, 3) for k, v in (
+                ("model", row["model_bytes"]), ("largest_shard", largest), ("baseline", row["baseline_rss"]),
+                ("peak", row["peak_rss"]), ("load", row["load_bytes"]), ("bound", row["bound_bytes"]),
+                ("peak_anon", row["max_rss_anon"]))}
+            res.add(stage="memory", part="load", **row)
+    finally:
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 # ------------------------------------------------------------------------------------------------ main
 
-STAGES = {"kimi_linear": stage_kimi_linear, "k3_slice": stage_k3_slice, "offload": stage_offload}
+STAGES = {"kimi_linear": stage_kimi_linear, "k3_slice": stage_k3_slice, "offload": stage_offload,
+          "memory": stage_memory}
 # (released sizes on one GPU, toy sizes on the CPU) of the size options
 SIZES = dict(prefill=("8192,32768,131072", "64,128"), batches=("1,8,32", "1,2"), prompt=(1024, 32),
              new_tokens=(32, 4), longest=("65536,131072,262144,524288,1048576", "128,256,512"), chunk=(65536, 64),
@@ -941,8 +1172,10 @@ def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="results JSON; a run is added beside the file's earlier runs")
     ap.add_argument("--label", default=None, help="what ran, stored in the file's meta (default: git describe)")
-    ap.add_argument("--stages", default="kimi_linear,k3_slice,offload")
-    ap.add_argument("--tiny", action="store_true", help="toy widths (a CPU smoke run of every stage)")
+    ap.add_argument("--stages", default="kimi_linear,k3_slice,offload",
+                    help="comma-separated, of kimi_linear, k3_slice, offload and memory (a CPU run needing ~12 GB of "
+                         "RAM and 11.4 GB of disk: only when named)")
+    ap.add_argument("--tiny", action="store_true", help="toy widths (a CPU smoke run of any stage)")
     ap.add_argument("--deadline-minutes", type=float, default=9.0,
                     help="start no measurement after this many minutes from the interpreter's start")
     ap.add_argument("--parts", default="check,prefill,decode,longest", help="kimi_linear's parts")
@@ -950,7 +1183,8 @@ def parse(argv):
     for name, (full, tiny) in SIZES.items():
         ap.add_argument("--" + name.replace("_", "-"), type=type(full), default=None,
                         help=f"default {full} ({tiny} with --tiny)")
-    ap.add_argument("--layers", type=int, default=None, help="K3 slice layers (default: what the device holds)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="K3 slice layers (default: what the device holds; memory: 3)")
     ap.add_argument("--reserve-gib", type=float, default=16.0, help="device memory left free by the default --layers")
     ap.add_argument("--gpus", type=int, default=16, help="projection: GPUs")
     ap.add_argument("--gpu-memory", default="139GiB", help="projection: memory per GPU (an H200 reports ~139 GiB)")
@@ -963,6 +1197,14 @@ def parse(argv):
     ap.add_argument("--offload-layers", type=int, default=None, help="default: what host memory holds pinned")
     ap.add_argument("--host-fractions", default="0.25,0.5,0.9")
     ap.add_argument("--offload-batch", type=int, default=1)
+    ap.add_argument("--experts", type=int, default=64, help="memory: routed experts per MoE layer")
+    ap.add_argument("--shard-gb", type=float, default=2.0, help="memory: the shards' target size in GB")
+    ap.add_argument("--work", default="/tmp/rss_work", help="memory: where the folder goes")
+    ap.add_argument("--dtypes", default="default,bfloat16",
+                    help="memory: comma-separated: default (no dtype), bfloat16, ...")
+    ap.add_argument("--keep", action="store_true", help="memory: keep the folder")
+    ap.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # memory's fresh interpreter
+    ap.add_argument("--dtype", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for name, sizes in SIZES.items():
         if getattr(args, name) is None:
@@ -972,6 +1214,9 @@ def parse(argv):
 
 def main(argv=None):
     args = parse(argv)
+    if args.measure:  # the memory stage's fresh interpreter: nothing else imported or measured
+        print(json.dumps(measure_load(args.measure, args.dtype)), flush=True)
+        return None
     clock = Clock(args.deadline_minutes, START if argv is None else time.time())
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -1,8 +1,8 @@
 """`from_pretrained` of a many-shard MXFP4 folder streams (`checkpoint.read_tensors`): in a fresh interpreter the
 load's peak resident memory above the interpreter's is at most the model plus 1.2 x the largest shard, what stays
-resident is the model, and the model holds the folder's tensors. bench/memory.py's builder and measurement at toy
-widths with many experts, so that the packed experts are most of the bytes, as in the release (docs/performance.md
-has the K3 slice's numbers)."""
+resident is the model, and the model holds the folder's tensors. The builder and measurement of bench/released.py's
+memory stage at its toy widths with many experts, so that the packed experts are most of the bytes, as in the release
+(docs/performance.md has the K3 slice's numbers)."""
 
 import importlib.util
 import os
@@ -20,7 +20,7 @@ EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight_(packed|scale)$")
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_memory", os.path.join(ROOT, "bench", "memory.py"))
+    spec = importlib.util.spec_from_file_location("bench_released", os.path.join(ROOT, "bench", "released.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
@@ -28,7 +28,7 @@ def _bench():
 
 def test_many_shard_mxfp4_folder_loads_within_the_model_plus_a_shard(tmp_path):
     bench = _bench()
-    config = bench.slice_config(experts=512, layers=4, tiny=True)
+    config = bench.slice_config(layers=4, tiny=True, experts=512, toy=bench.TINY_K3)
     built = bench.build_folder(config, str(tmp_path), shard_bytes=50 * 10**6)
     largest = max(built["shard_bytes"])
     assert len(built["shard_bytes"]) >= 3 and largest <= 50 * 10**6
