@@ -121,7 +121,7 @@ class PackedMXFP4Experts(nn.Module):
     # Prefill: at this many routed rows per expert (mean) and above, an expert's weights serve enough rows that
     # decoding them once to bf16 for torch._grouped_mm (tensor cores at bf16 rate) beats decoding them again in every
     # tile of the packed GEMM: ~300 rows by bandwidth and FLOP rates; at 512 rows per expert a K3-shaped prefill is
-    # ~15% faster, at 292 the packed GEMMs still win (bench/results/moe_h200.md).
+    # ~15% faster, at 292 the packed GEMMs still win (`bench/moe.py` on an H200).
     DEQUANT_MIN_ROWS_PER_EXPERT = 384
     DEQUANT_CHUNK_BYTES = 2 << 30  # bf16 weights decoded at a time (a chunk of experts)
 

@@ -105,7 +105,7 @@ def e2m1_shift_ptx():
     ones' moved there. Shifted by 0 or 8, each puts pair p's two signs at bits 15 and 31 and its other set bits
     only at 7 and 23, which lie inside the code mask and are dropped by the select: one shift and one select per
     word, plus two shifts and two masks per register. It issues no byte permutes, which kept the ALU pipe of the
-    table decode busy (ncu: bench/results/moe_h200.md)."""
+    table decode busy (Nsight Compute on an H200)."""
     body = ["mov.b32 nz, 0x80008000;",
             "and.b32 so, $4, 0x80808080;",  # odd nibbles' signs, at bit 7 of their byte
             "shl.b32 se, $4, 4;",

@@ -365,7 +365,7 @@ def prefetch_bytes(K, BK):
     """The L2 prefetch run of a launch (`options` l2_prefetch, read when a launch is planned), where it is a
     multiple of a K step's BK/2 bytes and divides a row's K/2 bytes; else 0. A K step copies BK/2 = 64 bytes of each
     row, so without it DRAM serves each 128-byte line in two halves a step apart; with it, whole lines (1,024 tokens
-    of K3 ~9% faster, 64 tokens ~20%: bench/results/moe_h200.md). Further ahead or in longer runs was slower (L2
+    of K3 ~9% faster, 64 tokens ~20%, `bench/moe.py` on an H200). Further ahead or in longer runs was slower (L2
     holds fewer of them)."""
     pf = options.get("l2_prefetch")
     return pf if pf and pf % (BK // 2) == 0 and (K // 2) % pf == 0 else 0
