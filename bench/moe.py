@@ -20,8 +20,10 @@ clocks hits all alike); the medians are reported:
            TABLE one of _TILES, _PERM_TILES, _WGMMA_TILES, _WGMMA_ROW_TILES; see kimi3_kernels/mxfp4/tiles.py)
   base     the packed forward of another tree's code (`--base DIR`), on the same weight buffers
   w4a8     (`--w4a8`) the packed forward with `activation_format="mxfp8"`: x and the GLU output quantised to MXFP8,
-           both GEMMs on FP8 tensor cores (kimi3_kernels/mxfp4/w4a8.py); its outputs are also compared with the
-           emulated W4A8 path (fp32 on the fake-quantised values) on the first four tokens
+           their values (exact in bf16) through the bf16-activation kernels, as the module runs bf16 activations
+  w4a8_fp8 (`--w4a8`) the same with both GEMMs on FP8 tensor cores (kimi3_kernels/mxfp4/w4a8.py, the module's
+           `_MXFP8_GEMM = "fp8"`); both W4A8 rows are also compared with the emulated W4A8 path (fp32 on the
+           fake-quantised values) on the first four tokens
 Up to --graph-max tokens (default 64) a row is CUDA-graph replays (what a decode step pays), above it eager calls
 timed by CUDA events. Each row's output is compared with an fp32 decode-then-matmul on the first four tokens and
 with the packed row's on all tokens (max abs error / max abs value; 0.0: the same bits). `--backward` adds
@@ -319,6 +321,8 @@ def main():
     if args.w4a8:
         a8_mod = share_buffers(cls, glu_of(args.act), mod, S)
         a8_mod.activation_format = "mxfp8"
+        fp8_mod = share_buffers(cls, glu_of(args.act), mod, S)
+        fp8_mod.activation_format, fp8_mod._MXFP8_GEMM = "mxfp8", "fp8"
     w13 = w2 = None
     if not args.no_bf16:
         w13, w2 = bf16_weights(mod, S)
@@ -338,6 +342,7 @@ def main():
             rows["base"] = (lambda: base_mod(x, idx, w), none)
         if a8_mod is not None:
             rows["w4a8"] = (lambda: a8_mod(x, idx, w), none)
+            rows["w4a8_fp8"] = (lambda: fp8_mod(x, idx, w), none)
         graph = n <= args.graph_max
         ref_tokens = min(n, 4)
         ref = fp32_reference(mod, x, idx, w, args.act, ref_tokens)
@@ -361,9 +366,10 @@ def main():
             for _ in range(args.rounds):
                 for name, timer in timers.items():
                     rounds[name].append(timer())
-        if "w4a8" in outs:
-            row["w4a8_rel_err_vs_emulation"] = rel(outs["w4a8"][:ref_tokens],
-                                                   emulated_w4a8(a8_mod, x, idx, w, ref_tokens))
+        for name in ("w4a8", "w4a8_fp8"):
+            if name in outs:
+                row[f"{name}_rel_err_vs_emulation"] = rel(outs[name][:ref_tokens],
+                                                          emulated_w4a8(a8_mod, x, idx, w, ref_tokens))
         for name, t in rounds.items():
             row["ms"][name] = round(statistics.median(t), 4)
         row["rounds_ms"] = {name: [round(v, 4) for v in t] for name, t in rounds.items()}

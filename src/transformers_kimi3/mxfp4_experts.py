@@ -21,7 +21,7 @@ from torch import nn
 from . import kernels
 from .activations import GLUActivation
 from .mxfp4 import E8M0_BIAS, GROUP_SIZE, check_mxfp4, decode_mxfp4, quantize_mxfp4
-from .mxfp8 import check_activation_format, fake_quantize_mxfp8
+from .mxfp8 import check_activation_format, fake_quantize_mxfp8, mxfp8_values
 
 _PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
 
@@ -106,9 +106,11 @@ class PackedMXFP4Experts(nn.Module):
     output is rounded to x's dtype before the down projection; expert outputs and the weighted sum are fp32; the
     result has x's dtype. Gradients flow to x and to the routing weights; the packed weights are frozen.
     With `activation_format` "mxfp8" (W4A8) the GEMMs read x and the rounded GLU output quantised to MXFP8
-    (`mxfp8.py`): without autograd, bf16 / fp16 activations on the kernels' device run the W4A8 kernels (FP8 tensor
-    cores: the same codes and scales as the emulation, fp32 sums in another order); fp32 activations and training
-    (gradients straight through the quantiser) take the exact fp32 paths on the fake-quantised values.
+    (`mxfp8.py`): without autograd on the kernels' device (FP8-capable GPUs), bf16 activations are quantised by the
+    kernel quantiser and their MXFP8 values, exact in bf16, go through the bf16-activation kernels (`_MXFP8_GEMM`);
+    fp16 activations run the FP8 x FP8 kernels (`w4a8.py`); either way the same codes and scales as the emulation,
+    fp32 sums of exact products in another order. fp32 activations and training (gradients straight through the
+    quantiser) take the exact fp32 paths on the fake-quantised values.
     """
 
     # Without autograd, up to this many routes (2 tokens at K3's top-16) skip sorting: the packed GEMM runs one route
@@ -124,6 +126,12 @@ class PackedMXFP4Experts(nn.Module):
     # ~15% faster, at 292 the packed GEMMs still win (`bench/moe.py` on an H200).
     DEQUANT_MIN_ROWS_PER_EXPERT = 384
     DEQUANT_CHUNK_BYTES = 2 << 30  # bf16 weights decoded at a time (a chunk of experts)
+    # How bf16 activations in MXFP8 meet the packed weights on the kernels. "values": the MXFP8 values in bf16 (exact)
+    # through the bf16-activation kernels; "fp8": FP8 x FP8 tensor-core MMAs (`kimi3_kernels/mxfp4/w4a8.py`), which
+    # fp16 activations always take (fp16's range cannot hold every MXFP8 value). On an H100 at K3's expert shapes the
+    # FP8 kernels took 2.1x / 2.5x / 3.5x the bf16-activation kernels' time at 64 / 1,024 / 16,384 tokens (bench/moe.py
+    # --w4a8, which sets this to time both).
+    _MXFP8_GEMM = "values"
 
     def __init__(self, num_experts, hidden_size, intermediate_size, glu_act=None, device=None,
                  activation_format="bf16"):
@@ -262,6 +270,17 @@ class PackedMXFP4Experts(nn.Module):
             a = fake_quantize_mxfp8(a, "routed expert activations")
         return a.float()
 
+    def _fp8_gemm(self, dtype):
+        """Whether the kernels read this dtype's activations as MXFP8 codes and scales (the FP8 x FP8 GEMMs)."""
+        return self.activation_format == "mxfp8" and (dtype != torch.bfloat16 or self._MXFP8_GEMM == "fp8")
+
+    def _mxfp8_in_bf16(self, ops, a, what):
+        """`a` (bf16) replaced by its MXFP8 values where the bf16-activation kernels compute MXFP8 activations, else
+        `a` as given. The quantiser works on the stored K order: call before any K permutation."""
+        if self.activation_format != "mxfp8" or self._fp8_gemm(a.dtype):
+            return a
+        return mxfp8_values(*ops.quantize_mxfp8(a, what), a.dtype)
+
     def _expert(self, e, name, dtype=torch.float32):
         return decode_mxfp4(getattr(self, f"{name}_packed")[e], getattr(self, f"{name}_scale")[e], dtype)
 
@@ -356,7 +375,8 @@ class PackedMXFP4Experts(nn.Module):
         read each route's expert themselves, so nothing is sorted, gathered or scattered: the packed GEMM one route
         per program, with the tiles of one row per expert whatever the expert count."""
         M = topk_idx.numel()
-        tiles = self._mlp_tiles(ops, M, M, True, x.device)
+        x = self._mxfp8_in_bf16(ops, x, "routed expert activations")
+        tiles = self._mlp_tiles(ops, M, M, True, x.device, x.dtype)
         bk_up, nib_up = tiles[:2]
         if bk_up:  # the ids and x in the gate+up tile's K order from one launch
             eids, ok, x = ops.route_expert_ids(topk_idx, self.num_experts, x, bk_up, nib_up)
@@ -372,18 +392,19 @@ class PackedMXFP4Experts(nn.Module):
         if self._dequantized_path(x, order.numel()):
             return self._forward_dequantized(ops, x, order, offsets, k)
         M = order.numel()
-        tiles = self._mlp_tiles(ops, M, self.num_experts, False, x.device)
+        x = self._mxfp8_in_bf16(ops, x, "routed expert activations")
+        tiles = self._mlp_tiles(ops, M, self.num_experts, False, x.device, x.dtype)
         x = ops.permute_k(x, tiles[0], nib=tiles[1]) if tiles[0] else x
         return self._expert_mlp(ops, x, offsets, tiles, dict(a_rows=(order // k).to(torch.int32)),
                                 dict(c_rows=order.to(torch.int32), num_c_rows=M))
 
-    def _mlp_tiles(self, ops, M, E, one_row, device):
+    def _mlp_tiles(self, ops, M, E, one_row, device, dtype):
         """(bk_up, nib_up, bk_dn, nib_dn, h_direct) for M routed rows over E experts (one_row: one row per program,
         `expert_ids`): the K order each default tile reads (`kperm_tile`: its BK if it takes pre-permuted
         activations, else 0; nib: the order of the Gluon kernel's table-free decode) and whether gate+up writes h
         straight in the down tile's order. The tile choice is cached per call shape and `tile_state` (a decode step
         asks once); the table-free check has its own cache (`_table_free_ok`)."""
-        if self.activation_format == "mxfp8":  # the W4A8 kernel reads activations in stored K order
+        if self._fp8_gemm(dtype):  # the W4A8 kernel reads activations in stored K order
             return 0, False, 0, False, False
         key = (M, E, one_row, ops.tile_state(device))
         tiles = self._tiles.get(key)
@@ -398,8 +419,10 @@ class PackedMXFP4Experts(nn.Module):
         # the table-free decode is the Gluon tiles' (where every scale exponent is <= 128: checked where one runs)
         free = (wg_up or wg_dn) and self._table_free_ok(ops)
         nib_up, nib_dn = bool(bk_up) and wg_up and free, bool(bk_dn) and wg_dn and free
-        # where both GEMMs are Gluon tiles, gate+up writes h straight in the down tile's K order (no copy)
-        h_direct = self._fused is not None and bool(bk_dn) and wg_dn and wg_up
+        # where both GEMMs are Gluon tiles, gate+up writes h straight in the down tile's K order (no copy); not when
+        # h is quantised to MXFP8 first (its 32-value blocks are in the stored order)
+        h_direct = (self._fused is not None and bool(bk_dn) and wg_dn and wg_up
+                    and self.activation_format != "mxfp8")
         return bk_up, nib_up, bk_dn, nib_dn, h_direct
 
     def _expert_mlp(self, ops, x, offsets, tiles, up_rows, down_rows):
@@ -409,7 +432,7 @@ class PackedMXFP4Experts(nn.Module):
         (the kernels' keyword arguments). A GLUActivation runs in the gate+up epilogue at every tile height."""
         bk_up, nib_up, bk_dn, nib_dn, h_direct = tiles
         dtype, a8 = x.dtype, {}
-        if self.activation_format == "mxfp8":  # W4A8: both GEMMs read MXFP8 codes and scales (stored K order)
+        if self._fp8_gemm(dtype):  # W4A8: both GEMMs read MXFP8 codes and scales (stored K order)
             x, scale = ops.quantize_mxfp8(x, "routed expert activations")
             a8 = dict(a_scale=scale)
         up = dict(b_packed=self.w3_packed, b_scale=self.w3_scale, dual="out", a_kperm=bk_up, a_nib=nib_up,
@@ -422,6 +445,7 @@ class PackedMXFP4Experts(nn.Module):
             gu = ops.mxfp4_grouped_gemm(x, self.w1_packed, self.w1_scale, offsets, **up)
             I = self.intermediate_size
             h = self._act(gu[:, :I], gu[:, I:]).to(dtype)
+        h = self._mxfp8_in_bf16(ops, h, "routed expert activations (GLU output)")
         if bk_dn and not h_direct:
             h = ops.permute_k(h, bk_dn, nib=nib_dn)
         if a8:
@@ -433,7 +457,7 @@ class PackedMXFP4Experts(nn.Module):
     def _up_input(self, ops, x, M, E, one_row=False):
         """(x, a_kperm, a_nib) for the gate+up GEMM of M rows: x copied into the K order of its default tile
         where it takes pre-permuted activations (`_mlp_tiles`), else x as given (a_kperm = 0)."""
-        bk, nib = self._mlp_tiles(ops, M, E, one_row, x.device)[:2]
+        bk, nib = self._mlp_tiles(ops, M, E, one_row, x.device, x.dtype)[:2]
         return (ops.permute_k(x, bk, nib=nib) if bk else x), bk, nib
 
     def _table_free_ok(self, ops):

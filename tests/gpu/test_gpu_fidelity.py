@@ -19,9 +19,12 @@ from kimi3_testing import ORACLE, ORACLE_A, rel_err, tiny_model
 
 FP32 = 2e-5  # fp32 GPU vs fp32 CPU, relative to the largest reference value (3xTF32 matmuls: ~1e-6)
 FP32_GRAD = 1e-4
-# bf16 GPU model vs fp32 CPU model: floors of the bounds, each bound being twice the CPU bf16 copy's error where that is
-# larger; "rerouted": the share of tokens whose top-k expert set differs in a MoE layer
-BF16 = {"logits": 6e-2, "component": 6e-2, "rerouted": 0.25}
+# bf16 GPU model vs fp32 CPU model, floors of the bounds. "component": a module alone on bf16 inputs, whose bound is
+# 3x the CPU bf16 copy's error on the same inputs where that is larger (one bf16 rounding is 2^-9 relative; the CPU
+# modules measure 5e-3 to 1.1e-2; a GPU kernel may keep an intermediate in bf16 that the CPU keeps in fp32).
+# "logits": the whole model, bound 2x the CPU bf16 copy's where larger (errors compound over layers); "rerouted":
+# the share of tokens whose top-k expert set differs in a MoE layer
+BF16 = {"logits": 6e-2, "component": 2e-2, "component_factor": 3, "rerouted": 0.25}
 
 
 def k3_model():
@@ -122,19 +125,51 @@ def valid_rel(a, b, mask):
     return rel_err(a[v], b[v])
 
 
+# fla's chunked KDA sums in another order and in bf16 tensor-core steps: 0.045 from the fp32 CPU logits on the Kimi
+# Linear layout (H100)
+FLA = 0.1
+# fla 0.5.2's bounded-gate path (safe_gate) on the K3 test model (3 heads of dim 16): 1.2 relative on an H100, while
+# at K3's head dim 128 it is within 2e-3 of the reference (bench/kda.py --sections check);
+# test_fla_bounded_gate_head_dims localises it (fla's kernel alone at head dims 16 / 64 / 128)
+FLA_K3 = pytest.mark.xfail(strict=True, reason="fla 0.5.2's bounded gate at head dim 16: 1.2 relative on an H100")
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("backend,fused", [("triton", True), ("triton", False), ("torch", True),
                                            ("fla_chunk", True)])
-def test_left_padded_batch(layout, backend, fused, record, monkeypatch):
+def test_left_padded_batch(layout, backend, fused, record, monkeypatch, request):
     if backend == "fla_chunk":
         pytest.importorskip("fla")
+        if layout == "k3":
+            request.applymarker(FLA_K3)
     if not fused:
         monkeypatch.setenv("KIMI3_INFERENCE_KERNELS", "0")
     ids, mask = padded_batch(cpu_model(layout).config.vocab_size)
     want = logits(cpu_model(layout), ids, mask)
     got = logits(gpu_model(layout, kda_backend=backend), ids, mask)
-    bound = fp32_bound(layout) if backend != "fla_chunk" else 1.0  # fla's chunked KDA is not exact in fp32
+    bound = fp32_bound(layout) if backend != "fla_chunk" else FLA
     record(f"{layout} left-padded logits, kda_backend={backend}, fused={fused}", valid_rel(got, want, mask), bound)
+
+
+@pytest.mark.parametrize("K", [16, 64, 128])
+def test_fla_bounded_gate_head_dims(K, record):
+    """fla's chunked KDA alone with the K3 gate (lower bound -3, gate computed in its kernel, safe_gate) against our
+    PyTorch reference on random inputs of 3 heads: says whether the K3 test model's fla failure is fla's kernel at that
+    head dim (then K=16 fails here too) or the way the model calls it."""
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    from kimi3_kernels.kda import naive_chunk_kda
+
+    g = torch.Generator().manual_seed(K)
+    T, H = 150, 3
+    q, k, v, f = (torch.randn(1, T, H, K, generator=g) for _ in range(4))
+    beta = torch.randn(1, T, H, generator=g)
+    A_log, dt_bias = torch.rand(H, generator=g) * 2 - 1, torch.randn(H * K, generator=g) * 0.3
+    want, _ = naive_chunk_kda(q, k, v, f, beta, A_log=A_log,
+                              dt_bias=dt_bias, lower_bound=-3.0)
+    got, _ = fla_kda.chunk_kda(*(t.cuda() for t in (q, k, v, f, beta)), A_log=A_log.cuda(), dt_bias=dt_bias.cuda(),
+                               lower_bound=-3.0, safe_gate=True, use_gate_in_kernel=True,
+                               use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True)
+    record(f"fla chunk_kda, bounded gate -3, head dim {K}, vs the PyTorch reference", rel_err(got.double().cpu(), want), FLA)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -183,67 +218,111 @@ def test_chunked_prefill_static_decode_and_generation(layout, record):
             record(f"{layout} generation {name} step logits", err, fp32_bound(layout))
 
 
-def bf16_component_errors(layout, model, ids, mask):
-    """{component: (error against the fp32 CPU model, share of tokens routed otherwise or None)} for a bf16 `model`,
-    each layer's attention and feed-forward output compared on the valid tokens; a MoE block only on the tokens both
-    models route to the same experts (on random weights router scores are near ties, and a rounding that swaps one
-    expert changes that token's output entirely; the MoE module on identical inputs is `test_each_module_alone`'s).
-    "logits": the logits on the tokens routed alike in every MoE layer."""
-    comps, routes = {}, {}
+COMPONENTS = ("self_attn", "block_sparse_moe", "mlp")
+
+
+def reference_calls(layout, ids, mask):
+    """{component: (args, kwargs, output, expert ids or None)} of the fp32 CPU model's forward on (ids, mask): each
+    layer's attention and feed-forward module with the exact inputs it got, and a MoE block's top-k expert sets."""
+    model, calls, routes, hooks = cpu_model(layout), {}, {}, []
+    for name, mod in model.named_modules():
+        if name.endswith(COMPONENTS) and ".layers." in name:
+            hooks.append(mod.register_forward_hook(
+                lambda m, a, kw, o, name=name: keep(calls, name, copy.deepcopy((a, kw, o))), with_kwargs=True))
+        if name.endswith("block_sparse_moe.gate"):  # (logits, weights, expert ids [tokens, k])
+            hooks.append(mod.register_forward_hook(
+                lambda m, a, o, name=name: keep(routes, name[:-len(".gate")], o[2].sort(-1).values)))
+    logits(model, ids, mask, use_cache=False)  # no cache: each call's inputs are its whole input
+    for h in hooks:
+        h.remove()
+    return {name: (*call, routes.get(name)) for name, call in calls.items()}
+
+
+def _bf16(x, device, key=""):
+    """`x` as a bf16 model's module receives it: floating tensors in bf16 (an additive mask's fp32 minimum becomes
+    bf16's, as a bf16 model builds it), everything else as is."""
+    if torch.is_tensor(x):
+        if x.is_floating_point():
+            if "mask" in key:
+                x = x.clamp(min=torch.finfo(torch.bfloat16).min)
+            x = x.to(torch.bfloat16)
+        return x.to(device)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_bf16(y, device, key) for y in x)
+    if isinstance(x, dict):
+        return {k: _bf16(v, device, k) for k, v in x.items()}
+    return x
+
+
+def bf16_components_alone(calls, model, mask):
+    """{component: (error, share of tokens routed otherwise or None)}: each of the bf16 `model`'s components run on the
+    fp32 model's inputs rounded to bf16, against the fp32 output, on the valid tokens; a MoE block on the tokens it
+    routes to the reference's experts (a rounding that swaps one near-tied expert changes that token's output
+    entirely). Each component's own bf16 error, not the compounded one."""
+    device, modules, errors = next(model.parameters()).device, dict(model.named_modules()), {}
+    v = mask.bool()
+    for name, (args, kwargs, want, ref_routes) in calls.items():
+        routes = {}
+        hook = (modules[name].gate.register_forward_hook(lambda m, a, o: keep(routes, "ids", o[2].sort(-1).values))
+                if ref_routes is not None else None)
+        with torch.no_grad():
+            got = _first_tensor(modules[name](*_bf16(args, device), **_bf16(kwargs, device))).float().cpu()
+        if hook is not None:
+            hook.remove()
+        want, rows, rerouted = _first_tensor(want), v, None
+        if ref_routes is not None:
+            same = (routes["ids"].cpu() == ref_routes).all(-1).view(v.shape)
+            rerouted, rows = 1 - same[v].float().mean().item(), v & same
+        got, want = (got.view(*v.shape, -1), want.view(*v.shape, -1))
+        errors[name] = (rel_err(got[rows], want[rows]), rerouted)
+    return errors
+
+
+def bf16_logits_error(layout, model, ids, mask):
+    """(error, share of tokens left out): the bf16 `model`'s logits against the fp32 CPU model's on the valid tokens
+    routed to the same experts in every MoE layer."""
+    routes = {}
 
     def hooks(m, tag):
-        hs = []
-        for name, mod in m.named_modules():
-            if name.endswith(("self_attn", "block_sparse_moe", "mlp")) and ".layers." in name:
-                hs.append(mod.register_forward_hook(
-                    lambda _m, a, o, name=name: keep(comps, (tag, name), (o[0] if isinstance(o, tuple) else o)
-                                                             .detach().float().cpu())))
-            if name.endswith("block_sparse_moe.gate"):  # (logits, weights, expert ids [tokens, k])
-                hs.append(mod.register_forward_hook(
-                    lambda _m, a, o, name=name: keep(routes, (tag, name[:-len(".gate")]), o[2].sort(-1).values.cpu())))
-        return hs
+        return [mod.register_forward_hook(
+                    lambda _m, a, o, name=name: keep(routes, (tag, name), o[2].sort(-1).values.cpu()))
+                for name, mod in m.named_modules() if name.endswith("block_sparse_moe.gate")]
 
     hs = hooks(cpu_model(layout), "ref") + hooks(model, "bf16")
     want, got = logits(cpu_model(layout), ids, mask), logits(model, ids, mask)
     for h in hs:
         h.remove()
-    v, errors = mask.bool(), {}
+    v = mask.bool()
     alike = v.clone()
     for (tag, name), ids_ref in routes.items():
         if tag == "ref":
             alike &= (ids_ref == routes[("bf16", name)]).all(-1).view(v.shape)
-    errors["logits"] = (rel_err(got[alike], want[alike]), 1 - alike[v].float().mean().item())
-    for (tag, name), ref in comps.items():
-        if tag == "ref" and ("bf16", name) in comps:
-            out, rows, rerouted = comps[("bf16", name)], v, None
-            if ("ref", name) in routes:
-                same = (routes[("ref", name)] == routes[("bf16", name)]).all(-1).view(v.shape)
-                rerouted, rows = 1 - same[v].float().mean().item(), v & same
-            errors[name] = (rel_err(out[rows], ref[rows]) if out.shape[:2] == v.shape else rel_err(out, ref), rerouted)
-    return errors
+    return rel_err(got[alike], want[alike]), 1 - alike[v].float().mean().item()
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_bf16_model_per_component(layout, record):
-    """A bf16 model on the GPU against the fp32 CPU model: each layer's attention and feed-forward output, and the
-    logits on the tokens routed alike in every layer, no further from fp32 than bf16 rounding takes the PyTorch paths
-    on the CPU. bf16 errors compound over layers (on these random models the CPU's own bf16 copy is 0.1 from fp32 by
-    the second layer's MoE, beyond 0.5 deeper, 0.78 at the K3 model's logits), so a flat bound would test the model,
-    not the kernels: each bound is twice the CPU bf16 copy's error on the same output, at least the `BF16` floor. The
-    share of tokens routed otherwise is bounded per MoE layer."""
+    """A bf16 model on the GPU against the fp32 CPU model. Each layer's attention and feed-forward module alone, on the
+    fp32 model's inputs rounded to bf16: no further from the fp32 output than 3x what the same module of a bf16
+    copy on the CPU (the PyTorch paths) gives on the same inputs, at least the `BF16` floor; the share of tokens a MoE
+    block routes otherwise is bounded. The whole model's logits on the tokens routed alike in every layer: bf16
+    errors compound over layers (on these random models the CPU bf16 copy's logits are 0.78 from fp32 for K3), so
+    that bound is twice the CPU bf16 copy's own distance."""
     ids, mask = padded_batch(cpu_model(layout).config.vocab_size, T=120, pad=30, seed=9)
-    base = bf16_component_errors(layout, copy.deepcopy(cpu_model(layout)).to(torch.bfloat16), ids, mask)
+    calls = reference_calls(layout, ids, mask)
+    cpu_bf16 = copy.deepcopy(cpu_model(layout)).to(torch.bfloat16)
     gpu = gpu_model(layout, torch.bfloat16)
-    got = bf16_component_errors(layout, gpu, ids, mask)
-    assert got and set(got) == set(base)
+    base, got = bf16_components_alone(calls, cpu_bf16, mask), bf16_components_alone(calls, gpu, mask)
+    assert got and set(got) == set(base) == set(calls)
     for name, (err, rerouted) in got.items():
-        if name == "logits":  # on the tokens routed alike in every layer
-            record(f"{layout} bf16 logits, {1 - rerouted:.0%} of tokens (CPU bf16: {base[name][0]:.2e})", err,
-                   max(BF16["logits"], 2 * base[name][0]))
-            continue
         if rerouted is not None:
-            record(f"{layout} bf16 {name} share of tokens routed otherwise", rerouted, BF16["rerouted"])
-        record(f"{layout} bf16 {name} (CPU bf16: {base[name][0]:.2e})", err, max(BF16["component"], 2 * base[name][0]))
+            record(f"{layout} bf16 {name} alone: share of tokens routed otherwise", rerouted, BF16["rerouted"])
+        record(f"{layout} bf16 {name} alone (CPU bf16: {base[name][0]:.2e})", err,
+               max(BF16["component"], BF16["component_factor"] * base[name][0]))
+    (base_err, _), (err, left_out) = bf16_logits_error(layout, cpu_bf16, ids, mask), bf16_logits_error(
+        layout, gpu, ids, mask)
+    record(f"{layout} bf16 logits, {1 - left_out:.0%} of tokens (CPU bf16: {base_err:.2e})", err,
+           max(BF16["logits"], 2 * base_err))
 
 
 @pytest.mark.skipif(not os.path.isdir(ORACLE_A), reason=f"{ORACLE_A} is not present")
@@ -358,6 +437,6 @@ def test_fp32_logits_on_cuda(record):
     record("fp32_logits: bf16 GEMM with fp32 output vs fp32 product of the same operands",
            rel_err(logits, h.float() @ model.lm_head.weight.float().t()), 1e-5)
     static = model.generate(ids, cache_implementation="static", do_sample=False, max_new_tokens=12)
-    assert static.shape == (2, 76)
+    assert static.shape[0] == 2 and 64 < static.shape[1] <= 76, static.shape  # shorter where both rows end (EOS)
     record("fp32_logits: static-cache generation's first token against the prompt's fp32 logits' argmax",
            float((static[:, 64] != logits[:, -1].argmax(-1)).sum()), 0.5)

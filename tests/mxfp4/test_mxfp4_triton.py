@@ -309,11 +309,11 @@ def _module_checks(G, torch):
             with torch.no_grad():
                 out["module_gemm_kperm_unsorted_y"] = _rel(mod(x0, idx, tw), ref)
             # the module's cached tile choice follows the tables (gate+up K-permuted at BK 64 now, plain before)
-            out["module_tiles_follow_tables"] = [mod._mlp_tiles(G, T * k, T * k, True, x0.device)[::2]]
+            out["module_tiles_follow_tables"] = [mod._mlp_tiles(G, T * k, T * k, True, x0.device, x0.dtype)[::2]]
         finally:
             tiles._PERM_TILES.clear()
             tiles._PERM_TILES.update(saved)
-        out["module_tiles_follow_tables"].append(mod._mlp_tiles(G, T * k, T * k, True, x0.device)[::2])
+        out["module_tiles_follow_tables"].append(mod._mlp_tiles(G, T * k, T * k, True, x0.device, x0.dtype)[::2])
         # the default: unsorted up to 32 routes without autograd; sorted above 32 routes or with autograd. Top-2
         # here, so 16 tokens are 32 routes; (GEMM launches with expert_ids, all GEMM launches, sorts)
         del mod.UNSORTED_MAX_ROUTES

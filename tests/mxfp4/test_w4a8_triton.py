@@ -133,18 +133,21 @@ def _module_checks(torch):
         mod.activation_format = "mxfp8"
         # 6 routes: one route per program; 21: sorted segments. fp16: the interpreter rounds it to nearest even as
         # the GPU and PyTorch do (its bf16 conversion truncates); bf16 once
-        for T, dtype in ((2, torch.float16), (7, torch.float16), (7, torch.bfloat16)):
+        # bf16 twice: its MXFP8 values through the bf16-activation kernels (the default) and the FP8 kernels
+        for T, dtype, gemm in ((2, torch.float16, "values"), (7, torch.float16, "values"),
+                               (2, torch.bfloat16, "values"), (7, torch.bfloat16, "values"), (7, torch.bfloat16, "fp8")):
             idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
             tw = torch.rand(T, k, generator=gen)
             x = torch.randn(T, D, generator=gen).to(dtype)
+            mod._MXFP8_GEMM = gemm
             kernels.kernel_device = lambda t: True  # the kernels on CPU tensors (under the interpreter)
             with torch.no_grad():
                 y = mod(x, idx, tw)
-            launched = mod._kernels(x) is not None
+            launched = [mod._kernels(x) is not None, mod._fp8_gemm(dtype)]
             kernels.kernel_device = lambda t: False
             with torch.no_grad():
                 ref = mod(x, idx, tw)
-            out[f"module_{name}_T{T}_{str(dtype)[6:]}"] = [launched, _rel(y, ref)]
+            out[f"module_{name}_T{T}_{str(dtype)[6:]}" + ("_fp8" if gemm == "fp8" else "")] = [launched, _rel(y, ref)]
         # with autograd the kernels stand aside: the emulated path, gradients straight through
         kernels.kernel_device = lambda t: True
         xg = x.clone().requires_grad_()
@@ -215,12 +218,15 @@ def test_packed_experts_w4a8_kernels_equal_the_emulation(results):
             # fp16: the same MXFP8 codes of x and of the GLU output, exact products, fp32 sums in another order:
             # measured 0 (bound 1e-6)
             launched, err = results[f"module_{name}_T{T}_float16"]
-            assert launched and err < 1e-6, (name, T, err)
-        # bf16: the interpreter truncates the fused GLU output to bf16 where the emulation rounds it to nearest, and
-        # re-quantising to E4M3 (3 mantissa bits) turns a truncated value near a rounding midpoint into a code one
-        # E4M3 step (2^-3) away: measured 4e-3 to 3e-2 with other seeds (a wrong scale, row or expert is O(1))
-        launched, err = results[f"module_{name}_T7_bfloat16"]
-        assert launched and err < 5e-2, (name, err)
+            assert launched == [True, True] and err < 1e-6, (name, T, err)
+        # bf16, on the bf16-activation kernels (its MXFP8 values, the default) and on the FP8 kernels: the
+        # interpreter truncates bf16 outputs (the GLU output among them) where the emulation rounds them to nearest,
+        # and re-quantising to E4M3 (3 mantissa bits) turns a truncated value near a rounding midpoint into a code
+        # one E4M3 step (2^-3) away: measured 4e-3 to 3e-2 with other seeds (a wrong scale, row or expert is O(1))
+        for key, fp8 in ((f"module_{name}_T2_bfloat16", False), (f"module_{name}_T7_bfloat16", False),
+                         (f"module_{name}_T7_bfloat16_fp8", True)):
+            launched, err = results[key]
+            assert launched == [True, fp8] and err < 5e-2, (key, launched, err)
         # training takes the emulation: identical output, gradients reach x
         assert results[f"module_{name}_grad_equal_emulation"] == [True, True, True], results
 
