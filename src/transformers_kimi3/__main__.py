@@ -76,7 +76,12 @@ def demo(args):
     print(f"prompt: {prompt!r}")
     print(f"generated ids: {new.tolist()}")
     if tokenizer:
-        print(f"generated text: {tokenizer.decode(new)!r}")
+        # the text up to the first control token: a chat-tuned model ends a continuation with message closers
+        control = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+        ids_new = new.tolist()
+        cut = next((i for i, t in enumerate(ids_new) if t in control), len(ids_new))
+        print(f"generated text: {tokenizer.decode(ids_new[:cut])!r}"
+              + (f" (then {len(ids_new) - cut} tokens of chat markup)" if cut < len(ids_new) else ""))
     kda = transformers_kimi3.kernel_status(ids.device)["kda"]
     print(f"KDA backend: {kda['backend']} on {ids.device.type}")
     print(f"speed: {new.numel() / seconds:.1f} tokens/s ({new.numel()} tokens in {seconds:.2f} s, prefill included)")
