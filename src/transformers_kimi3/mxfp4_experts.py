@@ -225,7 +225,7 @@ class PackedMXFP4Experts(nn.Module):
     def _kernels(self, x, grad=False):
         """The MXFP4 kernels (`kernels.mxfp4_ops()`) where they compute x's experts, else None: bf16 / fp16
         activations on a kernel device that holds the buffers. fp32 takes the exact paths: the GEMMs' operands
-        are bf16. MXFP8 activations: the W4A8 kernels, forward only (`grad`: the exact paths)."""
+        are bf16. MXFP8 activations: forward only, on GPUs with FP8 tensor cores (`grad`: the exact paths)."""
         if (x.dtype not in (torch.bfloat16, torch.float16) or x.device != self.w1_packed.device
                 or not kernels.kernel_device(x)):
             return None

@@ -221,21 +221,27 @@ def test_chunked_prefill_static_decode_and_generation(layout, record):
 COMPONENTS = ("self_attn", "block_sparse_moe", "mlp")
 
 
-def reference_calls(layout, ids, mask):
-    """{component: (args, kwargs, output, expert ids or None)} of the fp32 CPU model's forward on (ids, mask): each
-    layer's attention and feed-forward module with the exact inputs it got, and a MoE block's top-k expert sets."""
+def reference_forward(layout, ids, mask):
+    """The fp32 CPU model's forward on (ids, mask), without a cache: (logits, {component: (args, kwargs, output,
+    expert ids or None)}) with each layer's attention and feed-forward module's exact inputs and output, and a MoE
+    block's top-k expert sets [tokens, k]."""
     model, calls, routes, hooks = cpu_model(layout), {}, {}, []
     for name, mod in model.named_modules():
         if name.endswith(COMPONENTS) and ".layers." in name:
             hooks.append(mod.register_forward_hook(
                 lambda m, a, kw, o, name=name: keep(calls, name, copy.deepcopy((a, kw, o))), with_kwargs=True))
-        if name.endswith("block_sparse_moe.gate"):  # (logits, weights, expert ids [tokens, k])
-            hooks.append(mod.register_forward_hook(
-                lambda m, a, o, name=name: keep(routes, name[:-len(".gate")], o[2].sort(-1).values)))
-    logits(model, ids, mask, use_cache=False)  # no cache: each call's inputs are its whole input
+    hooks += route_hooks(model, routes)
+    want = logits(model, ids, mask, use_cache=False)  # no cache: each call's inputs are its whole input
     for h in hooks:
         h.remove()
-    return {name: (*call, routes.get(name)) for name, call in calls.items()}
+    return want, {name: (*call, routes.get(name)) for name, call in calls.items()}
+
+
+def route_hooks(model, routes):
+    """Hooks keeping each MoE block's first top-k expert sets (sorted, on the CPU) in `routes` by block name."""
+    return [mod.register_forward_hook(  # the gate returns (logits, weights, expert ids [tokens, k])
+            lambda m, a, o, name=name: keep(routes, name[:-len(".gate")], o[2].sort(-1).values.cpu()))
+            for name, mod in model.named_modules() if name.endswith("block_sparse_moe.gate")]
 
 
 def _bf16(x, device, key=""):
@@ -259,44 +265,36 @@ def bf16_components_alone(calls, model, mask):
     fp32 model's inputs rounded to bf16, against the fp32 output, on the valid tokens; a MoE block on the tokens it
     routes to the reference's experts (a rounding that swaps one near-tied expert changes that token's output
     entirely). Each component's own bf16 error, not the compounded one."""
-    device, modules, errors = next(model.parameters()).device, dict(model.named_modules()), {}
+    device, modules, errors, routes = next(model.parameters()).device, dict(model.named_modules()), {}, {}
+    hooks = route_hooks(model, routes)  # each MoE block runs once below: its routes on the reference's inputs
     v = mask.bool()
     for name, (args, kwargs, want, ref_routes) in calls.items():
-        routes = {}
-        hook = (modules[name].gate.register_forward_hook(lambda m, a, o: keep(routes, "ids", o[2].sort(-1).values))
-                if ref_routes is not None else None)
         with torch.no_grad():
             got = _first_tensor(modules[name](*_bf16(args, device), **_bf16(kwargs, device))).float().cpu()
-        if hook is not None:
-            hook.remove()
         want, rows, rerouted = _first_tensor(want), v, None
         if ref_routes is not None:
-            same = (routes["ids"].cpu() == ref_routes).all(-1).view(v.shape)
+            same = (routes[name] == ref_routes).all(-1).view(v.shape)
             rerouted, rows = 1 - same[v].float().mean().item(), v & same
         got, want = (got.view(*v.shape, -1), want.view(*v.shape, -1))
         errors[name] = (rel_err(got[rows], want[rows]), rerouted)
+    for h in hooks:
+        h.remove()
     return errors
 
 
-def bf16_logits_error(layout, model, ids, mask):
-    """(error, share of tokens left out): the bf16 `model`'s logits against the fp32 CPU model's on the valid tokens
-    routed to the same experts in every MoE layer."""
+def bf16_logits_error(model, ids, mask, want, calls):
+    """(error, share of tokens left out): the bf16 `model`'s logits against the fp32 ones (`want`, with the
+    reference's routes in `calls`) on the valid tokens routed to the same experts in every MoE layer."""
     routes = {}
-
-    def hooks(m, tag):
-        return [mod.register_forward_hook(
-                    lambda _m, a, o, name=name: keep(routes, (tag, name), o[2].sort(-1).values.cpu()))
-                for name, mod in m.named_modules() if name.endswith("block_sparse_moe.gate")]
-
-    hs = hooks(cpu_model(layout), "ref") + hooks(model, "bf16")
-    want, got = logits(cpu_model(layout), ids, mask), logits(model, ids, mask)
-    for h in hs:
+    hooks = route_hooks(model, routes)
+    got = logits(model, ids, mask)
+    for h in hooks:
         h.remove()
     v = mask.bool()
     alike = v.clone()
-    for (tag, name), ids_ref in routes.items():
-        if tag == "ref":
-            alike &= (ids_ref == routes[("bf16", name)]).all(-1).view(v.shape)
+    for name, (*_, ref_routes) in calls.items():
+        if ref_routes is not None:
+            alike &= (ref_routes == routes[name]).all(-1).view(v.shape)
     return rel_err(got[alike], want[alike]), 1 - alike[v].float().mean().item()
 
 
@@ -309,7 +307,7 @@ def test_bf16_model_per_component(layout, record):
     errors compound over layers (on these random models the CPU bf16 copy's logits are 0.78 from fp32 for K3), so
     that bound is twice the CPU bf16 copy's own distance."""
     ids, mask = padded_batch(cpu_model(layout).config.vocab_size, T=120, pad=30, seed=9)
-    calls = reference_calls(layout, ids, mask)
+    want, calls = reference_forward(layout, ids, mask)
     cpu_bf16 = copy.deepcopy(cpu_model(layout)).to(torch.bfloat16)
     gpu = gpu_model(layout, torch.bfloat16)
     base, got = bf16_components_alone(calls, cpu_bf16, mask), bf16_components_alone(calls, gpu, mask)
@@ -319,8 +317,7 @@ def test_bf16_model_per_component(layout, record):
             record(f"{layout} bf16 {name} alone: share of tokens routed otherwise", rerouted, BF16["rerouted"])
         record(f"{layout} bf16 {name} alone (CPU bf16: {base[name][0]:.2e})", err,
                max(BF16["component"], BF16["component_factor"] * base[name][0]))
-    (base_err, _), (err, left_out) = bf16_logits_error(layout, cpu_bf16, ids, mask), bf16_logits_error(
-        layout, gpu, ids, mask)
+    (base_err, _), (err, left_out) = (bf16_logits_error(m, ids, mask, want, calls) for m in (cpu_bf16, gpu))
     record(f"{layout} bf16 logits, {1 - left_out:.0%} of tokens (CPU bf16: {base_err:.2e})", err,
            max(BF16["logits"], 2 * base_err))
 

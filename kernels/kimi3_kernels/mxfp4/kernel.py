@@ -154,6 +154,18 @@ if HAS_TRITON:
             carry += tl.sum(blocks, 0)
 
     @triton.jit
+    def _rows_and_columns(a_rows_ptr, offs_m, m_mask, pid_n, N, BN: tl.constexpr, GATHER_A: tl.constexpr,
+                          A_DIV: tl.constexpr):
+        """(rows of A the program's routed rows read [BM] int64: gathered through a_rows, else route m's token
+        m // A_DIV; its output columns [BN] and their mask)."""
+        if GATHER_A:
+            rows = tl.load(a_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        else:
+            rows = (offs_m // A_DIV).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        return rows, offs_n, offs_n < N
+
+    @triton.jit
     def _segment_rows(pid_m, lo_ptr, hi_ptr, bcum_ptr, E, BM: tl.constexpr, E_CHUNK: tl.constexpr,
                       NUM_E_CHUNKS: tl.constexpr):
         """(expert, sorted rows [BM], their mask) of row block pid_m (< bcum[E]): the expert is the number of experts
@@ -234,12 +246,7 @@ if HAS_TRITON:
             if pid_m >= tl.load(bcum_ptr + E):
                 return
             e, offs_m, m_mask = _segment_rows(pid_m, lo_ptr, hi_ptr, bcum_ptr, E, BM, E_CHUNK, NUM_E_CHUNKS)
-        if GATHER_A:
-            rows = tl.load(a_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-        else:
-            rows = (offs_m // A_DIV).to(tl.int64)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        n_mask = offs_n < N
+        rows, offs_n, n_mask = _rows_and_columns(a_rows_ptr, offs_m, m_mask, pid_n, N, BN, GATHER_A, A_DIV)
         e64 = e.to(tl.int64)
 
         # acc (and acc2 for dual="out") [BN, BM]

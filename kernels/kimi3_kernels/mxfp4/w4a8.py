@@ -51,7 +51,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from .decode import _e8m0_to_f32
-    from .kernel import _segment_rows, _store_ct, _zero_route_row
+    from .kernel import _rows_and_columns, _segment_rows, _store_ct, _zero_route_row
 
     @triton.jit
     def _pow2(e):
@@ -161,12 +161,7 @@ if HAS_TRITON:
             if pid_m >= tl.load(bcum_ptr + E):
                 return
             e, offs_m, m_mask = _segment_rows(pid_m, lo_ptr, hi_ptr, bcum_ptr, E, BM, E_CHUNK, NUM_E_CHUNKS)
-        if GATHER_A:
-            rows = tl.load(a_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-        else:
-            rows = (offs_m // A_DIV).to(tl.int64)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        n_mask = offs_n < N
+        rows, offs_n, n_mask = _rows_and_columns(a_rows_ptr, offs_m, m_mask, pid_n, N, BN, GATHER_A, A_DIV)
         e64 = e.to(tl.int64)
         # pointers of the first 32-column block, advanced by one K step per iteration (the loop adds offsets, it
         # does not recompute row addresses)
