@@ -192,12 +192,17 @@ class PaddedCollator:
 # ----------------------------------------------------------------------------- datasets
 class ChatData(torch.utils.data.Dataset):
     """`size` conversations; item i is drawn from a generator seeded with (seed, i). `mix` weighs the kinds
-    ("vision", "api", "section", "tool", "talk"); `thinking` is the share with thinking on."""
+    ("vision", "api", "section", "tool", "talk", "text"); `thinking` is the share with thinking on. A "text" item is
+    no conversation: a piece of a training document (`text`: (tokens, [(start, end)] spans), every token labelled),
+    so that the phases after the text phase keep the language model's perplexity."""
 
-    def __init__(self, processor, seed, size, mix, records=(), sections=(), thinking=0.4, max_len=1024):
+    def __init__(self, processor, seed, size, mix, records=(), sections=(), thinking=0.4, max_len=1024, text=None):
         self.processor, self.seed, self.size, self.max_len = processor, seed, size, max_len
         self.kinds, self.weights = zip(*sorted(mix.items()))
         self.records, self.sections, self.thinking = list(records), list(sections), thinking
+        if "text" in self.kinds and text is None:
+            raise ValueError("a mix with 'text' items needs `text`: (tokens, spans) of the training split")
+        self.text = text
 
     def __len__(self):
         return self.size
@@ -223,5 +228,11 @@ class ChatData(torch.utils.data.Dataset):
         return with_system(messages, rng), tools, thinking, images
 
     def __getitem__(self, i):
+        rng = item_rng(self.seed, i, salt=1)  # the same first draw as `conversation(i)`: the item's kind
+        if rng.choices(self.kinds, self.weights)[0] == "text":
+            tokens, spans = self.text
+            start, end = rng.choice(spans)
+            ids = tokens[start:end].astype("int64").tolist()[:self.max_len]
+            return {"input_ids": ids, "labels": list(ids)}
         messages, tools, thinking, images = self.conversation(i)
         return encode_conversation(self.processor, messages, tools, thinking, images, self.max_len)

@@ -47,9 +47,11 @@ from transformers_kimi3 import Kimi3ForCausalLM, Kimi3ForConditionalGeneration, 
 from transformers_kimi3 import Kimi3Processor  # noqa: E402
 from transformers_kimi3.training import QuantileBalancingCallback  # noqa: E402
 
-VISION_MIX = {"vision": 1}
-CHAT_MIX = {"vision": 3, "api": 3, "section": 2, "tool": 1, "talk": 1}
-DRAFT_CHAT_MIX = {"api": 3, "section": 2, "tool": 1, "talk": 1}
+# "text": pieces of training documents of at most TEXT_PIECE tokens, so that the language model does not forget
+VISION_MIX = {"vision": 5, "text": 1}
+CHAT_MIX = {"vision": 3, "api": 3, "section": 2, "tool": 1, "talk": 1, "text": 2}
+DRAFT_CHAT_MIX = {"api": 3, "section": 2, "tool": 1, "talk": 1, "text": 2}
+TEXT_PIECE = 256
 SMOKE_MODULES = ("json", "textwrap", "string", "shlex", "fnmatch", "bisect", "heapq", "colorsys")
 
 
@@ -170,11 +172,13 @@ def datasets(kind, inputs, processor, args, seq_len, steps, batch, model):
     mix = VISION_MIX if kind == "vision" else (CHAT_MIX if model == "mini" else DRAFT_CHAT_MIX)
     max_len = 128 if args.smoke else 1024
 
-    def data(seed, size):
-        return mini_chat.ChatData(processor, seed, size, mix, records, sections, max_len=max_len)
+    def data(seed, size, split):
+        tokens, offsets = mini_data.load_split(inputs, split)
+        text = (tokens, mini_data.chunk_spans(offsets, min(TEXT_PIECE, max_len)))
+        return mini_chat.ChatData(processor, seed, size, mix, records, sections, max_len=max_len, text=text)
 
     collator = mini_chat.PaddedCollator(processor.tokenizer.pad_token_id)
-    return data(args.seed, steps * batch), data(args.seed + 10_000, 2 if args.smoke else 256), collator
+    return data(args.seed, steps * batch, "train"), data(args.seed + 10_000, 2 if args.smoke else 256, "eval"), collator
 
 
 def initial_model(name, model, plan, work, ids, args):

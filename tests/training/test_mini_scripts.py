@@ -138,3 +138,18 @@ def test_fidelity_mxfp8_row_on_the_mini_model(tmp_path):
     # the experts' inputs (up to 2^-4 relative) moves this model's perplexity of random ids by well under 5 %; the
     # quantiser's own rules are tested bit for bit in tests/mxfp4 (this model's logits move ~1 % with MXFP8)
     assert row["ppl_rel_diff"] != 0 and abs(row["ppl_rel_diff"]) < 0.05 and row["top1_agreement"] > 0.9, row
+
+
+def test_chat_data_text_items_are_document_pieces_labelled_throughout():
+    import mini_chat
+
+    tokens = np.arange(1000, dtype=np.uint16)
+    spans = [(0, 10), (10, 300), (300, 1000)]
+    data = mini_chat.ChatData(None, 5, 40, {"text": 1}, text=(tokens, spans), max_len=64)
+    for i in range(len(data)):
+        item = data[i]
+        ids = item["input_ids"]
+        assert item["labels"] == ids and 1 <= len(ids) <= 64
+        assert any(ids == list(range(s, min(e, s + 64))) for s, e in spans), ids[:4]
+    with pytest.raises(ValueError, match="'text' items needs `text`"):
+        mini_chat.ChatData(None, 5, 4, {"talk": 1, "text": 1})
