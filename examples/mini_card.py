@@ -53,6 +53,51 @@ def _phases_table(summary, model):
     return _table(rows)
 
 
+def loss_curves_svg(summary, model, width=720, height=220):
+    """An SVG of the training loss of each phase of `model` ("mini" or "draft"), one panel per phase (the phases'
+    losses differ in scale: packed text against answer tokens only), the held-out loss as a dot at the end. Plain
+    SVG, so the card needs no plotting library."""
+    phases = [(n, p) for n, p in summary["phases"].items() if p.get("model") == model and p.get("losses")]
+    if not phases:
+        return None
+    pw, top, bottom, left = width / len(phases), 28, 30, 38
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+             f'font-size="11"><rect width="100%" height="100%" fill="white"/>']
+    for i, (name, phase) in enumerate(phases):
+        losses, steps = phase["losses"], phase["steps"]
+        values = losses + ([phase["eval_loss"]] if phase.get("eval_loss") is not None else [])
+        lo, hi = min(values), max(values)
+        lo, hi = (lo - 0.5, hi + 0.5) if hi - lo < 1e-9 else (lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
+        x0, x1, y0, y1 = i * pw + left, (i + 1) * pw - 10, height - bottom, top
+
+        def xy(step, loss):
+            return x0 + (x1 - x0) * step / steps, y0 + (y1 - y0) * (loss - lo) / (hi - lo)
+
+        points = " ".join("%.1f,%.1f" % xy(steps * (j + 1) / len(losses), v) for j, v in enumerate(losses))
+        parts += [f'<text x="{(x0 + x1) / 2:.1f}" y="16" text-anchor="middle" font-weight="bold">{name}</text>',
+                  f'<polyline points="{x0:.1f},{y1} {x0:.1f},{y0} {x1:.1f},{y0}" fill="none" stroke="#888"/>',
+                  f'<text x="{x0 - 4:.1f}" y="{y1 + 4}" text-anchor="end">{hi:.2f}</text>',
+                  f'<text x="{x0 - 4:.1f}" y="{y0}" text-anchor="end">{lo:.2f}</text>',
+                  f'<text x="{x1:.1f}" y="{y0 + 14}" text-anchor="end">{steps} steps</text>',
+                  f'<polyline points="{points}" fill="none" stroke="#1f77b4" stroke-width="1.5"/>']
+        if phase.get("eval_loss") is not None:
+            x, y = xy(steps, phase["eval_loss"])
+            parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="#d62728"/>')
+    parts.append(f'<text x="{width - 6}" y="{height - 4}" text-anchor="end" fill="#555">training loss (line), '
+                 f'held-out loss (dot)</text></svg>')
+    return "\n".join(parts) + "\n"
+
+
+def _text_share(summary, model):
+    """A sentence on the document pieces mixed into the later phases, where the run mixed them in."""
+    phases = [(n, p) for n, p in summary["phases"].items() if p.get("model") == model and (p.get("mix") or {}).get("text")]
+    if not phases:
+        return ""
+    parts = ", ".join(f"{100 * p['mix']['text'] / sum(p['mix'].values()):.0f} % of the {n} items" for n, p in phases)
+    return (f" Pieces of the training documents (at most {phases[0][1]['text_piece']} tokens) make up {parts}, so the"
+            " language model keeps its text.")
+
+
 def _evaluation(evaluation, fidelity):
     """The card's measured section: picture questions (`examples/eval_mini.py`) and held-out text on a GPU
     (`bench/fidelity.py`)."""
@@ -72,8 +117,9 @@ def _evaluation(evaluation, fidelity):
         right, total = evaluation["total"]
         kinds = ", ".join(f"{k} {v[0]} of {v[1]}" for k, v in evaluation["exact"].items())
         parts.append(_fill(f"""Picture questions on {total} scenes it never saw (`examples/eval_mini.py`, greedy,
-        thinking off): {right} of {total} answers are exactly the reference sentence ({kinds}). It has learnt the
-        form of the answers far better than what the pictures show."""))
+        thinking off): {right} of {total} answers are exactly the reference sentence ({kinds}).{
+        " It has learnt the form of the answers far better than what the pictures show." if right < total / 2 else ""}
+        """))
     return "\n\n".join(parts)
 
 
@@ -142,9 +188,12 @@ tags:
 
 {_phases_table(summary, model)}
 
+![Training loss of each phase](loss_curves.svg)
+
 {_fill(f'''bf16 autocast with fp32 master weights, AdamW (beta2 0.95, weight decay 0.1), warm-up then cosine,
 packed padding-free rows of {summary.get("seq_len", 1024)} tokens for the text, Quantile Balancing on every
-router, seed {summary["seed"]}. `docs/training_mini.md` of transformers-kimi3 describes the run.''')}
+router, seed {summary["seed"]}.{_text_share(summary, model)} `docs/training_mini.md` of transformers-kimi3
+describes the run.''')}
 """ + ("" if draft or not (evaluation or fidelity) else f"""
 ## Evaluation
 
@@ -171,9 +220,24 @@ def main(argv=None):
             return json.load(f)
 
     summary = read(args.summary)
+    fidelity = read(args.fidelity)
+    if fidelity and "runs" in fidelity:  # a results file of several runs: each row as last measured
+        fidelity = {"meta": fidelity["runs"][-1]["meta"],
+                    "rows": {k: v for run in fidelity["runs"] for k, v in run["rows"].items()}}
     for draft, folder in ((False, "kimi-k3-mini"), (True, "kimi-k3-mini-draft")):
-        with open(os.path.join(args.assets, folder, "README.md"), "w") as f:
-            f.write(model_card(summary, draft, read(args.evaluation), read(args.fidelity)))
+        write_card(os.path.join(args.assets, folder), summary, draft, read(args.evaluation), fidelity)
+
+
+def write_card(folder, summary, draft=False, evaluation=None, fidelity=None):
+    """README.md and loss_curves.svg of one exported folder."""
+    import os
+
+    with open(os.path.join(folder, "README.md"), "w") as f:
+        f.write(model_card(summary, draft, evaluation, fidelity))
+    svg = loss_curves_svg(summary, "draft" if draft else "mini")
+    if svg:
+        with open(os.path.join(folder, "loss_curves.svg"), "w") as f:
+            f.write(svg)
 
 
 if __name__ == "__main__":

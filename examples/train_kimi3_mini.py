@@ -42,7 +42,7 @@ import mini_corpus  # noqa: E402
 import mini_data  # noqa: E402
 import mini_model  # noqa: E402
 import mini_tokenizer  # noqa: E402
-from mini_card import model_card  # noqa: E402
+from mini_card import model_card, write_card  # noqa: E402
 from transformers_kimi3 import Kimi3ForCausalLM, Kimi3ForConditionalGeneration, Kimi3ImageProcessor  # noqa: E402
 from transformers_kimi3 import Kimi3Processor  # noqa: E402
 from transformers_kimi3.training import QuantileBalancingCallback  # noqa: E402
@@ -160,6 +160,13 @@ def processor_of(inputs):
                           tokenizer=AutoTokenizer.from_pretrained(os.path.join(inputs, "tokenizer")))
 
 
+def phase_mix(kind, model):
+    """The item kinds and weights of a vision or chat phase (None for the packed text phases)."""
+    if kind == "text":
+        return None
+    return VISION_MIX if kind == "vision" else (CHAT_MIX if model == "mini" else DRAFT_CHAT_MIX)
+
+
 def datasets(kind, inputs, processor, args, seq_len, steps, batch, model):
     """(train, eval, collator) of a phase."""
     if kind == "text":
@@ -169,7 +176,7 @@ def datasets(kind, inputs, processor, args, seq_len, steps, batch, model):
         return train, held_out, mini_data.PackedRowCollator()
     records = mini_corpus.read_jsonl(os.path.join(inputs, "chat_records.jsonl"))
     sections = mini_corpus.read_jsonl(os.path.join(inputs, "chat_sections.jsonl"))
-    mix = VISION_MIX if kind == "vision" else (CHAT_MIX if model == "mini" else DRAFT_CHAT_MIX)
+    mix = phase_mix(kind, model)
     max_len = 128 if args.smoke else 1024
 
     def data(seed, size, split):
@@ -255,7 +262,8 @@ def run_phase(phase, plan, work, ids, args, deadline):
     trainer.save_model(os.path.join(out, "final"))
     if model == "linear":
         save_native(os.path.join(out, "final"), os.path.join(out, "final-native"))
-    summary = {"done": True, "model": model, "steps": steps, "batch": batch, "lr": lr,
+    summary = {"done": True, "model": model, "steps": steps, "batch": batch, "lr": lr, "mix": phase_mix(kind, model),
+               "text_piece": TEXT_PIECE if "text" in (phase_mix(kind, model) or {}) else None,
                "train_loss": round(losses[-1], 4) if losses else None,
                "eval_loss": round(metrics["eval_loss"], 4), "losses": losses, "step_seconds": clock.summary()}
     for ckpt in os.listdir(out):
@@ -281,6 +289,7 @@ def export(work, plan, info, phases, args):
                                  os.path.join(inputs, "tokenizer"), os.path.join(export_dir, folder),
                                  model_card(summary, draft=m == "draft"),
                                  stop_ids=(info["tokenizer"]["eos_token_id"], info["tokenizer"]["eos_text_token_id"]))
+        write_card(os.path.join(export_dir, folder), summary, draft=m == "draft")  # the card with its loss curves
     _write_json(os.path.join(export_dir, "summary.json"), summary)
     return summary
 

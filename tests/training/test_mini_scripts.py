@@ -153,3 +153,23 @@ def test_chat_data_text_items_are_document_pieces_labelled_throughout():
         assert any(ids == list(range(s, min(e, s + 64))) for s, e in spans), ids[:4]
     with pytest.raises(ValueError, match="'text' items needs `text`"):
         mini_chat.ChatData(None, 5, 4, {"talk": 1, "text": 1})
+
+
+def test_loss_curves_svg_has_one_panel_per_phase_of_the_model():
+    import xml.etree.ElementTree as ET
+
+    import mini_card
+
+    phase = {"model": "mini", "steps": 30, "losses": [3.0, 2.0, 1.5], "eval_loss": 1.7}
+    summary = {"phases": {"text": phase, "vision": dict(phase, losses=[0.5, 0.4, 0.4]),
+                          "draft-text": dict(phase, model="draft")}}
+    root = ET.fromstring(mini_card.loss_curves_svg(summary, "mini"))
+    ns = "{http://www.w3.org/2000/svg}"
+    titles = [t.text for t in root.iter(ns + "text") if t.get("font-weight") == "bold"]
+    assert titles == ["text", "vision"]
+    lines = [p for p in root.iter(ns + "polyline") if p.get("stroke") != "#888"]
+    assert [len(p.get("points").split()) for p in lines] == [3, 3]
+    # the highest loss of a panel is drawn highest (the smallest y)
+    ys = [float(xy.split(",")[1]) for xy in lines[0].get("points").split()]
+    assert ys[0] < ys[1] < ys[2]
+    assert mini_card.loss_curves_svg({"phases": {}}, "mini") is None
