@@ -150,6 +150,22 @@ def test_no_history_in_code_and_docs():
     assert not found, f"{len(found)} history marks:\n" + "\n".join(found[:60])
 
 
+def test_paths_named_in_docs_exist():
+    """Every repository file a document names (tests, bench scripts, examples, docs) is where it says; Transformers'
+    own test files, which docs/transformers_compat.md names, are not ours."""
+    theirs = {"tests/test_modeling_common.py", "tests/test_configuration_common.py", "tests/causal_lm_tester.py"}
+    docs = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "bench", "README.md")] + [
+        os.path.join(ROOT, d, n) for d in ("docs", "model_cards") for n in sorted(os.listdir(os.path.join(ROOT, d)))
+        if n.endswith(".md")]
+    missing = []
+    for path in docs:
+        text = open(path, encoding="utf-8").read()
+        for name in sorted(set(re.findall(r"\b(?:tests|bench|examples|docs)/[\w/]+\.(?:py|md)\b", text)) - theirs):
+            if not os.path.isfile(os.path.join(ROOT, name)):
+                missing.append(f"{_rel(path)}: {name}")
+    assert not missing, "\n".join(missing)
+
+
 def test_bench_stays_small():
     bench = os.path.join(ROOT, "bench")
     scripts = sorted(n for n in os.listdir(bench) if n.endswith((".py", ".sh")))
