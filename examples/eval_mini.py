@@ -36,10 +36,40 @@ def kind_of(question):
     return "digit or letter"
 
 
+def colour_probe(model, processor, scenes=160, seed=EVAL_SEED + 1):
+    """How much of the picture the vision tower and projector pass on: the held-out R^2 (per RGB channel) of a
+    least-squares linear map from each image token's feature to the mean colour of the pixels it covers, fitted on
+    3/4 of the tokens of `scenes` pictures. Near 1: the colours reach the language model, which must learn to read
+    them; near 0: the tower loses them."""
+    import numpy as np
+
+    feats, colours = [], []
+    ip = processor.image_processor
+    side = ip.patch_size * ip.merge_kernel_size  # the pixels one image token covers, per side
+    for i in range(scenes):
+        image, _, _ = mini_vision.scene_example(seed, i)
+        enc = ip([image], return_tensors="pt")
+        with torch.no_grad():
+            f = model.get_image_features(enc["pixel_values"], enc["grid_thws"])
+        f = torch.cat(list(f)) if isinstance(f, (list, tuple)) else f
+        pixels = ip._resize_and_pad(image.convert("RGB"), ip.resize_plan(image.width, image.height)) / 255.0
+        h, w = pixels.shape[0] // side, pixels.shape[1] // side
+        rgb = pixels.reshape(h, side, w, side, 3).mean(axis=(1, 3)).reshape(-1, 3)
+        feats.append(f.double().numpy())
+        colours.append(rgb)
+    x, y = np.concatenate(feats), np.concatenate(colours)
+    x = np.concatenate([x, np.ones((len(x), 1))], axis=1)
+    n = len(x) * 3 // 4
+    weights = np.linalg.lstsq(x[:n], y[:n], rcond=None)[0]
+    residual = ((x[n:] @ weights - y[n:]) ** 2).sum(0)
+    return [round(float(r), 3) for r in 1 - residual / ((y[n:] - y[n:].mean(0)) ** 2).sum(0)]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="assets/kimi-k3-mini")
     ap.add_argument("--scenes", type=int, default=96)
+    ap.add_argument("--probe-scenes", type=int, default=160, help="pictures of the colour probe (0: no probe)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     processor = AutoProcessor.from_pretrained(args.model)
@@ -65,7 +95,7 @@ def main(argv=None):
                                      cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None,
             "torch": torch.__version__, "device": "cpu, fp32"}
     result = {"meta": meta, "model": args.model, "seed": EVAL_SEED, "exact": {k: v for k, v in sorted(per_kind.items())},
-              "total": total, "examples": examples}
+              "total": total, "examples": examples, "colour_probe_r2": colour_probe(model, processor, args.probe_scenes) if args.probe_scenes else None}
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

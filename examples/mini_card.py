@@ -98,6 +98,15 @@ def _text_share(summary, model):
             " language model keeps its text.")
 
 
+def _probe(evaluation):
+    r2 = evaluation.get("colour_probe_r2")
+    if not r2:
+        return ""
+    return (f"A linear map from each image token's feature to the mean colour of its pixels explains "
+            f"{100 * min(r2):.0f}-{100 * max(r2):.0f} % of each colour channel's variance on held-out tokens: the "
+            "pictures' colours reach the language model.")
+
+
 def _evaluation(evaluation, fidelity):
     """The card's measured section: picture questions (`examples/eval_mini.py`) and held-out text on a GPU
     (`bench/fidelity.py`)."""
@@ -119,7 +128,7 @@ def _evaluation(evaluation, fidelity):
         parts.append(_fill(f"""Picture questions on {total} scenes it never saw (`examples/eval_mini.py`, greedy,
         thinking off): {right} of {total} answers are exactly the reference sentence ({kinds}).{
         " It has learnt the form of the answers far better than what the pictures show." if right < total / 2 else ""}
-        """))
+        {_probe(evaluation)}"""))
     return "\n\n".join(parts)
 
 

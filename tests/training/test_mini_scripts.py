@@ -45,6 +45,21 @@ def test_eval_mini_counts_each_scene_once(tmp_path):
     result = json.load(open(out))
     assert result["total"][1] == 3 == sum(n for _, n in result["exact"].values())
     assert 0 <= result["total"][0] <= 3 and len(result["examples"]) == 3
+    # the bundled model's image tokens carry their pixels' colours (R^2 0.95-0.98 per channel); noise carries none
+    assert min(result["colour_probe_r2"]) > 0.8, result["colour_probe_r2"]
+
+
+def test_colour_probe_finds_nothing_in_noise():
+    import torch
+    from transformers import AutoProcessor
+
+    import eval_mini
+
+    class Noise:
+        def get_image_features(self, pixel_values, grid_thws):
+            return torch.randn(int(grid_thws[0].prod()) // 4, 256, generator=torch.Generator().manual_seed(0))
+
+    assert max(eval_mini.colour_probe(Noise(), AutoProcessor.from_pretrained(MINI), 40)) < 0.1
 
 
 def _linear_inputs(inputs):
