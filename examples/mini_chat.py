@@ -6,7 +6,8 @@ assistant calls `python_docs`, reads the result, answers), the synthetic picture
 greetings. Thinking is on for part of them (a short `reasoning_content`) and off for the rest; some carry a system
 prompt. `encode_conversation` renders them with the K3 chat template through the processor, writes each image's
 size into its media block as the processor does, and labels exactly the assistant turns (from the generation prompt
-to `<|end_of_msg|>`); everything else is -100. Only training documents are used, never the held-out split.
+to `<|end_of_msg|>`); everything else is -100. Conversations come from training documents only; a phase's held-out
+set takes its document pieces ("text" items) from the held-out split.
 """
 
 import re
