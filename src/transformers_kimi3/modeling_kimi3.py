@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .checkpoint import load_pretrained, save_pretrained, state_dict_for_model
 from .attn_res import Kimi3AttnResNorm, Kimi3AttnResProj, attn_res_mix
@@ -688,6 +689,12 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
 # Official class names.
 KimiLinearForCausalLM = Kimi3ForCausalLM
 KimiK3ForConditionalGeneration = Kimi3ForConditionalGeneration
+
+# Trainer's label smoothing shifts the labels (next-token targets) only for the class names in this table, and the
+# text-generation pipeline checks it; Transformers lists each of its causal LMs there. Listed here, not in the
+# package's __init__, so that a saved folder loaded as remote code gets the same.
+for _model_type, _cls in (("kimi_k3_text", Kimi3ForCausalLM), ("kimi_k3", Kimi3ForConditionalGeneration)):
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(_model_type, _cls.__name__)
 
 __all__ = ["Kimi3PreTrainedModel", "Kimi3Model", "Kimi3ForCausalLM", "Kimi3ForConditionalGeneration",
            "Kimi3DecoderLayer", "KimiK3ForConditionalGeneration", "KimiLinearForCausalLM"]

@@ -172,3 +172,26 @@ def test_lora_with_frozen_mxfp4_experts():
     assert down.lora_B["default"].weight.grad is not None and float(down.lora_B["default"].weight.grad.abs().max()) > 0
     assert not any(p.requires_grad for p in moe.experts.parameters())
     assert all(not b.requires_grad and b.grad is None for b in moe.experts.buffers())
+
+
+def test_all_linear_adapts_every_projection_and_one_exclusion_leaves_no_dead_adapter():
+    """`target_modules="all-linear"` (PEFT picks every nn.Linear but the head) also wraps the AttnRes projections,
+    among them layer 0's `self_attention_res_proj`, which no output depends on (docs/distributed.md): its adapter
+    gets no gradient, which DDP with find_unused_parameters=False refuses. Excluding that one module (the docs'
+    advice) leaves every adapter on the compute path."""
+    def dead(config):
+        torch.manual_seed(0)
+        model = get_peft_model(base(), config)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.02)
+        model(input_ids=ids(), labels=ids()).loss.backward()
+        trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        assert any("res_proj.lora_A" in n for n in trainable) and any("q_proj.lora_A" in n for n in trainable)
+        return sorted(n for n, p in trainable.items() if p.grad is None or float(p.grad.abs().max()) == 0)
+
+    found = dead(LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    assert found and all(".layers.0.self_attention_res_proj." in n for n in found), found
+    assert dead(LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                           exclude_modules=["layers.0.self_attention_res_proj"])) == []

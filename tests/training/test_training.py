@@ -88,6 +88,30 @@ def test_trainer_fp32_loss_save_reload_resume(tmp_path):
         assert torch.equal(b, b_ref), name
 
 
+@pytest.mark.parametrize("cls", ["Kimi3ForCausalLM", "Kimi3ForConditionalGeneration"])
+def test_label_smoothing_targets_the_next_token(tmp_path, cls):
+    """Trainer's `label_smoothing_factor` computes the loss outside the model and shifts the labels only for the
+    class names Transformers lists as causal LMs: ours must be listed, or smoothing trains on the current token."""
+    if cls == "Kimi3ForCausalLM":
+        model = tiny_model(**SMALL)
+    else:  # the bundled tiny K3: what AutoModelForCausalLM gives for a K3 folder
+        from kimi3_testing import ROOT
+
+        model = Kimi3ForConditionalGeneration.from_pretrained(os.path.join(ROOT, "assets", "kimi-k3-tiny"),
+                                                              dtype=torch.float32)
+    assert type(model).__name__ == cls
+    model.eval()
+    trainer = Trainer(model=model, args=args(tmp_path, 1, label_smoothing_factor=0.1))
+    ids = torch.tensor([corpus(2, seed=3)[0]["input_ids"]]) % model.config.get_text_config().vocab_size
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, {"input_ids": ids, "labels": ids.clone()})
+        logits = model(input_ids=ids).logits.float()
+    next_token = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], label_smoothing=0.1)
+    same_token = torch.nn.functional.cross_entropy(logits[0], ids[0], label_smoothing=0.1)
+    assert abs(loss.item() - next_token.item()) < 1e-5 * next_token.item(), (loss.item(), next_token.item())
+    assert abs(same_token.item() - next_token.item()) > 1e-3  # the two targets give different numbers here
+
+
 def test_load_state_dict_reads_the_saved_layout(tmp_path):
     """Trainer's resume_from_checkpoint / load_best_model_at_end call model.load_state_dict on model.safetensors,
     which holds the official layout (per-expert tensors, A_log padded to head_dim) that save_pretrained writes."""
