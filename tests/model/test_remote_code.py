@@ -21,6 +21,9 @@ with torch.no_grad():
     got = m(input_ids=io['ids'], use_cache=False).logits
 err = float((got - io['expected']).abs().max() / io['expected'].abs().max())
 gen = m.generate(io['ids'][:, :6], max_new_tokens=3, do_sample=False, pad_token_id=0)
+# listed with Transformers' causal LMs, as with the package imported: Trainer's label smoothing shifts the labels
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+assert type(m).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values(), type(m).__name__
 print('REL', err, type(m).__name__, gen.shape[1])
 """
     proc = run_python(code, env={"HF_MODULES_CACHE": str(tmp_path / "modules")})
