@@ -370,6 +370,10 @@ class Kimi3TextConfig(PretrainedConfig):
         _check_types({k: getattr(self, k) for k in _TEXT_FIELD_TYPES}, _TEXT_FIELD_TYPES)
         _check_eps("rms_norm_eps", self.rms_norm_eps)
         check_activation_format(self.moe_activation_format)
+        from .kernels import KDA_BACKENDS  # the backend registry's names (whether one runs here is decided at load)
+
+        if self.kda_backend is not None and self.kda_backend not in KDA_BACKENDS:
+            _fail("kda_backend", f"= {self.kda_backend!r} is not a KDA backend; choose one of {KDA_BACKENDS} or None")
         if not isinstance(self.fp32_logits, bool):
             _fail("fp32_logits", f"= {self.fp32_logits!r} must be true or false")
         L = self.num_hidden_layers

@@ -335,3 +335,17 @@ for folder in ("lm", "base"):
     proc = run_python(code, env={"HF_MODULES_CACHE": str(tmp_path / "modules")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("OK ") == 4
+
+
+@pytest.mark.parametrize("auto", ["AutoModelForCausalLM", "AutoModel", "AutoModelForImageTextToText"])
+def test_auto_classes_take_the_settings_from_pretrained_documents(auto):
+    """README's settings (`from_pretrained(path, kda_backend=...)`) through every Auto class on a K3 folder, whose
+    config nests them in text_config; a value that is no setting is refused with the field named."""
+    import transformers
+
+    cls = getattr(transformers, auto)
+    model = cls.from_pretrained(K3_TINY, kda_backend="torch", fp32_logits=True, moe_activation_format="mxfp8")
+    text = model.config.get_text_config()
+    assert (text.kda_backend, text.fp32_logits, text.moe_activation_format) == ("torch", True, "mxfp8")
+    with pytest.raises(ValueError, match="kda_backend"):
+        cls.from_pretrained(K3_TINY, kda_backend="bogus")
