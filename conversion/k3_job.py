@@ -36,6 +36,9 @@ TEXT_AUTO_MAP = {
 
 def build_job(args):
     raw, config = load_config(args.source)
+    if raw.get("model_type") == "kimi_k3_text":
+        raise CheckpointError(f"{args.source} is a text-only Kimi K3 folder (model_type 'kimi_k3_text'), which "
+                              "Kimi3ForCausalLM.from_pretrained loads as it is: there is nothing to convert")
     if raw.get("model_type") != "kimi_k3":
         raise CheckpointError(f"{args.source}/config.json has model_type {raw.get('model_type')!r}, not "
                               "'kimi_k3'; for Kimi Linear / text-only checkpoints use convert_kimi_linear.py")

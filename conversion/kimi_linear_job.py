@@ -45,6 +45,9 @@ def build_job(args):
     raw, config = load_config(args.source)
     if raw.get("model_type") == "kimi_k3" or isinstance(raw.get("text_config"), dict):
         raise CheckpointError(f"{args.source} is a Kimi K3 folder; use convert_k3_to_hf.py (kimi3-convert-k3)")
+    if raw.get("model_type") == "kimi_k3_text":
+        raise CheckpointError(f"{args.source} is a text-only Kimi K3 folder (model_type 'kimi_k3_text'), which "
+                              "Kimi3ForCausalLM.from_pretrained loads as it is: there is nothing to convert")
     text = unquantized(config)
     source = Source(args.source, value_checks_for(text))
     strict = set(Kimi3ForCausalLM._keep_in_fp32_modules_strict or [])

@@ -174,6 +174,13 @@ def export_folder(model, processor_or_tokenizer, tokenizer_dir, out_dir, card, s
                 data["architectures"] = ["KimiK3ForConditionalGeneration" if "text_config" in data else
                                          "KimiLinearForCausalLM"]
                 data["dtype"] = None
+                for sub in ("text_config", "vision_config"):
+                    if sub in data:
+                        data[sub]["dtype"] = None
+            if name in ("config.json", "generation_config.json"):  # training turns the cache off; generation wants it
+                for cfg in (data, data.get("text_config", {})):
+                    if "use_cache" in cfg:
+                        cfg["use_cache"] = True
             with open(path, "w") as f:
                 json.dump(data, f, indent=2, sort_keys=name == "config.json", ensure_ascii=False)
     with open(os.path.join(tmp, "README.md"), "w") as f:

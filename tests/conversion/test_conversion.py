@@ -490,3 +490,15 @@ def test_official_tokenizer_is_converted(tmp_path):
     assert "auto_map" not in json.load(open(out / "tokenizer_config.json"))
     text = "Kimi K3 converts <|media_pad|> and [BOS] text."
     assert AutoTokenizer.from_pretrained(out)(text).input_ids == AutoTokenizer.from_pretrained(TINY)(text).input_ids
+
+
+def test_bundled_mini_folders_pass_the_converters_checks(tmp_path, capsys):
+    """The trained mini's folder is a K3 checkpoint the K3 converter accepts (dtypes as its config implies); its
+    text-only draft is refused by both converters with the reason (it loads as it is), not a traceback."""
+    mini, draft = (os.path.join(ROOT, "assets", n) for n in ("kimi-k3-mini", "kimi-k3-mini-draft"))
+    assert run(K3, mini, tmp_path / "k3", "--dry-run", *FAST) == 0, capsys.readouterr().err[-2000:]
+    for tool in (K3, KL):
+        assert run(tool, draft, tmp_path / "d", "--dry-run", *FAST) == 1
+        err = capsys.readouterr().err
+        assert "text-only Kimi K3 folder" in err and "nothing to convert" in err and "Traceback" not in err, err
+    assert not os.path.exists(tmp_path / "k3") and not os.path.exists(tmp_path / "d")

@@ -56,3 +56,15 @@ def test_picture_question_gets_an_answer_in_form(mini):
         out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
     reply = processor.parse_output(out[:, inputs["input_ids"].shape[1]:], prompt=inputs["input_ids"])["content"]
     assert re.fullmatch(r"The circle is [a-z ]+\.", reply.strip()), reply
+
+
+def test_bundled_folders_generate_with_the_cache_on():
+    """Training turns the cache off in the config; the exported folders must not keep that (decoding without it
+    recomputes the whole prefix at every step: ~10x slower on the draft)."""
+    import json
+
+    for name in ("kimi-k3-mini", "kimi-k3-mini-draft"):
+        for file in ("config.json", "generation_config.json"):
+            data = json.load(open(os.path.join(ROOT, "assets", name, file)))
+            for cfg in (data, data.get("text_config", {})):
+                assert cfg.get("use_cache", True) is True, (name, file)
