@@ -24,7 +24,8 @@ import torch
 from transformers import GenerationMixin
 
 from .cache import Kimi3Cache
-from .decode_graphs import DecodeGraph, StaticCachePool, graph_decodable, greedy_limits, greedy_tokens, one_device
+from .decode_graphs import StaticCachePool, graph_decodable, greedy_limits, greedy_tokens, one_device
+from .input_checks import check_input_shapes
 from .speculative import resolve, speculative_generate, unsupported
 
 
@@ -61,6 +62,8 @@ class Kimi3GenerationMixin(GenerationMixin):
         if chunked is not None and (isinstance(chunked, bool) or not isinstance(chunked, int) or chunked < 1):
             raise ValueError(f"prefill_chunk_size must be a positive number of tokens, not {chunked!r}")
         ids, mask = inputs if inputs is not None else kwargs.get("input_ids"), kwargs.get("attention_mask")
+        if ids is not None and "inputs_embeds" not in kwargs:  # named errors before Transformers reads shapes
+            check_input_shapes(ids, None, None)
         if (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and ids.dim() == 2
                 and mask.shape != ids.shape):
             what = (f"batch size {mask.shape[0]}, input_ids has {ids.shape[0]}" if mask.shape[0] != ids.shape[0]

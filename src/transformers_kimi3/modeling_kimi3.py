@@ -23,6 +23,7 @@ from .attn_res import Kimi3AttnResNorm, Kimi3AttnResProj, attn_res_mix
 from .cache import Kimi3Cache
 from .configuration_kimi3 import Kimi3Config, Kimi3TextConfig
 from .generation import Kimi3GenerationMixin
+from .input_checks import check_input_shapes, check_input_types, check_media_inputs, check_token_ids
 from .kda import Kimi3DeltaAttention
 from .mla import Kimi3MLAAttention, custom_mla_mask, mla_mask
 from .moe import EXPERTS_INTERFACE, Kimi3Experts, Kimi3MLP, Kimi3SparseMoeBlock, Kimi3TopkRouter
@@ -381,52 +382,6 @@ def _addressed(cache):
     return isinstance(cache, Kimi3Cache) and cache.position is not None
 
 
-def check_input_shapes(input_ids, inputs_embeds, attention_mask):
-    """Shape errors at the model's entry, named, instead of deep inside a layer (host-side: no GPU sync)."""
-    name, x, dims = (("input_ids", input_ids, "[batch, seq_len]") if input_ids is not None
-                     else ("inputs_embeds", inputs_embeds, "[batch, seq_len, hidden]"))
-    if x.dim() != len(dims.split(",")):
-        raise ValueError(f"{name} must be {dims}, got shape {list(x.shape)}"
-                         + (" (add a batch dimension: input_ids[None])" if name == "input_ids" and x.dim() == 1 else ""))
-    if x.shape[1] == 0:
-        raise ValueError(f"{name} has no tokens (shape {list(x.shape)}): pass at least one token per row")
-    if attention_mask is not None and attention_mask.shape[0] != x.shape[0]:
-        raise ValueError(f"attention_mask has batch size {attention_mask.shape[0]}, {name} has {x.shape[0]}")
-
-
-def check_media_inputs(input_ids, pixel_values, placeholder):
-    """A prompt's media placeholders need pixels, and pixels must be finite (a NaN pixel reaches every logit)."""
-    if pixel_values is None:
-        if input_ids is not None and bool((input_ids == placeholder).any()):
-            n = int((input_ids == placeholder).sum())
-            raise ValueError(f"input_ids hold {n} media placeholder(s) (id {placeholder}) but no pixel_values were "
-                             "given: pass the image's pixel_values and grid_thws (the processor makes both), or "
-                             "remove the placeholder")
-        return
-    if not pixel_values.is_floating_point():
-        raise ValueError(f"pixel_values must be a float tensor, got {pixel_values.dtype}")
-    if not bool(torch.isfinite(pixel_values).all()):
-        bad = int((~torch.isfinite(pixel_values)).sum())
-        raise ValueError(f"pixel_values hold {bad} NaN or infinite value(s) of {pixel_values.numel()}")
-
-
-def check_token_ids(input_ids, embedding):
-    """The ids must index rows of the current input embedding: its row count, not a size fixed at init, so ids
-    added by `resize_token_embeddings` (new special tokens) are accepted and ids cut by it are not."""
-    vocab_size = embedding_rows(embedding)
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
-        bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)]
-        raise ValueError(f"input_ids hold {bad.unique()[:8].tolist()} outside the vocabulary 0..{vocab_size - 1} "
-                         f"(the input embedding has {vocab_size} rows)")
-
-
-def embedding_rows(embedding):
-    """The vocabulary size of an input embedding: `num_embeddings` (kept by wrappers that delegate attributes, and
-    by ZeRO-3 / FSDP, whose local weight is a shard), else the weight's row count."""
-    rows = getattr(embedding, "num_embeddings", None)
-    return rows if rows is not None else embedding.weight.shape[0]
-
-
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch.mm(a, b, out_dtype=...): bf16 / fp16 in, fp32 out (CUDA)
 
 
@@ -583,6 +538,8 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
         if pixel_values is not None and self.language_model.model._context_parallel is not None:
             raise ValueError("pixel_values: images are not supported under context parallel (each placeholder "
                              "expands to its image's rows, which would move the split)")
+        check_input_types(pixel_values=pixel_values, grid_thws=grid_thws)
+        check_input_shapes(input_ids, inputs_embeds, attention_mask if pixel_values is None else None)
         n_source = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         cache_started = isinstance(past_key_values, Kimi3Cache) and past_key_values.seen_tokens > 0
         if not cache_started:

@@ -195,6 +195,31 @@ def test_input_shapes_are_checked_at_the_entry():
         assert model(input_ids=ids, attention_mask=torch.ones(2, 6, dtype=torch.long)).logits.shape == (2, 6, 96)
 
 
+@pytest.mark.parametrize("cls", ["Kimi3ForCausalLM", "Kimi3ForConditionalGeneration"])
+def test_input_types_are_checked_at_the_entry(cls):
+    """Text, a list or float ids instead of a token tensor, and a string instead of pixels: a TypeError that names
+    the input and says what to pass, in forward and in generate (with 1-D ids too), not an AttributeError from
+    inside."""
+    import transformers_kimi3
+
+    model = getattr(transformers_kimi3, cls).from_pretrained(os.path.join(ROOT, "assets", "kimi-k3-tiny"),
+                                                             dtype=torch.float32)
+    cases = [(dict(input_ids="Kimi K3 is"), TypeError, "input_ids must be a torch.Tensor, got str: tokenize"),
+             (dict(input_ids=[[1, 2, 3]]), TypeError, "input_ids must be a torch.Tensor, got list: wrap it"),
+             (dict(input_ids=torch.tensor([[1.0, 2.0]])), TypeError, "input_ids must hold integer token ids"),
+             (dict(input_ids=torch.tensor([1, 2, 3])), ValueError, "add a batch dimension")]
+    if cls == "Kimi3ForConditionalGeneration":
+        cases.append((dict(input_ids=torch.tensor([[1, 2]]), pixel_values="img"), TypeError,
+                      "pixel_values must be a torch.Tensor, got str: let the processor make it"))
+    with torch.no_grad():
+        for kwargs, error, message in cases:
+            with pytest.raises(error, match=message):
+                model(**kwargs)
+        for ids, error, message in cases[:2] + cases[3:4]:
+            with pytest.raises(error, match=message):
+                model.generate(ids["input_ids"], max_new_tokens=2)
+
+
 def test_media_inputs_are_checked_at_the_entry():
     """A media placeholder without pixels, and NaN / infinite pixels, are ValueErrors at the model's entry."""
     from transformers_kimi3 import Kimi3ForConditionalGeneration
