@@ -26,7 +26,10 @@ def resolve_model(model):
     """The folder or Hub id the demo loads: `model` as given, or for None the bundled checkpoint, found
     whatever the working folder and never looked up on the Hub."""
     if model is not None:
-        return model
+        looks_local = os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1
+        if looks_local and not os.path.isdir(os.path.expanduser(model)):
+            raise SystemExit(f"error: --model {model}: no such folder (a Hub id is 'owner/name')")
+        return os.path.expanduser(model) if looks_local else model
     places = bundled_model_candidates()
     for folder in places:
         if os.path.isfile(os.path.join(folder, "config.json")):
@@ -51,13 +54,16 @@ def parameter_count(model):
 
 
 def demo(args):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     import transformers_kimi3
 
     path = resolve_model(args.model)
     local = {"local_files_only": True} if args.model is None else {}  # the bundled model: never the network
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **local).eval()
+    # our classes, not the Auto classes: for a Kimi Linear folder these would pick Transformers' native class
+    model_type = transformers_kimi3.Kimi3Config.get_config_dict(path, **local)[0].get("model_type")
+    cls = transformers_kimi3.Kimi3ForConditionalGeneration if model_type == "kimi_k3" else transformers_kimi3.Kimi3ForCausalLM
+    model = cls.from_pretrained(path, dtype=torch.float32, **local).eval()
     print(f"model: {type(model).__name__} from {path} ({parameter_count(model) / 1e6:.2f}M parameters)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **local)
@@ -200,14 +206,17 @@ def plan(args):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    if args.cmd == "demo":
-        demo(args)
-    elif args.cmd == "plan":
-        plan(args)
-    else:
-        from .benchmark import main as bench
+    try:
+        if args.cmd == "demo":
+            demo(args)
+        elif args.cmd == "plan":
+            plan(args)
+        else:
+            from .benchmark import main as bench
 
-        bench(args)
+            bench(args)
+    except (ValueError, OSError) as e:  # a bad input or folder (CheckpointError too): its message, not a traceback
+        raise SystemExit(f"error: {e}") from e
 
 
 if __name__ == "__main__":

@@ -78,6 +78,8 @@ def main(args):
     import transformers_kimi3
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: this torch build sees no CUDA device")
     prefill = [int(x) for x in args.prefill.split(",")] if args.prefill else (
         (2048, 8192) if device.type == "cuda" else (32,))
     batches = [int(x) for x in args.batches.split(",")] if args.batches else ((1, 8) if device.type == "cuda" else (1,))

@@ -84,3 +84,22 @@ def test_bench_writes_nothing_and_names_rows_by_what_ran(tmp_path, monkeypatch, 
     out = capsys.readouterr().out
     assert "decode, dynamic cache" in out and "decode, static cache" in out and "graph" not in out
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor")] == []
+
+
+def test_demo_runs_our_class_on_a_kimi_linear_folder_and_names_bad_input(tmp_path, capsys):
+    """A Kimi Linear folder (native layout) demos with our Kimi3ForCausalLM: the Auto classes would give
+    Transformers' native class, whose KDA needs fla's GPU kernels. A missing folder, an empty prompt and a device
+    this torch cannot use end with one `error:` line, not a traceback."""
+    from kimi3_testing import native_kimi_linear
+
+    native_kimi_linear().save_pretrained(tmp_path / "kl")
+    cli.main(["demo", "--model", str(tmp_path / "kl"), "--max-new-tokens", "3"])
+    assert "model: Kimi3ForCausalLM" in capsys.readouterr().out
+    for argv, message in ((["demo", "--model", str(tmp_path / "missing")], "no such folder"),
+                          (["demo", "--model", TINY, "--prompt", ""], "input_ids has no tokens")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert str(e.value).startswith("error: ") and message in str(e.value), str(e.value)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="error: --device cuda: this torch build sees no CUDA device"):
+            cli.main(["bench", "--device", "cuda"])
