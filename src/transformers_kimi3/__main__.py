@@ -188,6 +188,9 @@ def build_parser():
 def plan(args):
     from .placement import DEFAULT_RESERVE, plan_device_map
 
+    for flag, value in (("--gpu-memory", args.gpu_memory), ("--host-memory", args.host_memory)):
+        if value is not None and value.replace(".", "", 1).isdigit():  # bytes are meant only with a unit here
+            raise SystemExit(f"error: {flag} {value}: give a unit, e.g. {value}GiB")
     reserve = DEFAULT_RESERVE if args.reserve is None else args.reserve
     if isinstance(reserve, str):
         try:

@@ -103,3 +103,9 @@ def test_demo_runs_our_class_on_a_kimi_linear_folder_and_names_bad_input(tmp_pat
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="error: --device cuda: this torch build sees no CUDA device"):
             cli.main(["bench", "--device", "cuda"])
+
+
+def test_plan_wants_a_unit_for_memory_sizes():
+    for flag in ("--gpu-memory", "--host-memory"):
+        with pytest.raises(SystemExit, match=f"error: {flag} 140: give a unit, e.g. 140GiB"):
+            cli.main(["plan", flag, "140"])
