@@ -198,7 +198,8 @@ def _partition(sizes, is_layer, experts, caps):
 
 
 def _gib(n):
-    return f"{n / 2**30:,.1f} GiB"
+    """A size for the plan's text: GiB, or MiB below 1 GiB (small models would read 0.0 GiB)."""
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 or n == 0 else f"{n / 2**20:,.1f} MiB"
 
 
 def _ranges(layers):
@@ -337,8 +338,8 @@ def plan_device_map(config_or_folder=None, gpus=8, gpu_memory="140GiB", reserve=
         if not offload_experts:
             raise ValueError(
                 f"the weights ({total / 1e9:,.1f} GB) do not fit {gpus} GPUs with {_gib(budget)} each for weights "
-                f"(gpu_memory {_gib(gpu_memory)} less reserve {_gib(reserve_bytes)}); pass offload_experts=True to "
-                "keep some layers' routed experts in host memory, or more gpus")
+                f"(gpu_memory {_gib(gpu_memory)} less reserve {_gib(reserve_bytes)}); pass offload_experts=True "
+                "(CLI: --offload-experts) to keep some layers' routed experts in host memory, or more gpus")
         if not experts:
             raise ValueError(f"the weights ({total / 1e9:,.1f} GB) do not fit {gpus} GPUs with {_gib(budget)} each for "
                              "weights and the model has no routed experts to offload")
