@@ -166,6 +166,6 @@ def test_bad_arguments_are_named(tmp_path):
 def test_cli_plan_prints_the_table(capsys):
     cli.main(["plan", "--model", TINY, "--gpus", "2", "--gpu-memory", "1GiB", "--reserve", "0.2"])
     out = capsys.readouterr().out
-    assert "cuda:1" in out and "0.2 GiB each kept" in out
+    assert "cuda:1" in out and "204.8 MiB each kept" in out and "2.8 MiB of weights" in out
     with pytest.raises(SystemExit, match="gpus"):
         cli.main(["plan", "--model", TINY, "--gpus", "0"])
