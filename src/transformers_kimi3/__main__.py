@@ -26,7 +26,9 @@ def resolve_model(model):
     """The folder or Hub id the demo loads: `model` as given, or for None the bundled checkpoint, found
     whatever the working folder and never looked up on the Hub."""
     if model is not None:
-        looks_local = os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1
+        # a path, not a Hub id: absolute, relative by its start, deeper than owner/name, or under a folder here
+        looks_local = (os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1
+                       or os.path.isdir(model.split("/")[0]))
         if looks_local and not os.path.isdir(os.path.expanduser(model)):
             raise SystemExit(f"error: --model {model}: no such folder (a Hub id is 'owner/name')")
         return os.path.expanduser(model) if looks_local else model

@@ -86,7 +86,7 @@ def test_bench_writes_nothing_and_names_rows_by_what_ran(tmp_path, monkeypatch, 
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor")] == []
 
 
-def test_demo_runs_our_class_on_a_kimi_linear_folder_and_names_bad_input(tmp_path, capsys):
+def test_demo_runs_our_class_on_a_kimi_linear_folder_and_names_bad_input(tmp_path, capsys, monkeypatch):
     """A Kimi Linear folder (native layout) demos with our Kimi3ForCausalLM: the Auto classes would give
     Transformers' native class, whose KDA needs fla's GPU kernels. A missing folder, an empty prompt and a device
     this torch cannot use end with one `error:` line, not a traceback."""
@@ -95,7 +95,10 @@ def test_demo_runs_our_class_on_a_kimi_linear_folder_and_names_bad_input(tmp_pat
     native_kimi_linear().save_pretrained(tmp_path / "kl")
     cli.main(["demo", "--model", str(tmp_path / "kl"), "--max-new-tokens", "3"])
     assert "model: Kimi3ForCausalLM" in capsys.readouterr().out
+    os.makedirs(tmp_path / "assets")
+    monkeypatch.chdir(tmp_path)  # "assets/typo": under a folder that exists here, so a path, not a Hub id
     for argv, message in ((["demo", "--model", str(tmp_path / "missing")], "no such folder"),
+                          (["demo", "--model", "assets/typo"], "no such folder"),
                           (["demo", "--model", TINY, "--prompt", ""], "input_ids has no tokens")):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
