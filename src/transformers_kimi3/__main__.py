@@ -64,7 +64,8 @@ def demo(args):
     local = {"local_files_only": True} if args.model is None else {}  # the bundled model: never the network
     # our classes, not the Auto classes: for a Kimi Linear folder these would pick Transformers' native class
     model_type = transformers_kimi3.Kimi3Config.get_config_dict(path, **local)[0].get("model_type")
-    cls = transformers_kimi3.Kimi3ForConditionalGeneration if model_type == "kimi_k3" else transformers_kimi3.Kimi3ForCausalLM
+    cls = (transformers_kimi3.Kimi3ForConditionalGeneration if model_type == "kimi_k3"
+           else transformers_kimi3.Kimi3ForCausalLM)
     model = cls.from_pretrained(path, dtype=torch.float32, **local).eval()
     print(f"model: {type(model).__name__} from {path} ({parameter_count(model) / 1e6:.2f}M parameters)")
     try:

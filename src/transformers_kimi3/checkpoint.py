@@ -341,11 +341,12 @@ def load_pretrained(cls, name_or_path, base_from_pretrained, *model_args, **kwar
             "vision tower")
     # text-model settings passed to from_pretrained, also where a K3 config nests them; the Auto classes build the
     # config first and pass what it did not take on to here
-    config_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in ("kda_backend", "moe_activation_format", "fp32_logits")}
+    config_kwargs = {k: kwargs.pop(k) for k in list(kwargs)
+                     if k in ("kda_backend", "moe_activation_format", "fp32_logits")}
     if config is None or isinstance(config, (str, os.PathLike)):
         config = cls.config_class.from_pretrained(config if config is not None else folder)
+    _text_config(config).update(config_kwargs)
     if hasattr(_text_config(config), "validate_kimi3"):  # a config object may have been edited since it was built
-        _text_config(config).update(config_kwargs)
         _text_config(config).validate_kimi3()
     tensors = read_tensors(weight_files(folder), check_finite=check_finite,
                            num_experts=_text_config(config).num_experts)
