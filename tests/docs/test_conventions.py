@@ -166,6 +166,32 @@ def test_paths_named_in_docs_exist():
     assert not missing, "\n".join(missing)
 
 
+def _anchors(path):
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation dropped, spaces as hyphens."""
+    heads = re.findall(r"^#+\s+(.*)$", re.sub(r"```.*?```", "", open(path, encoding="utf-8").read(), flags=re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_links_between_documents_resolve():
+    """Every relative Markdown link of the README, docs and model cards reaches a file, and its #anchor a heading."""
+    docs = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "bench", "README.md")] + [
+        os.path.join(ROOT, d, n) for d in ("docs", "model_cards") for n in sorted(os.listdir(os.path.join(ROOT, d)))
+        if n.endswith(".md")]
+    broken = []
+    for path in docs:
+        text = re.sub(r"```.*?```", "", open(path, encoding="utf-8").read(), flags=re.S)
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", link):
+                continue
+            file, _, anchor = link.partition("#")
+            target = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+            if not os.path.exists(target):
+                broken.append(f"{_rel(path)}: {link} (no such file)")
+            elif anchor and target.endswith(".md") and anchor not in _anchors(target):
+                broken.append(f"{_rel(path)}: {link} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
 def test_bench_stays_small():
     bench = os.path.join(ROOT, "bench")
     scripts = sorted(n for n in os.listdir(bench) if n.endswith((".py", ".sh")))
