@@ -95,7 +95,8 @@ def main(argv=None):
                                      cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None,
             "torch": torch.__version__, "device": "cpu, fp32"}
     result = {"meta": meta, "model": args.model, "seed": EVAL_SEED, "exact": {k: v for k, v in sorted(per_kind.items())},
-              "total": total, "examples": examples, "colour_probe_r2": colour_probe(model, processor, args.probe_scenes) if args.probe_scenes else None}
+              "total": total, "examples": examples,
+              "colour_probe_r2": colour_probe(model, processor, args.probe_scenes) if args.probe_scenes else None}
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -90,7 +90,8 @@ def loss_curves_svg(summary, model, width=720, height=220):
 
 def _text_share(summary, model):
     """A sentence on the document pieces mixed into the later phases, where the run mixed them in."""
-    phases = [(n, p) for n, p in summary["phases"].items() if p.get("model") == model and (p.get("mix") or {}).get("text")]
+    phases = [(n, p) for n, p in summary["phases"].items()
+              if p.get("model") == model and (p.get("mix") or {}).get("text")]
     if not phases:
         return ""
     parts = ", ".join(f"{100 * p['mix']['text'] / sum(p['mix'].values()):.0f} % of the {n} items" for n, p in phases)

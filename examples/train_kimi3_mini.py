@@ -262,8 +262,9 @@ def run_phase(phase, plan, work, ids, args, deadline):
     trainer.save_model(os.path.join(out, "final"))
     if model == "linear":
         save_native(os.path.join(out, "final"), os.path.join(out, "final-native"))
-    summary = {"done": True, "model": model, "steps": steps, "batch": batch, "lr": lr, "mix": phase_mix(kind, model),
-               "text_piece": TEXT_PIECE if "text" in (phase_mix(kind, model) or {}) else None,
+    mix = phase_mix(kind, model)
+    summary = {"done": True, "model": model, "steps": steps, "batch": batch, "lr": lr, "mix": mix,
+               "text_piece": TEXT_PIECE if "text" in (mix or {}) else None,
                "train_loss": round(losses[-1], 4) if losses else None,
                "eval_loss": round(metrics["eval_loss"], 4), "losses": losses, "step_seconds": clock.summary()}
     for ckpt in os.listdir(out):

@@ -16,6 +16,9 @@ from transformers import PretrainedConfig
 
 from .mxfp8 import check_activation_format
 
+# The values of `kda_backend` (None: triton on CUDA, else torch); kernels.py resolves them to a backend that runs.
+KDA_BACKENDS = ("triton", "fla", "fla_chunk", "torch")
+
 SUPPORTED_ACTIVATIONS = ("situ", "silu", "swish")
 
 # keys Transformers' native KimiLinearConfig writes -> the official key
@@ -370,8 +373,6 @@ class Kimi3TextConfig(PretrainedConfig):
         _check_types({k: getattr(self, k) for k in _TEXT_FIELD_TYPES}, _TEXT_FIELD_TYPES)
         _check_eps("rms_norm_eps", self.rms_norm_eps)
         check_activation_format(self.moe_activation_format)
-        from .kernels import KDA_BACKENDS  # the backend registry's names (whether one runs here is decided at load)
-
         if self.kda_backend is not None and self.kda_backend not in KDA_BACKENDS:
             _fail("kda_backend", f"= {self.kda_backend!r} is not a KDA backend; choose one of {KDA_BACKENDS} or None")
         if not isinstance(self.fp32_logits, bool):

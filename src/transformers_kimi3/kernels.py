@@ -20,13 +20,13 @@ import os
 
 import torch
 
+from .configuration_kimi3 import KDA_BACKENDS
 from .kda_reference import naive_chunk_kda, naive_recurrent_kda
 
 logger = logging.getLogger("transformers_kimi3")
 
 ENV_KDA_BACKEND = "KIMI3_KDA_BACKEND"
 ENV_INFERENCE_KERNELS = "KIMI3_INFERENCE_KERNELS"
-KDA_BACKENDS = ("triton", "fla", "fla_chunk", "torch")
 
 _IMPORT_ERRORS = {}
 

@@ -539,7 +539,7 @@ class Kimi3ForConditionalGeneration(Kimi3PreTrainedModel, Kimi3GenerationMixin):
             raise ValueError("pixel_values: images are not supported under context parallel (each placeholder "
                              "expands to its image's rows, which would move the split)")
         check_input_types(pixel_values=pixel_values, grid_thws=grid_thws)
-        check_input_shapes(input_ids, inputs_embeds, attention_mask if pixel_values is None else None)
+        check_input_shapes(input_ids, inputs_embeds, attention_mask)
         n_source = (input_ids if input_ids is not None else inputs_embeds).shape[1]
         cache_started = isinstance(past_key_values, Kimi3Cache) and past_key_values.seen_tokens > 0
         if not cache_started:

@@ -1,6 +1,6 @@
 """Tile choice of the MXFP4 grouped GEMM: the measured tile tables and `default_config`, which picks a tile from a
-call's shape. The tables were measured with `bench/moe.py` on an H200 (results: bench/results/moe_h200.json; K3 shapes: 896
-experts, top-16, latent 3584, expert width 3072, against the bf16 grouped GEMM in the same process).
+call's shape. The tables were measured with `bench/moe.py` on an H200 (results: bench/results/moe_h200.json; K3
+shapes: 896 experts, top-16, latent 3584, expert width 3072, against the bf16 grouped GEMM in the same process).
 
 BM is the rows of one expert per tile (the MMA's N side: the kernels compute C^T = W A^T), chosen so that a typical
 expert's rows fit one block and its weights are decoded about once per output tile.
